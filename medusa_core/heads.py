@@ -1,0 +1,111 @@
+"""Medusa heads (paper 2.1.1): ``logits_k = W2_k · (h + SiLU(W1_k · h + b1_k))``.
+
+The module's ``state_dict`` keys are exactly the reference's head-only keys — ``{i}.{j}.linear.weight``,
+``{i}.{j}.linear.bias`` for residual block j < L and ``{i}.{L}.weight`` for head i's [V, H] projection —
+so files round-trip with published checkpoints and text-generation-inference. "Version 2" heads have
+no projection of their own and reuse the backbone's LM head.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class ResBlock(nn.Module):
+    """``h + SiLU(W h + b)`` with W [H, H] zero-initialised, so a fresh block is the identity."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + nn.functional.silu(self.linear(h))
+
+
+class MedusaHeads(nn.ModuleList):
+    """K Medusa heads; head k predicts the token k+2 positions after the hidden state's position.
+
+    Args:
+        hidden_size: H of the backbone.
+        vocab_size: V of the backbone's LM head.
+        num_heads: K.
+        num_layers: residual blocks per head (independent weights; 1 in published checkpoints).
+        shared_lm_head: for "version 2" checkpoints, the backbone's LM head ([V, H] linear) that every
+            head uses instead of a projection of its own. It is not part of this module's state.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        vocab_size: int,
+        num_heads: int,
+        num_layers: int = 1,
+        shared_lm_head: nn.Module | None = None,
+    ):
+        if num_heads < 1 or num_layers < 0:
+            raise ValueError(f"need num_heads >= 1 and num_layers >= 0, got {num_heads}, {num_layers}")
+        heads = []
+        for _ in range(num_heads):
+            layers: list[nn.Module] = [ResBlock(hidden_size) for _ in range(num_layers)]
+            if shared_lm_head is None:
+                layers.append(nn.Linear(hidden_size, vocab_size, bias=False))
+            heads.append(nn.Sequential(*layers))
+        super().__init__(heads)
+        self.hidden_size = hidden_size
+        self.vocab_size = vocab_size
+        self.num_layers = num_layers
+        # A plain tuple keeps the shared LM head out of this module's parameters and state_dict.
+        self._shared_lm_head = (shared_lm_head,) if shared_lm_head is not None else ()
+
+    @property
+    def num_heads(self) -> int:
+        """K."""
+        return len(self)
+
+    @property
+    def shares_lm_head(self) -> bool:
+        """True for "version 2" heads that use the backbone's LM head."""
+        return bool(self._shared_lm_head)
+
+    @classmethod
+    def from_backbone(cls, backbone: nn.Module, num_heads: int, num_layers: int = 1) -> "MedusaHeads":
+        """Fresh heads for a Hugging Face causal LM: W1 = 0, each projection a copy of the LM head.
+
+        A fresh head therefore predicts what the LM head predicts; training moves it to t+k+2.
+        The heads get the LM head's device and (floating) dtype; a quantized LM head is dequantized.
+        """
+        lm_head = backbone.get_output_embeddings()
+        weight = _dense_weight(lm_head)  # [V, H]
+        heads = cls(weight.shape[1], weight.shape[0], num_heads, num_layers)
+        heads.to(device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            for head in heads:
+                head[-1].weight.copy_(weight)
+        return heads
+
+    def forward(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        """Logits of the first ``num_heads`` heads (all by default).
+
+        Args:
+            hidden: [..., H] final-norm hidden states of the backbone.
+        Returns:
+            [k, ..., V] with k = ``num_heads``.
+        """
+        heads = list(self)[: num_heads or len(self)]
+        if self._shared_lm_head:
+            lm_head = self._shared_lm_head[0]
+            return torch.stack([lm_head(head(hidden)) for head in heads])
+        return torch.stack([head(hidden) for head in heads])
+
+
+def _dense_weight(linear: nn.Module) -> torch.Tensor:
+    """The [out, in] weight of a linear layer, dequantized when bitsandbytes quantized it."""
+    weight = linear.weight
+    if hasattr(weight, "quant_state"):
+        import bitsandbytes.functional as bnbf
+
+        return bnbf.dequantize_4bit(weight.data, weight.quant_state).detach().clone()
+    return weight.detach().clone()

@@ -1,0 +1,335 @@
+"""Loading and saving Medusa checkpoints (reference layouts; see ``MEDUSA_FACTS.md``).
+
+Layouts read by ``load_medusa_model``:
+
+1. Medusa-1 head-only: ``config.json`` (``base_model_name_or_path``, ``medusa_num_heads``,
+   ``medusa_num_layers``) + ``medusa_lm_head.safetensors`` or ``medusa_lm_head.pt``.
+2. "version 2" head-only: the same without per-head projections (heads share the LM head).
+3. Medusa-2 full checkpoints: a normal model folder whose shards also hold ``medusa_head.*``.
+
+The head count and block count come from the tensors, never from the config (published configs
+are wrong about it). Optional files next to the heads: ``medusa_calibration.json`` (rank accuracies
+and optimised trees, paper 2.3.3) and ``medusa_tuned.json`` (trees tuned per device and precision).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .heads import MedusaHeads
+from .model import MedusaModel
+
+log = logging.getLogger(__name__)
+
+#: The shipped demo model (``load_medusa_model("demo")``).
+DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "demo"
+HEAD_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
+CALIBRATION_FILE = "medusa_calibration.json"
+TUNED_FILE = "medusa_tuned.json"
+QUANTIZATIONS = ("nf4", "int8", None)
+_HEAD_KEY = re.compile(r"^(\d+)\.(\d+)\.(?:linear\.)?(weight|bias)$")
+
+
+class MedusaCheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message names what was expected and what was found."""
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """``"auto"`` → CUDA when present, else CPU; anything else as given."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def load_medusa_model(
+    name_or_path: str | Path,
+    *,
+    base_model: str | None = None,
+    quantization: str | None = "nf4",
+    dtype: torch.dtype | str | None = None,
+    device: str | torch.device = "auto",
+    trust_remote_code: bool = False,
+) -> MedusaModel:
+    """Load a backbone with its Medusa heads (any of the three layouts) into a ``MedusaModel``.
+
+    Args:
+        name_or_path: ``"demo"``, a local folder, or a Hugging Face Hub id (cached files work offline).
+        base_model: backbone to use instead of the checkpoint's ``base_model_name_or_path``.
+        quantization: ``"nf4"`` (4-bit bitsandbytes, default), ``"int8"``, or None/``"none"`` for
+            plain weights. Heads are never quantized.
+        dtype: compute dtype; default float32 on CPU, float16 on CUDA.
+        device: ``"auto"`` (CUDA when present, else CPU), ``"cpu"``, ``"cuda"``, ``"cuda:1"``...
+        trust_remote_code: passed to transformers; off unless the caller asks.
+
+    Raises:
+        MedusaCheckpointError: missing files or heads, head shapes that do not match the backbone,
+            an unknown quantization, or a Hub id that is not cached while offline.
+    """
+    quantization = None if quantization in (None, "none") else quantization
+    if quantization not in QUANTIZATIONS:
+        raise MedusaCheckpointError(f"unknown quantization {quantization!r}: use 'nf4', 'int8' or 'none'")
+    dev = resolve_device(device)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    dtype = dtype or (torch.float16 if dev.type == "cuda" else torch.float32)
+
+    folder = _local_folder(name_or_path)
+    config = _read_json(folder / "config.json")
+    head_file = next((folder / f for f in HEAD_FILES if (folder / f).exists()), None)
+    if head_file is not None:
+        state = _read_head_file(head_file)
+        source = str(head_file)
+        base = base_model or config.get("base_model_name_or_path")
+        if not base:
+            raise MedusaCheckpointError(
+                f"{folder / 'config.json'} has no base_model_name_or_path; pass base_model=..."
+            )
+        if (folder / base).is_dir():  # a backbone shipped inside the head folder
+            base = str(folder / base)
+    elif "model_type" in config:
+        state = _read_full_checkpoint_heads(folder)
+        source = f"{folder} (medusa_head.* tensors)"
+        base = base_model or str(folder)
+    else:
+        raise MedusaCheckpointError(
+            f"no Medusa heads in {folder}: expected {' or '.join(HEAD_FILES)} (head-only checkpoint) "
+            "or a model folder whose weights hold medusa_head.* tensors (Medusa-2)"
+        )
+    backbone = _load_backbone(base, quantization, dtype, dev, trust_remote_code)
+    heads = heads_from_state_dict(state, backbone, source=source).to(device=dev, dtype=dtype)
+    tokenizer = _load_tokenizer(folder, base, trust_remote_code)
+    calibration = _read_json(folder / CALIBRATION_FILE) if (folder / CALIBRATION_FILE).exists() else {}
+    trees = dict(calibration.get("trees", {}))
+    default_tree = calibration.get("default_tree")
+    tuned = _read_json(folder / TUNED_FILE).get(tuned_key(dev, quantization)) if (folder / TUNED_FILE).exists() else None
+    if tuned:
+        trees = {"tuned": tuned["choices"], **trees}
+        default_tree = "tuned"
+    return MedusaModel(
+        backbone,
+        heads,
+        tokenizer,
+        name=str(name_or_path),
+        base_model=str(base_model or config.get("base_model_name_or_path") or base),
+        quantization=quantization,
+        trees=trees,
+        default_tree=default_tree,
+        rank_accuracy=calibration.get("rank_accuracy"),
+    )
+
+
+def tuned_key(device: torch.device, quantization: str | None) -> str:
+    """Key of a machine-tuned tree in ``medusa_tuned.json``: ``"<device type>/<quantization>"``."""
+    return f"{device.type}/{quantization or 'none'}"
+
+
+def heads_from_state_dict(
+    state: dict[str, torch.Tensor], backbone: nn.Module, *, source: str = "state dict"
+) -> MedusaHeads:
+    """Build ``MedusaHeads`` from reference head-only keys, checked against the backbone.
+
+    The number of heads K and blocks L are inferred from the keys; a state without ``{i}.{L}.weight``
+    projections is a "version 2" checkpoint and shares the backbone's LM head.
+    Raises ``MedusaCheckpointError`` naming ``source``, the key, the expected and the found shape.
+    """
+    lm_head = backbone.get_output_embeddings()
+    vocab, hidden = lm_head.out_features, lm_head.in_features
+    blocks: dict[int, set[int]] = {}
+    for key in state:
+        m = _HEAD_KEY.match(key)
+        if not m:
+            raise MedusaCheckpointError(f"{source}: unexpected key {key!r} (expected '{{i}}.{{j}}.linear.weight' ...)")
+        blocks.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
+    if not blocks:
+        raise MedusaCheckpointError(f"{source}: no Medusa head tensors found")
+    num_heads = max(blocks) + 1
+    if sorted(blocks) != list(range(num_heads)):
+        raise MedusaCheckpointError(f"{source}: head indices {sorted(blocks)} are not 0..{num_heads - 1}")
+    num_layers = sum(1 for j in blocks[0] if f"0.{j}.linear.weight" in state)
+    shared = f"0.{num_layers}.weight" not in state
+    heads = MedusaHeads(hidden, vocab, num_heads, num_layers, shared_lm_head=lm_head if shared else None)
+    expected = {k: tuple(v.shape) for k, v in heads.state_dict().items()}
+    for key, shape in expected.items():
+        if key not in state:
+            raise MedusaCheckpointError(f"{source}: missing tensor {key!r} of shape {list(shape)}")
+        if tuple(state[key].shape) != shape:
+            raise MedusaCheckpointError(
+                f"{source}: tensor {key!r} has shape {list(state[key].shape)}, expected {list(shape)} "
+                f"for a backbone with hidden size {hidden} and vocabulary {vocab}"
+            )
+    extra = sorted(set(state) - set(expected))
+    if extra:
+        raise MedusaCheckpointError(f"{source}: unexpected tensors {extra[:5]} for {num_heads} heads of {num_layers} blocks")
+    heads.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+    return heads
+
+
+def save_medusa_heads(
+    heads: MedusaHeads,
+    folder: str | Path,
+    *,
+    base_model_name_or_path: str,
+    calibration: dict[str, Any] | None = None,
+) -> Path:
+    """Write a head-only checkpoint in the reference layout (layout 1, or 2 for shared-LM-head heads).
+
+    Files: ``config.json`` and ``medusa_lm_head.safetensors`` (fp16), plus ``medusa_calibration.json``
+    when ``calibration`` is given. Loadable by this project, text-generation-inference and TensorRT-LLM.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config: dict[str, Any] = {
+        "base_model_name_or_path": base_model_name_or_path,
+        "medusa_num_heads": heads.num_heads,
+        "medusa_num_layers": heads.num_layers,
+    }
+    if heads.shares_lm_head:
+        config["version"] = "2"
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    state = {k: v.detach().to("cpu", torch.float16).contiguous() for k, v in heads.state_dict().items()}
+    save_file(state, folder / "medusa_lm_head.safetensors", metadata={"format": "pt"})
+    if calibration is not None:
+        (folder / CALIBRATION_FILE).write_text(json.dumps(calibration, indent=1) + "\n")
+    return folder
+
+
+def export_vllm(heads: MedusaHeads, folder: str | Path) -> Path:
+    """Write vLLM's Medusa layout: ``config.json`` (model_type "medusa") and ``model.safetensors``.
+
+    Keys: ``blocks.{i}.layers.{j}.weight/.bias`` and ``lm_heads.{i}.weight`` (for shared-LM-head heads,
+    a copy of the backbone's LM head per head, which vLLM expects).
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state: dict[str, torch.Tensor] = {}
+    for i, head in enumerate(heads):
+        for j in range(heads.num_layers):
+            state[f"blocks.{i}.layers.{j}.weight"] = head[j].linear.weight
+            state[f"blocks.{i}.layers.{j}.bias"] = head[j].linear.bias
+        proj = heads._shared_lm_head[0] if heads.shares_lm_head else head[heads.num_layers]
+        state[f"lm_heads.{i}.weight"] = proj.weight
+    state = {k: v.detach().to("cpu", torch.float16).contiguous().clone() for k, v in state.items()}
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    config = {
+        "model_type": "medusa",
+        "architectures": ["MedusaModel"],
+        "hidden_size": heads.hidden_size,
+        "vocab_size": heads.vocab_size,
+        "num_heads": heads.num_heads,
+        "num_hidden_layers": heads.num_layers,
+        "medusa_fc_bias": True,
+        "truncated_vocab_size": None,
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return folder
+
+
+# --------------------------------------------------------------------------------------- helpers
+def _local_folder(name_or_path: str | Path) -> Path:
+    """A local folder for ``"demo"``, a path, or a Hub id (downloaded or taken from the cache)."""
+    if str(name_or_path) == "demo":
+        if not (DEMO_MODEL_DIR / "config.json").exists():
+            raise MedusaCheckpointError(f"the demo model is missing: expected it in {DEMO_MODEL_DIR}")
+        return DEMO_MODEL_DIR
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise MedusaCheckpointError(f"{path} has no config.json: not a Medusa checkpoint folder")
+        return path
+    if path.exists() or str(name_or_path).startswith((".", "/", "~")) or str(name_or_path).count("/") != 1:
+        raise MedusaCheckpointError(f"{name_or_path}: no such folder, and not a Hub id of the form 'owner/name'")
+    return _hub_snapshot(str(name_or_path))
+
+
+def _hub_snapshot(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "medusa_lm_head.pt", "*.model", "*.txt"]))
+    except LocalEntryNotFoundError as e:
+        raise MedusaCheckpointError(
+            f"{repo_id} is not in the local Hugging Face cache and the Hub cannot be reached "
+            f"(offline?): download it once with network access, or pass a local folder ({e})"
+        ) from e
+    except (HfHubHTTPError, OSError) as e:
+        raise MedusaCheckpointError(f"could not fetch {repo_id} from the Hugging Face Hub: {e}") from e
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        raise MedusaCheckpointError(f"missing file {path}")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise MedusaCheckpointError(f"{path} is not valid JSON: {e}") from e
+
+
+def _read_head_file(path: Path) -> dict[str, torch.Tensor]:
+    if path.suffix == ".safetensors":
+        return load_file(path)
+    # Pickled checkpoints load only as plain tensors: never execute code from a file.
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(state, dict):
+        raise MedusaCheckpointError(f"{path} holds a {type(state).__name__}, expected a state_dict")
+    return state
+
+
+def _read_full_checkpoint_heads(folder: Path) -> dict[str, torch.Tensor]:
+    """``medusa_head.*`` tensors from a Medusa-2 model folder's safetensors or .bin shards."""
+    prefix = "medusa_head."
+    state: dict[str, torch.Tensor] = {}
+    shards = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("pytorch_model*.bin"))
+    for shard in shards:
+        if shard.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(shard, framework="pt") as f:
+                for key in f.keys():
+                    if key.startswith(prefix):
+                        state[key[len(prefix):]] = f.get_tensor(key)
+        else:
+            tensors = torch.load(shard, map_location="cpu", weights_only=True)
+            state.update({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
+    if not state:
+        raise MedusaCheckpointError(
+            f"no Medusa heads in {folder}: its weights hold no medusa_head.* tensors and there is no "
+            f"{' or '.join(HEAD_FILES)}"
+        )
+    return state
+
+
+def _load_backbone(base: str, quantization: str | None, dtype: torch.dtype, device: torch.device, trust_remote_code: bool):
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    kwargs: dict[str, Any] = {"dtype": dtype, "device_map": {"": str(device)}, "trust_remote_code": trust_remote_code}
+    if quantization == "nf4":
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype
+        )
+    elif quantization == "int8":
+        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(base, **kwargs)
+    except (OSError, ValueError) as e:
+        raise MedusaCheckpointError(f"could not load the backbone {base!r}: {e}") from e
+    return model.eval().requires_grad_(False)
+
+
+def _load_tokenizer(folder: Path, base: str, trust_remote_code: bool):
+    from transformers import AutoTokenizer
+
+    source = str(folder) if (folder / "tokenizer_config.json").exists() else base
+    try:
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        log.warning("no tokenizer for %s: %s", source, e)
+        return None

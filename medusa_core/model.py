@@ -1,0 +1,439 @@
+"""The Medusa decoding engine: a Hugging Face causal LM, Medusa heads and tree decoding (paper 2.1, 2.3.1).
+
+One decoding step reads like the paper: candidates from the heads (2.1.1), one tree-attention
+forward pass over all candidates (2.1.2), acceptance (2.3.1), and cache compaction so only the
+accepted path's K/V entries stay. Plain autoregressive decoding (``medusa=False``) is the same loop
+with a root-only tree, so both modes share cache, stopping rules and timing.
+
+Tree attention goes only through the model's public inputs: a 4-D additive attention mask,
+``position_ids`` and its own ``DynamicCache``; no modelling code is copied.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from .acceptance import score_children, select_path
+from .trees import TREE_PRESETS, TreeBuffers, build_tree_buffers, resolve_tree, validate_tree
+
+#: Stop reasons recorded on the last ``StepRecord`` of a reply.
+STOP_REASONS = ("eos", "max_new_tokens", "context")
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """Everything a UI needs about one decoding step, without touching the model.
+
+    Node tuples are all of length ``tree_nodes`` (N, root included), in tree-buffer order.
+
+    Attributes:
+        step: 0-based step index within the reply.
+        mode: ``"medusa"`` or ``"baseline"`` (plain decoding, one token per step).
+        tree_name: name of the tree used (``"baseline"`` in baseline mode).
+        tree_nodes: N, nodes of the tree verified this step, root included.
+        node_token_ids: token id of every node.
+        node_parents: parent node index of every node (-1 for the root).
+        node_heads: Medusa head that proposed every node (-1 for the root, the backbone's token).
+        node_ranks: rank of every node's token in its head's top-k (0 for the root).
+        accepted_nodes: node indices of the accepted path, root first.
+        token_ids: tokens added to the reply this step (after cutting at EOS / the token limit).
+        accept_length: candidates accepted from the heads this step (before any cut).
+        latency_s: wall-clock seconds of the step (synchronised on CUDA); step 0 includes the prefill.
+        prefill_s: seconds of the prompt's prefill (step 0 only, else 0).
+        total_tokens: tokens generated so far in the reply, this step included.
+        stop_reason: on the last record, one of ``STOP_REASONS``; otherwise None.
+    """
+
+    step: int
+    mode: str
+    tree_name: str
+    tree_nodes: int
+    node_token_ids: tuple[int, ...]
+    node_parents: tuple[int, ...]
+    node_heads: tuple[int, ...]
+    node_ranks: tuple[int, ...]
+    accepted_nodes: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    accept_length: int
+    latency_s: float
+    total_tokens: int
+    prefill_s: float = 0.0
+    stop_reason: str | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Tokens added per second of this step."""
+        return len(self.token_ids) / self.latency_s if self.latency_s > 0 else 0.0
+
+
+@dataclass(frozen=True, eq=False)
+class _Tree:
+    """A tree's buffers on the model's device, with what each step needs precomputed."""
+
+    name: str
+    buffers: TreeBuffers
+    bias: torch.Tensor  # [N, N] additive tree-attention mask in the model's dtype
+    path_nodes: torch.Tensor  # [P, D] index into the N-1 non-root nodes (padding clamped to 0)
+    path_valid: torch.Tensor  # [P, D] bool
+    node_parents: tuple[int, ...] = field(default=())
+    node_heads: tuple[int, ...] = field(default=())
+    node_ranks: tuple[int, ...] = field(default=())
+
+
+class MedusaModel:
+    """A frozen Hugging Face decoder-only model with Medusa heads (paper 2.1).
+
+    Args:
+        backbone: a ``transformers`` causal LM whose attention takes a 4-D mask (Llama, Mistral,
+            Qwen2, Gemma, Phi-3, ...), possibly quantized with bitsandbytes.
+        heads: ``MedusaHeads`` (or any module with ``num_heads`` and ``heads(hidden [B, H],
+            num_heads) -> [k, B, V]``).
+        tokenizer: optional; kept for callers (the app) and never used by the engine, which works on ids.
+        name / base_model / quantization: descriptive, shown by UIs.
+        trees: the model's own named trees (calibrated or machine-tuned), listed before the presets.
+        default_tree: name of the tree used when ``generate(tree=None)``.
+        rank_accuracy: the heads' calibrated rank accuracies ``[K][ranks]``, if known.
+
+    Raises ``ValueError`` when the heads do not match the backbone's hidden size.
+    """
+
+    def __init__(
+        self,
+        backbone: nn.Module,
+        heads: nn.Module,
+        tokenizer: Any = None,
+        *,
+        name: str | None = None,
+        base_model: str | None = None,
+        quantization: str | None = None,
+        trees: dict[str, list[list[int]]] | None = None,
+        default_tree: str | None = None,
+        rank_accuracy: list[list[float]] | None = None,
+    ):
+        self.backbone = backbone.eval()
+        self.heads = heads.eval()
+        self.tokenizer = tokenizer
+        self.name = name or getattr(backbone.config, "_name_or_path", "model")
+        self.base_model = base_model or self.name
+        self.quantization = quantization
+        self.trees = dict(trees or {})
+        self.rank_accuracy = rank_accuracy
+        self._decoder = backbone.get_decoder()
+        self._lm_head = backbone.get_output_embeddings()
+        self.config = backbone.config.get_text_config(decoder=True)
+        hidden = getattr(heads, "hidden_size", self.config.hidden_size)
+        if hidden != self.config.hidden_size:
+            raise ValueError(
+                f"Medusa heads expect hidden size {hidden}, the backbone has {self.config.hidden_size}"
+            )
+        self.eos_token_ids = _eos_ids(backbone)
+        self._trees: dict[str, _Tree] = {}
+        self._default_tree = default_tree
+
+    # ----------------------------------------------------------------------------------- properties
+    @property
+    def device(self) -> torch.device:
+        """Device of the backbone's input embeddings."""
+        return self.backbone.get_input_embeddings().weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Compute dtype of the activations (a 4-bit backbone computes in its compute dtype)."""
+        return next(self.heads.parameters(), self.backbone.get_input_embeddings().weight).dtype
+
+    @property
+    def num_heads(self) -> int:
+        """K, the number of Medusa heads."""
+        return self.heads.num_heads
+
+    @property
+    def max_context(self) -> int:
+        """Tokens the KV cache may hold: the position limit, capped by a sliding window if any."""
+        limit = getattr(self.config, "max_position_embeddings", None) or 2048
+        window = getattr(self.config, "sliding_window", None)
+        return min(limit, window - 1) if window else limit
+
+    @property
+    def default_tree(self) -> str:
+        """The tree used when none is given: the model's own, else a preset that suits the device."""
+        if self._default_tree:
+            return self._default_tree
+        if self.device.type == "cuda" and self.num_heads >= 4:
+            return "mc_sim_7b_63"
+        return "sparse_16" if self.num_heads >= 4 else f"chain_{self.num_heads}"
+
+    def tree_names(self) -> list[str]:
+        """Tree names offered to users: the model's own trees first, then the presets that fit."""
+        fitting = [n for n, c in TREE_PRESETS.items() if max(map(len, c)) <= self.num_heads]
+        return list(self.trees) + [n for n in fitting if n not in self.trees]
+
+    # ------------------------------------------------------------------------------------- generate
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        max_new_tokens: int,
+        tree: str | Sequence[Sequence[int]] | None = None,
+        temperature: float = 0.0,
+        posterior_threshold: float = 0.09,
+        posterior_alpha: float = 0.3,
+        medusa: bool = True,
+        seed: int | None = None,
+    ) -> Iterator[StepRecord]:
+        """Decode a reply, yielding one ``StepRecord`` per decoding step (paper 2.1–2.3).
+
+        Args:
+            input_ids: [1, T] prompt token ids (batch size 1).
+            max_new_tokens: limit in tokens (tokens accepted past it are dropped).
+            tree: a tree name (the model's own trees, ``TREE_PRESETS``, ``chain_D``, ``dense_AxB``),
+                a list of paths, or None for ``default_tree``.
+            temperature: 0 → greedy (output equals plain greedy decoding token for token);
+                > 0 → the root is sampled and candidates pass typical acceptance.
+            posterior_threshold: ε of typical acceptance (paper default 0.09).
+            posterior_alpha: δ of typical acceptance (paper default 0.3).
+            medusa: False → plain autoregressive decoding through the same loop, one token per step.
+            seed: seeds the sampling generator (temperature > 0); None draws a fresh seed.
+
+        Returns an iterator; stopping the iteration early releases the KV cache.
+
+        Raises ``ValueError`` (before any work) for an empty or too-long prompt, a batch size other
+        than 1, ``max_new_tokens < 1``, a negative temperature, or an invalid tree / one deeper
+        than the heads.
+        """
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise ValueError(f"input_ids must have shape [1, T], got {list(input_ids.shape)}")
+        prompt_len = input_ids.shape[1]
+        if prompt_len == 0:
+            raise ValueError("the prompt is empty")
+        if prompt_len >= self.max_context:
+            raise ValueError(
+                f"the prompt has {prompt_len} tokens; the model's context window is {self.max_context} tokens"
+            )
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        full = self._tree(tree if tree is not None else self.default_tree) if medusa else None
+        if seed is None:
+            seed = random.SystemRandom().randrange(2**63)
+        return self._decode(
+            input_ids.to(self.device), max_new_tokens, full, temperature, posterior_threshold, posterior_alpha, seed
+        )
+
+    def _decode(self, input_ids, max_new_tokens, full, temperature, eps, alpha, seed) -> Iterator[StepRecord]:
+        root_only = self._tree("baseline")
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        cache = self._new_cache()
+        cur_len = input_ids.shape[1]
+        produced = 0
+        step = 0
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = self._decoder(input_ids=input_ids, past_key_values=cache, use_cache=True)
+            hidden = out.last_hidden_state[:, -1]  # [1, H]
+            root = self._choose(self._logits(hidden)[0], temperature, generator)  # [] next token
+        self._sync()
+        prefill_s = time.perf_counter() - start
+        while True:
+            remaining = max_new_tokens - produced
+            tree = full if full is not None and remaining > 1 and cur_len + full.buffers.num_nodes <= self.max_context else root_only
+            with torch.inference_mode():
+                tokens = self._candidates(tree, hidden, root)  # [N]
+                logits, hidden_all = self._tree_forward(tree, tokens, cur_len, cache)  # [N, V], [N, H]
+                nodes = self._accept(tree, logits, tokens, temperature, eps, alpha)  # list of node indices
+                _compact_cache(cache, cur_len, nodes, tree.buffers.num_nodes)
+                last = nodes[-1]
+                hidden = hidden_all[last : last + 1]
+                root = self._choose(logits[last], temperature, generator)
+                token_list = tokens.tolist()  # host sync: ends the step's device work
+            now = time.perf_counter()
+            new_tokens = [token_list[i] for i in nodes]
+            cur_len += len(nodes)
+            stop = None
+            for i, t in enumerate(new_tokens):
+                if t in self.eos_token_ids:
+                    new_tokens, stop = new_tokens[: i + 1], "eos"
+                    break
+            if len(new_tokens) >= remaining:
+                new_tokens = new_tokens[:remaining]
+                stop = stop or "max_new_tokens"
+            if stop is None and cur_len + 1 > self.max_context:
+                stop = "context"
+            produced += len(new_tokens)
+            yield StepRecord(
+                step=step,
+                mode="baseline" if full is None else "medusa",
+                tree_name=tree.name,
+                tree_nodes=tree.buffers.num_nodes,
+                node_token_ids=tuple(token_list),
+                node_parents=tree.node_parents,
+                node_heads=tree.node_heads,
+                node_ranks=tree.node_ranks,
+                accepted_nodes=tuple(nodes),
+                token_ids=tuple(new_tokens),
+                accept_length=len(nodes) - 1,
+                latency_s=now - start,
+                prefill_s=prefill_s if step == 0 else 0.0,
+                total_tokens=produced,
+                stop_reason=stop,
+            )
+            if stop is not None:
+                return
+            step += 1
+            start = time.perf_counter()
+
+    # ---------------------------------------------------------------------------------- step stages
+    def _candidates(self, tree: _Tree, hidden: torch.Tensor, root: torch.Tensor) -> torch.Tensor:
+        """Tree tokens [N]: the root, then each node's rank in its head's top-k (paper 2.1.1).
+
+        Heads run only at the last accepted position ``hidden`` [1, H] and only the tree's depth of them.
+        """
+        b = tree.buffers
+        if b.num_nodes == 1:
+            return root.view(1)
+        head_logits = self.heads(hidden, num_heads=b.depth)[:, 0]  # [D, V]
+        top = head_logits.topk(b.topk, dim=-1).indices  # [D, topk]
+        return torch.cat([root.view(1), top.flatten()])[b.tree_indices]
+
+    def _tree_forward(
+        self, tree: _Tree, tokens: torch.Tensor, cur_len: int, cache: DynamicCache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One backbone pass over all N tree tokens (paper 2.1.2); appends N entries to the cache.
+
+        Returns (logits [N, V], final-norm hidden states [N, H]).
+        """
+        b = tree.buffers
+        n = b.num_nodes
+        mask = None  # a single token attends to everything: the model's own causal mask is right
+        if n > 1:
+            prefix = torch.zeros(n, cur_len, dtype=tree.bias.dtype, device=tree.bias.device)
+            mask = torch.cat([prefix, tree.bias], dim=1)[None, None]  # [1, 1, N, cur_len + N]
+        out = self._decoder(
+            input_ids=tokens[None],
+            position_ids=(b.position_ids + cur_len)[None],
+            attention_mask=mask,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        hidden = out.last_hidden_state[0]  # [N, H]
+        return self._logits(hidden), hidden
+
+    def _accept(self, tree: _Tree, logits, tokens, temperature, eps, alpha) -> list[int]:
+        """Node indices of the accepted path, root first (paper 2.3.1)."""
+        b = tree.buffers
+        if b.num_nodes == 1:
+            return [0]
+        accepted, log_prob = score_children(logits, b.parents[1:], tokens[1:], temperature, eps, alpha)  # [N-1]
+        best, length = select_path(
+            accepted[tree.path_nodes], log_prob[tree.path_nodes], tree.path_valid, temperature
+        )
+        return b.retrieve_indices[best, : length + 1].tolist()
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Backbone logits of final-norm hidden states [..., H] -> [..., V]."""
+        logits = self._lm_head(hidden)
+        # Gemma-2/3 soft-cap their logits inside the CausalLM forward (transformers 5.x); argmax is unchanged.
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    @staticmethod
+    def _choose(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> torch.Tensor:
+        """The root token from logits [V]: argmax, or a sample at ``temperature`` (no host sync)."""
+        if temperature <= 0:
+            return logits.argmax()
+        probs = torch.softmax(logits.float() / temperature, dim=-1)
+        return torch.multinomial(probs, 1, generator=generator)[0]
+
+    def _new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.backbone.config)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # ---------------------------------------------------------------------------------------- trees
+    def resolve_tree(self, tree: str | Sequence[Sequence[int]]) -> tuple[str, list[list[int]]]:
+        """``(name, medusa_choices)`` of a tree given by name (model's own first) or as paths.
+
+        Raises ``ValueError`` for an unknown name, an invalid tree, or one deeper than the heads.
+        """
+        if isinstance(tree, str) and tree in self.trees:
+            name, choices = tree, self.trees[tree]
+        else:
+            name, choices = resolve_tree(tree)
+        validate_tree(choices, self.num_heads)
+        return name, choices
+
+    def _tree(self, tree: str | Sequence[Sequence[int]]) -> _Tree:
+        if tree == "baseline":
+            name, choices = "baseline", []
+        else:
+            name, choices = self.resolve_tree(tree)
+        key = name if isinstance(tree, str) else repr(sorted(map(tuple, choices)))
+        if key not in self._trees:
+            b = build_tree_buffers(choices).to(self.device)
+            bias = torch.zeros(b.attn_mask.shape, dtype=self.dtype, device=self.device)
+            bias.masked_fill_(~b.attn_mask, torch.finfo(self.dtype).min)
+            path = b.retrieve_indices[:, 1:]
+            self._trees[key] = _Tree(
+                name=name,
+                buffers=b,
+                bias=bias,
+                path_nodes=(path - 1).clamp(min=0),
+                path_valid=path > 0,
+                node_parents=tuple(b.parents.tolist()),
+                node_heads=tuple(b.node_heads()),
+                node_ranks=tuple(b.node_ranks()),
+            )
+        return self._trees[key]
+
+    def describe(self) -> dict[str, Any]:
+        """Facts for a model panel: names, precision, device, heads, context, memory (bytes)."""
+        params = list(self.backbone.parameters()) + list(self.heads.parameters())
+        return {
+            "model": self.name,
+            "base_model": self.base_model,
+            "quantization": self.quantization or "none",
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "device": str(self.device),
+            "num_heads": self.num_heads,
+            "head_layers": getattr(self.heads, "num_layers", None),
+            "default_tree": self.default_tree,
+            "max_context": self.max_context,
+            "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
+        }
+
+
+def _compact_cache(cache: DynamicCache, start: int, nodes: list[int], appended: int) -> None:
+    """Keep only the accepted nodes' K/V entries after ``start`` (paper 2.1.2, cache update).
+
+    ``nodes`` are tree-node indices, root first; their entries move to ``start, start+1, ...`` and the
+    rest of the ``appended`` entries are cut. Touches ``DynamicLayer.keys/values`` (transformers 5.x).
+    """
+    kept = len(nodes)
+    if nodes != list(range(kept)):
+        src = torch.tensor(nodes, device=cache.layers[0].keys.device) + start
+        for layer in cache.layers:
+            layer.keys[:, :, start : start + kept] = layer.keys[:, :, src]
+            layer.values[:, :, start : start + kept] = layer.values[:, :, src]
+    if appended > kept:
+        cache.crop(kept - appended)
+
+
+def _eos_ids(backbone: nn.Module) -> frozenset[int]:
+    """EOS ids as Hugging Face ``generate`` sees them: the generation config's, else the model config's."""
+    eos = getattr(getattr(backbone, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = getattr(backbone.config, "eos_token_id", None)
+    if eos is None:
+        return frozenset()
+    return frozenset(int(i) for i in (eos if isinstance(eos, (list, tuple)) else [eos]))
