@@ -70,7 +70,7 @@ def load_prompts(path: str | Path | None = None, limit: int | None = None) -> li
     """Prompts from a JSONL file with a ``prompt`` field and an optional ``category`` field.
 
     ``path=None`` reads the shipped set (``medusa_core/data/bench_prompts.jsonl``). ``limit`` keeps
-    that many prompts spread evenly over the file (so every category stays represented).
+    that many, taken round robin over the categories (so every category stays represented).
     Raises ``ValueError`` naming the file and line of a record without a ``prompt``.
     """
     if path is None:
@@ -92,7 +92,16 @@ def load_prompts(path: str | Path | None = None, limit: int | None = None) -> li
     if not prompts:
         raise ValueError(f"{source}: no prompts")
     if limit is not None and 0 < limit < len(prompts):
-        prompts = [prompts[i * len(prompts) // limit] for i in range(limit)]
+        # round robin over the categories, each in file order, then back to file order
+        queues: dict[str, list[int]] = {}
+        for i, p in enumerate(prompts):
+            queues.setdefault(p.category, []).append(i)
+        picked: list[int] = []
+        while len(picked) < limit:
+            for q in queues.values():
+                if q and len(picked) < limit:
+                    picked.append(q.pop(0))
+        prompts = [prompts[i] for i in sorted(picked)]
     return prompts
 
 
@@ -501,19 +510,19 @@ def measure_step_latency(
     model: Any, prompt_ids: Sequence[torch.Tensor], trees: Mapping[int, Sequence[Sequence[int]]],
     *, max_new_tokens: int = 64, progress: bool = True,
 ) -> tuple[dict[int, float], dict[int, float]]:
-    """Mean step latency (s) and acceleration rate of every tree size, through the real decode loop.
+    """Step latency (s) and acceleration rate of every tree size, through the real decode loop.
 
     ``trees[n]`` are the paths of size n; size 0 is plain decoding (``medusa=False``). Sizes are
-    interleaved per prompt. Only steps that verified the full tree count (the engine drops to a
-    root-only step near the token limit); step 0's prefill is subtracted.
+    interleaved per prompt. A run's step latency is the mean over the steps that verified the full tree
+    (the engine drops to a root-only step near the token limit), step 0's prefill subtracted; a size's
+    latency is the median over runs, which shrugs off a run slowed by another process.
     """
     from tqdm.auto import tqdm
 
     sizes = sorted(trees)
-    time_s = dict.fromkeys(sizes, 0.0)
-    steps = dict.fromkeys(sizes, 0)
+    per_run: dict[int, list[float]] = {n: [] for n in sizes}
     tokens = dict.fromkeys(sizes, 0)
-    all_steps = dict.fromkeys(sizes, 0)
+    steps = dict.fromkeys(sizes, 0)
 
     def go(n: int, ids: torch.Tensor, limit: int) -> list[Any]:
         kwargs = dict(medusa=False) if n == 0 else dict(tree=[list(p) for p in trees[n]])
@@ -525,17 +534,29 @@ def measure_step_latency(
     for j, ids in enumerate(prompt_ids):
         k = j % len(sizes)
         for n in sizes[k:] + sizes[:k]:
-            for rec in go(n, ids, max_new_tokens):
-                tokens[n] += len(rec.token_ids)
-                all_steps[n] += 1
-                if rec.tree_nodes == (len(trees[n]) + 1 if n else 1):
-                    time_s[n] += rec.latency_s - rec.prefill_s
-                    steps[n] += 1
+            records = go(n, ids, max_new_tokens)
+            full = [r.latency_s - r.prefill_s for r in records if r.tree_nodes == len(trees[n]) + 1]
+            if full:
+                per_run[n].append(sum(full) / len(full))
+            tokens[n] += sum(len(r.token_ids) for r in records)
+            steps[n] += len(records)
             bar.update()
     bar.close()
-    latency = {n: time_s[n] / steps[n] for n in sizes if steps[n]}
-    accel = {n: tokens[n] / all_steps[n] for n in sizes if all_steps[n]}
+    latency = {n: statistics.median(v) for n, v in per_run.items() if v}
+    accel = {n: tokens[n] / steps[n] for n in sizes if steps[n]}
     return latency, accel
+
+
+def dump_tuned(data: Mapping[str, Any]) -> str:
+    """JSON text of a tuned-tree file with one line per field (paths stay on one line)."""
+    parts = []
+    for key, entry in data.items():
+        if isinstance(entry, dict):
+            inner = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in entry.items())
+            parts.append(f" {json.dumps(key)}: {{\n{inner}\n }}")
+        else:
+            parts.append(f" {json.dumps(key)}: {json.dumps(entry)}")
+    return "{\n" + ",\n".join(parts) + "\n}\n"
 
 
 def write_tuned(path: Path, key: str, entry: dict[str, Any]) -> dict[str, Any]:
@@ -547,7 +568,7 @@ def write_tuned(path: Path, key: str, entry: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"{path} does not hold a JSON object; move it away and tune again")
     data[key] = entry
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    tmp.write_text(dump_tuned(data), encoding="utf-8")
     os.replace(tmp, path)
     return data
 

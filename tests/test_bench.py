@@ -1,0 +1,254 @@
+"""Tests of the benchmark program (``medusa_core.bench``): its accounting on synthetic runs with known
+numbers, the tree tuner's choice on synthetic latency curves, and smoke runs on a tiny model.
+
+Wall-clock figures are never asserted: only arithmetic on given numbers and the files a run writes.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import pytest
+
+from medusa_core import load_medusa_model, optimal_tree
+from medusa_core.bench import (
+    ALL,
+    Run,
+    choose_tree_size,
+    find_divergences,
+    first_difference,
+    load_prompts,
+    main,
+    predict_speedups,
+    summarise,
+    write_tuned,
+)
+from medusa_core.trees import SMALL_MODEL_RANK_ACCURACY
+from tiny_models import write_tiny_medusa
+
+MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+
+
+def run(method, *, prompt=0, category="code", repeat=0, tokens=100, steps=100, wall=1.0, ttft=0.01,
+        step_time=None, timed_steps=None, nodes=1, output=None):
+    """A synthetic run; by default its step time is the whole wall time over all steps."""
+    return Run(
+        method=method, prompt=prompt, category=category, repeat=repeat, tokens=tokens, steps=steps, wall_s=wall,
+        ttft_s=ttft, step_time_s=wall if step_time is None else step_time,
+        timed_steps=steps if timed_steps is None else timed_steps, tree_nodes=nodes,
+        output=tuple(range(tokens)) if output is None else tuple(output),
+    )
+
+
+def by_method(summaries, category=ALL):
+    return {s.method: s for s in summaries if s.category == category}
+
+
+# ------------------------------------------------------------------------------------ accounting
+def test_summary_gives_acceleration_overhead_and_speedup_of_a_synthetic_run():
+    # Two prompts of 100 tokens each. HF: 1 token per pass, 1.0 s per prompt. Baseline loop: 100
+    # steps of 8 ms. Medusa: 40 steps of 10 ms -> 2.5 tokens/step, overhead 10/8, 250 tokens/s.
+    runs = []
+    for p in (0, 1):
+        runs += [
+            run("hf", prompt=p, wall=1.0, ttft=0.01, step_time=0.99, timed_steps=99),
+            run("baseline", prompt=p, wall=0.8),
+            run("medusa:t", prompt=p, steps=40, wall=0.4, nodes=9),
+        ]
+    s = by_method(summarise(runs))
+    assert s["hf"].tok_s == pytest.approx(100.0)
+    assert s["hf"].acceleration == pytest.approx(1.0)
+    assert s["hf"].step_ms == pytest.approx(10.0)
+    assert s["baseline"].step_ms == pytest.approx(8.0)
+    assert s["medusa:t"].acceleration == pytest.approx(2.5)
+    assert s["medusa:t"].step_ms == pytest.approx(10.0)
+    assert s["medusa:t"].overhead == pytest.approx(1.25)
+    assert s["medusa:t"].speedup == pytest.approx(2.5)
+    assert s["baseline"].speedup == pytest.approx(1.25)
+    # the paper's identity: speedup over the plain loop = acceleration / overhead
+    assert s["medusa:t"].tok_s / s["baseline"].tok_s == pytest.approx(s["medusa:t"].acceleration / s["medusa:t"].overhead)
+    assert s["medusa:t"].tree_nodes == 9 and s["medusa:t"].tokens == 200 and s["medusa:t"].prompts == 2
+    assert s["medusa:t"].ttft_ms == pytest.approx(10.0)
+    assert (s["medusa:t"].identical, s["medusa:t"].compared) == (2, 2)
+    assert (s["hf"].identical, s["hf"].compared) == (0, 0)
+
+
+def test_tokens_per_second_is_the_median_over_repeats_with_min_and_max_as_spread():
+    runs = [run("hf", repeat=r, wall=w) for r, w in enumerate([1.0, 0.5, 2.0])]  # 100, 200, 50 tokens/s
+    s = by_method(summarise(runs))["hf"]
+    assert (s.tok_s, s.tok_s_min, s.tok_s_max) == pytest.approx((100.0, 50.0, 200.0))
+
+
+def test_tokens_per_second_pools_prompts_by_total_tokens_over_total_time():
+    runs = [run("hf", prompt=0, tokens=100, wall=1.0), run("hf", prompt=1, tokens=20, wall=1.0)]
+    assert by_method(summarise(runs))["hf"].tok_s == pytest.approx(60.0)  # 120 tokens in 2 s, not mean(100, 20)
+
+
+def test_each_category_is_summarised_alone_and_pooled_under_all():
+    runs = [
+        run("hf", prompt=0, category="math", wall=1.0), run("medusa:t", prompt=0, category="math", steps=50, wall=0.5),
+        run("hf", prompt=1, category="python", wall=1.0), run("medusa:t", prompt=1, category="python", steps=25, wall=0.25),
+    ]
+    summaries = summarise(runs)
+    assert [s.category for s in summaries if s.method == "hf"] == ["math", "python", ALL]
+    assert by_method(summaries, "math")["medusa:t"].speedup == pytest.approx(2.0)
+    assert by_method(summaries, "python")["medusa:t"].speedup == pytest.approx(4.0)
+    assert by_method(summaries)["medusa:t"].speedup == pytest.approx(200 / 0.75 / 100)
+    assert by_method(summaries)["medusa:t"].acceleration == pytest.approx(200 / 75)
+
+
+def test_overhead_and_speedup_are_nan_without_their_reference_methods():
+    s = by_method(summarise([run("medusa:t", steps=50)]))["medusa:t"]
+    assert math.isnan(s.overhead) and math.isnan(s.speedup)
+    assert s.acceleration == pytest.approx(2.0)
+
+
+def test_a_diverging_output_is_counted_and_located_never_hidden():
+    ref = [5, 6, 7, 8, 9]
+    runs = [
+        run("hf", prompt=0, tokens=5, output=ref), run("hf", prompt=1, tokens=5, output=ref),
+        run("medusa:t", prompt=0, tokens=5, output=ref),
+        run("medusa:t", prompt=1, tokens=5, output=[5, 6, 7, 1, 9]),
+        run("baseline", prompt=1, tokens=3, output=ref[:3]),  # stopped early: diverges by length
+    ]
+    divergences = {(d.method, d.prompt): d for d in find_divergences(runs)}
+    assert set(divergences) == {("medusa:t", 1), ("baseline", 1)}
+    d = divergences[("medusa:t", 1)]
+    assert (d.position, d.expected, d.got, d.repeats) == (3, 8, 1, 1)
+    d = divergences[("baseline", 1)]
+    assert (d.position, d.expected, d.got) == (3, 8, None)
+    s = by_method(summarise(runs))
+    assert (s["medusa:t"].identical, s["medusa:t"].compared) == (1, 2)
+    assert (s["baseline"].identical, s["baseline"].compared) == (0, 1)
+
+
+def test_first_difference_finds_changed_tokens_and_unequal_lengths():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 9, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2
+    assert first_difference([], []) is None
+
+
+# ------------------------------------------------------------------------------------------ tuner
+def test_predicted_speedup_is_expected_tokens_per_step_over_relative_step_cost():
+    predicted = predict_speedups({4: 1.2, 8: 1.5}, {0: 0.010, 4: 0.011, 8: 0.012})
+    assert predicted == pytest.approx({0: 1.0, 4: 2.2 / 1.1, 8: 2.5 / 1.2})
+
+
+def test_tuner_picks_a_mid_size_tree_when_step_cost_grows_like_a_cpu():
+    accept = {4: 1.2, 8: 1.5, 16: 1.7, 64: 2.0}
+    cpu = {0: 10.0, 4: 11.0, 8: 12.0, 16: 16.0, 64: 40.0}  # 2.00, 2.08, 1.69, 0.75
+    assert choose_tree_size({n: s for n, s in predict_speedups(accept, cpu).items() if n}) == 8
+
+
+def test_tuner_picks_the_largest_tree_when_step_cost_is_flat_like_a_gpu():
+    accept = {4: 1.2, 8: 1.5, 16: 1.7, 64: 2.0}
+    gpu = {0: 10.0, 4: 10.0, 8: 10.0, 16: 10.1, 64: 10.5}
+    assert choose_tree_size({n: s for n, s in predict_speedups(accept, gpu).items() if n}) == 64
+
+
+def test_tuner_tolerance_prefers_the_smaller_of_two_near_ties():
+    assert choose_tree_size({4: 2.00, 8: 2.08, 16: 1.69}, tolerance=0.05) == 4
+    assert choose_tree_size({4: 2.00, 8: 2.08, 16: 1.69}, tolerance=0.0) == 8
+
+
+def test_tuner_on_the_feasibility_runs_cpu_forward_costs_picks_the_8_token_tree():
+    # DEMO_FEASIBILITY.md: one forward of 1 / 8 / 16 / 32 / 64 tokens took 5.5 / 6.3 / 8.4 / 12.4 / 18.4 ms
+    # on the 2-core CPU; with its heads' rank accuracies the 8-token tree wins, as it did when measured.
+    latency = {0: 5.5, 7: 6.3, 15: 8.4, 31: 12.4, 63: 18.4}
+    accept = {n: optimal_tree(SMALL_MODEL_RANK_ACCURACY, n)[1] for n in latency if n}
+    predicted = predict_speedups(accept, latency)
+    assert choose_tree_size({n: s for n, s in predicted.items() if n}) == 7
+    assert predicted[63] < 1.0 < predicted[7]
+
+
+def test_write_tuned_merges_a_device_entry_and_keeps_the_others(tmp_path):
+    path = tmp_path / "medusa_tuned.json"
+    write_tuned(path, "cuda/none", {"choices": [[0]], "nodes": 2})
+    write_tuned(path, "cpu/nf4", {"choices": [[0], [0, 0]], "nodes": 3})
+    write_tuned(path, "cpu/nf4", {"choices": [[0], [1]], "nodes": 3})
+    data = json.loads(path.read_text())
+    assert data == {"cuda/none": {"choices": [[0]], "nodes": 2}, "cpu/nf4": {"choices": [[0], [1]], "nodes": 3}}
+
+
+# ---------------------------------------------------------------------------------------- prompts
+def test_shipped_prompts_cover_mt_bench_categories_and_python_code():
+    prompts = load_prompts()
+    categories = {p.category for p in prompts}
+    assert len(prompts) >= 40
+    assert MT_BENCH | {"python"} == categories
+    assert all(sum(p.category == c for p in prompts) >= 5 for c in categories)
+    assert len({p.text for p in prompts}) == len(prompts)
+
+
+def test_limit_takes_prompts_round_robin_over_the_categories():
+    assert {p.category for p in load_prompts(limit=9)} == MT_BENCH | {"python"}
+
+
+def test_a_prompt_file_without_a_prompt_field_is_named_with_its_line(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "hi"}\n{"text": "no prompt"}\n')
+    with pytest.raises(ValueError, match=r"p\.jsonl:2"):
+        load_prompts(path)
+
+
+# -------------------------------------------------------------------------------------- smoke runs
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny")
+    heads = write_tiny_medusa(folder)
+    prompts = folder / "prompts.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):", "category": "python"}\n{"prompt": "return a + b", "category": "coding"}\n')
+    return heads, prompts
+
+
+def test_benchmark_program_on_a_tiny_model_writes_csv_and_markdown_for_every_method(tiny, tmp_path):
+    heads, prompts = tiny
+    out = tmp_path / "out"
+    assert main([
+        "--model", str(heads), "--quantization", "none", "--prompts", str(prompts), "--trees", "chain_2,sparse_8",
+        "--max-new-tokens", "12", "--repeats", "2", "--out", str(out), "--no-progress",
+    ]) == 0
+    methods = {"hf", "hf_pld", "baseline", "medusa:chain_2", "medusa:sparse_8"}
+    with open(out / "summary.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {r["method"] for r in rows} == methods
+    assert {r["category"] for r in rows} == {"python", "coding", ALL}
+    with open(out / "runs.csv") as f:
+        assert len(list(csv.DictReader(f))) == len(methods) * 2 * 2  # methods x prompts x repeats
+    overall = {r["method"]: r for r in rows if r["category"] == ALL}
+    assert overall["medusa:sparse_8"]["tree_nodes"] == "9"
+    # float32 on CPU: every greedy method reproduces HF generate token for token
+    for m in methods - {"hf"}:
+        assert (overall[m]["identical"], overall[m]["compared"]) == ("2", "2"), m
+    markdown = (out / "summary.md").read_text()
+    assert all(f"| {m} |" in markdown for m in methods)
+    assert "No divergence" in markdown
+    assert (out / "speedup_by_tree.html").exists()
+
+
+def test_tune_writes_a_tuned_tree_that_the_loader_makes_the_default(tiny, tmp_path):
+    heads, prompts = tiny
+    (heads / "medusa_calibration.json").write_text(json.dumps({"rank_accuracy": [list(r) for r in SMALL_MODEL_RANK_ACCURACY]}))
+    tuned = heads / "medusa_tuned.json"
+    tuned.write_text(json.dumps({"cuda/nf4": {"choices": [[0]], "nodes": 2}}))
+    try:
+        assert main([
+            "tune", "--model", str(heads), "--quantization", "none", "--prompts", str(prompts), "--sizes", "2,4",
+            "--latency-prompts", "2", "--latency-tokens", "8", "--confirm-top", "2", "--max-new-tokens", "8",
+            "--out", str(tmp_path / "tune"), "--no-progress",
+        ]) == 0
+        data = json.loads(tuned.read_text())
+        assert set(data) == {"cuda/nf4", "cpu/none"}
+        entry = data["cpu/none"]
+        assert len(entry["choices"]) in (2, 4) and entry["nodes"] == len(entry["choices"]) + 1
+        assert entry["choices"] == optimal_tree(SMALL_MODEL_RANK_ACCURACY, len(entry["choices"]))[0]
+        assert entry["predicted_speedup"] > 0 and entry["measured_speedup"] > 0
+        model = load_medusa_model(heads, quantization=None, device="cpu")
+        assert model.default_tree == "tuned" and model.trees["tuned"] == entry["choices"]
+        assert (tmp_path / "tune" / "tune.md").exists() and (tmp_path / "tune" / "tune.csv").exists()
+    finally:
+        tuned.unlink(missing_ok=True)
+        (heads / "medusa_calibration.json").unlink()
