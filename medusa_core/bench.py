@@ -105,14 +105,14 @@ def load_prompts(path: str | Path | None = None, limit: int | None = None) -> li
     return prompts
 
 
-def encode_prompt(tokenizer: Any, text: str) -> torch.Tensor:
-    """[1, T] token ids of one user message through the tokenizer's chat template (plain text without one)."""
+def encode_prompt(tokenizer: Any, text: str, system: str | None = None) -> torch.Tensor:
+    """[1, T] token ids of one user message (after an optional system message) through the tokenizer's
+    chat template; plain text when the tokenizer has no template."""
     if tokenizer is None:
         raise ValueError("the model has no tokenizer: the benchmark needs one to encode its prompts")
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-        )
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
     return tokenizer(text, return_tensors="pt").input_ids
 
@@ -296,6 +296,7 @@ def run_benchmark(
     repeats: int = 3,
     pld_tokens: int = 10,
     warmup_tokens: int = 16,
+    system: str | None = None,
     progress: bool = True,
 ) -> tuple[list[Run], list[str]]:
     """Run every method on every prompt ``repeats`` times, interleaved prompt by prompt.
@@ -307,7 +308,7 @@ def run_benchmark(
 
     encoded, notes = [], []
     for i, p in enumerate(prompts):
-        ids = encode_prompt(model.tokenizer, p.text)
+        ids = encode_prompt(model.tokenizer, p.text, system)
         if ids.shape[1] + max_new_tokens > model.max_context:
             notes.append(f"prompt {i} skipped: {ids.shape[1]} tokens + {max_new_tokens} new > context {model.max_context}")
             continue
@@ -740,6 +741,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ... (default auto)")
     p.add_argument("--prompts", default=None, help="JSONL with 'prompt' and optional 'category' (default: shipped set)")
     p.add_argument("--limit", type=int, default=None, help="use N prompts spread over the set")
+    p.add_argument("--system", default=None, help="system message put before every prompt (default: none)")
     p.add_argument("--out", type=Path, default=None, help="output folder")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -798,9 +800,9 @@ def cmd_run(args: argparse.Namespace, command: str) -> int:
     methods = build_methods(model, args.methods, args.trees or default_trees(model))
     out = args.out or Path("out") / "bench"
     runs, notes = run_benchmark(model, prompts, methods, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
-                                pld_tokens=args.pld_tokens, progress=not args.no_progress)
+                                pld_tokens=args.pld_tokens, system=args.system, progress=not args.no_progress)
     settings = {"prompts": len({r.prompt for r in runs}), "max_new_tokens": args.max_new_tokens,
-                "repeats": args.repeats, "pld_tokens": args.pld_tokens}
+                "repeats": args.repeats, "pld_tokens": args.pld_tokens, "system": args.system or "none"}
     text, paths = write_report(out, runs, command=command, env=environment(model), settings=settings, notes=notes)
     print(text)
     print("wrote " + ", ".join(map(str, paths)))
@@ -835,7 +837,7 @@ def cmd_tune(args: argparse.Namespace, command: str) -> int:
         paths, e = optimal_tree(rank_accuracy, n)
         if len(paths) == n:  # a budget beyond the calibrated ranks adds nothing
             trees[n], expected[n] = paths, e
-    timing_ids = [encode_prompt(model.tokenizer, p.text) for p in load_prompts(args.prompts, args.latency_prompts)]
+    timing_ids = [encode_prompt(model.tokenizer, p.text, args.system) for p in load_prompts(args.prompts, args.latency_prompts)]
     latency, accel = measure_step_latency(model, timing_ids, trees, max_new_tokens=args.latency_tokens,
                                           progress=not args.no_progress)
     predicted = predict_speedups(expected, latency)
@@ -847,7 +849,7 @@ def cmd_tune(args: argparse.Namespace, command: str) -> int:
         Method(f"medusa:optimal_{n}", "medusa", tuple(map(tuple, trees[n]))) for n in ranked
     ]
     runs, notes = run_benchmark(model, confirm_prompts, methods, max_new_tokens=args.max_new_tokens,
-                                repeats=args.repeats, progress=not args.no_progress)
+                                repeats=args.repeats, system=args.system, progress=not args.no_progress)
     overall = {s.method: s for s in summarise(runs) if s.category == ALL}
     base_tok_s = overall["baseline"].tok_s
     measured = {n: overall[f"medusa:optimal_{n}"] for n in ranked}
@@ -939,7 +941,7 @@ def cmd_profile(args: argparse.Namespace, command: str) -> int:
 
     model = _load(args)
     prompts = load_prompts(args.prompts, args.limit or args.runs)[: args.runs]
-    ids = [encode_prompt(model.tokenizer, p.text) for p in prompts]
+    ids = [encode_prompt(model.tokenizer, p.text, args.system) for p in prompts]
     tree = args.tree or model.default_tree
 
     def generate_all() -> tuple[int, int]:
