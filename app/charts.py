@@ -1,0 +1,192 @@
+"""Plotly figures of the live view: one step's candidate tree (paper 2.1.2, Figure 2) and the session's
+per-step speed. Pure functions of ``StepRecord`` / ``StepRow`` data; they know nothing of Gradio.
+
+Figures are built as plain plotly JSON (``Figure``), not ``plotly.graph_objects``: validating a
+graph object costs 30–100 ms on a small CPU, which would slow generation at every redraw. The tests
+check every figure against plotly's schema instead.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from medusa_core import StepRecord
+
+from .stats import StepRow, rolling_mean
+
+ACCEPTED = "#d62728"  # the accepted path: strong red, used for nothing else
+BACKBONE = "#444444"  # the root: the backbone's own token
+HEAD_COLOURS = ("#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2", "#bcbd22")
+MODE_COLOURS = {"medusa": "#1f77b4", "baseline": "#ff7f0e"}
+ROLLING_WINDOW = 8
+
+
+@dataclass(frozen=True)
+class Figure:
+    """A plotly figure as plain data. ``gr.Plot`` takes it like a plotly figure (it calls ``to_json``)."""
+
+    data: list[dict[str, Any]]
+    layout: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"data": self.data, "layout": self.layout}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+
+def empty_figure(message: str, height: int = 300) -> Figure:
+    """A blank figure with a centred message."""
+    return Figure(
+        data=[],
+        layout=dict(
+            height=height,
+            xaxis=dict(visible=False),
+            yaxis=dict(visible=False),
+            margin=dict(l=10, r=10, t=30, b=10),
+            annotations=[dict(text=message, showarrow=False, font=dict(size=14, color="#888"), x=0.5, y=0.5, xref="paper", yref="paper")],
+        ),
+    )
+
+
+def tree_layout(parents: Sequence[int]) -> tuple[list[int], list[float]]:
+    """(x, y) of every node: x = depth, leaves stacked top-down in rank order, a parent at its children's mean.
+
+    ``parents`` is in tree-buffer order (root first, parents before children, siblings by rank).
+    """
+    n = len(parents)
+    children: list[list[int]] = [[] for _ in range(n)]
+    depth = [0] * n
+    for i in range(1, n):
+        children[parents[i]].append(i)
+        depth[i] = depth[parents[i]] + 1
+    y = [0.0] * n
+    next_leaf = 0
+
+    def place(i: int) -> None:  # recursion depth ≤ number of heads
+        nonlocal next_leaf
+        if not children[i]:
+            y[i] = -float(next_leaf)
+            next_leaf += 1
+            return
+        for c in children[i]:
+            place(c)
+        y[i] = sum(y[c] for c in children[i]) / len(children[i])
+
+    place(0)
+    return depth, y
+
+
+def tree_figure(record: StepRecord, labels: Sequence[str], height: int = 420) -> Figure:
+    """One step's candidate tree: nodes by depth with their token text, coloured by head (paler for
+    lower-ranked candidates), the accepted path in red; hover shows token id, head and rank.
+
+    ``labels`` [N] is the display text of every node's token.
+    """
+    parents = record.node_parents
+    x, y = tree_layout(parents)
+    accepted = set(record.accepted_nodes)
+    edge_x: list[float | None] = []
+    edge_y: list[float | None] = []
+    for i in range(1, record.tree_nodes):
+        edge_x += [x[parents[i]], x[i], None]
+        edge_y += [y[parents[i]], y[i], None]
+    path = list(record.accepted_nodes)
+    data: list[dict[str, Any]] = [
+        dict(type="scatter", x=edge_x, y=edge_y, mode="lines", line=dict(color="#c8c8c8", width=1), hoverinfo="skip", showlegend=False),
+        dict(type="scatter", x=[x[i] for i in path], y=[y[i] for i in path], mode="lines", line=dict(color=ACCEPTED, width=4), hoverinfo="skip", name="accepted path"),
+    ]
+    for head in sorted(set(record.node_heads)):  # 0-based head index; -1 = root. Shown 1-based, as in the paper.
+        nodes = [i for i in range(record.tree_nodes) if record.node_heads[i] == head]
+        data.append(
+            dict(
+                type="scatter",
+                x=[x[i] for i in nodes],
+                y=[y[i] for i in nodes],
+                mode="markers+text",
+                name="backbone" if head < 0 else f"head {head + 1}",
+                text=[labels[i] for i in nodes],
+                textposition="middle right",
+                textfont=dict(size=11, color=[ACCEPTED if i in accepted else "#333333" for i in nodes]),
+                marker=dict(
+                    size=[14 if i in accepted else 10 for i in nodes],
+                    color=BACKBONE if head < 0 else HEAD_COLOURS[head % len(HEAD_COLOURS)],
+                    opacity=[1.0 if i in accepted else max(0.3, 0.9 - 0.15 * record.node_ranks[i]) for i in nodes],
+                    line=dict(
+                        color=[ACCEPTED if i in accepted else "white" for i in nodes],
+                        width=[3 if i in accepted else 1 for i in nodes],
+                    ),
+                ),
+                customdata=[
+                    [record.node_token_ids[i], "backbone" if head < 0 else head + 1, record.node_ranks[i], "yes" if i in accepted else "no"]
+                    for i in nodes
+                ],
+                hovertemplate="token %{text} (id %{customdata[0]})<br>head %{customdata[1]}, rank %{customdata[2]}"
+                "<br>accepted: %{customdata[3]}<extra></extra>",
+            )
+        )
+    added = len(record.token_ids)
+    title = (
+        f"step {record.step} · {record.tree_name} ({record.tree_nodes} nodes) · "
+        f"+{added} token{'' if added == 1 else 's'} ({record.accept_length} from heads)"
+    )
+    return Figure(
+        data=data,
+        layout=dict(
+            title=dict(text=title, font=dict(size=13), x=0.01, xanchor="left", y=0.98, yanchor="top"),
+            height=height,
+            margin=dict(l=10, r=10, t=70, b=40),
+            xaxis=dict(title=dict(text="depth (head k proposes depth k)"), tickmode="linear", dtick=1, range=[-0.3, max(x) + 0.9], zeroline=False),
+            yaxis=dict(visible=False),
+            legend=dict(orientation="h", x=0, y=1.0, yanchor="bottom"),
+            plot_bgcolor="white",
+            uirevision="tree",
+        ),
+    )
+
+
+def speed_figure(rows: Sequence[StepRow], height: int = 420) -> Figure:
+    """Session steps in order: tokens/s per step (markers) with a rolling mean per mode (lines) on top,
+    tokens accepted per step (bars) below; Medusa and baseline steps in different colours."""
+    if not rows:
+        return empty_figure("tokens/s per step appear here once a reply streams", height)
+    data: list[dict[str, Any]] = []
+    for mode in ("medusa", "baseline"):
+        idx = [i for i, r in enumerate(rows) if r.mode == mode]
+        if not idx:
+            continue
+        colour = MODE_COLOURS[mode]
+        speed = [rows[i].tokens_per_s for i in idx]
+        data += [
+            dict(
+                type="scatter", x=idx, y=speed, mode="markers", name=f"{mode} tokens/s",
+                marker=dict(color=colour, size=4, opacity=0.5),
+                customdata=[[rows[i].reply_index, rows[i].step] for i in idx],
+                hovertemplate="reply %{customdata[0]}, step %{customdata[1]}<br>%{y:.1f} tokens/s<extra></extra>",
+            ),
+            dict(
+                type="scatter", x=idx, y=rolling_mean(speed, ROLLING_WINDOW), mode="lines",
+                name=f"{mode} rolling mean ({ROLLING_WINDOW} steps)", line=dict(color=colour, width=2),
+            ),
+            dict(
+                type="bar", x=idx, y=[rows[i].accepted_tokens for i in idx], name=f"{mode} tokens/step",
+                marker=dict(color=colour), showlegend=False, xaxis="x2", yaxis="y2",
+            ),
+        ]
+    return Figure(
+        data=data,
+        layout=dict(
+            height=height,
+            margin=dict(l=60, r=10, t=50, b=40),
+            legend=dict(orientation="h", x=0, y=1.0, yanchor="bottom"),
+            xaxis=dict(anchor="y", matches="x2", showticklabels=False),
+            yaxis=dict(domain=[0.42, 1.0], title=dict(text="tokens/s"), rangemode="tozero"),
+            xaxis2=dict(anchor="y2", title=dict(text="session step")),
+            yaxis2=dict(domain=[0.0, 0.34], title=dict(text="tokens/step"), rangemode="tozero", dtick=1),
+            bargap=0.1,
+            plot_bgcolor="white",
+            uirevision="speed",
+        ),
+    )

@@ -1,0 +1,70 @@
+"""The one model every browser session shares, and its loading state.
+
+``launch.py`` starts serving first and loads the model afterwards, so the page can show the load
+progress; until ``ready`` the chat handlers answer with the loading status instead of a reply.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+from medusa_core import MedusaModel
+
+
+class Engine:
+    """A ``MedusaModel`` that may still be loading.
+
+    Args:
+        description: what is being loaded, e.g. ``"demo (nf4) on auto"``; shown while loading.
+    """
+
+    def __init__(self, description: str):
+        self.description = description
+        self.model: MedusaModel | None = None
+        self.error: str | None = None
+        self.load_seconds: float | None = None
+        self._started = time.monotonic()
+        self._done = threading.Event()
+
+    @classmethod
+    def of(cls, model: MedusaModel) -> "Engine":
+        """An engine around an already loaded model (tests, notebooks)."""
+        engine = cls(model.name)
+        engine.model, engine.load_seconds = model, 0.0
+        engine._done.set()
+        return engine
+
+    def load(self, loader: Callable[[], MedusaModel]) -> MedusaModel:
+        """Run ``loader`` in this thread and keep its model; on failure keep the message and re-raise."""
+        self._started = time.monotonic()
+        try:
+            model = loader()
+            if model.tokenizer is None:
+                raise ValueError(f"{model.name} has no tokenizer: the chat needs one (pass --base-model with a tokenizer)")
+            self.model = model
+            return model
+        except Exception as e:  # noqa: BLE001 - kept for the page, then re-raised to launch.py
+            self.error = str(e)
+            raise
+        finally:
+            self.load_seconds = time.monotonic() - self._started
+            self._done.set()
+
+    @property
+    def ready(self) -> bool:
+        return self.model is not None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until loading ends; True when a model is ready."""
+        self._done.wait(timeout)
+        return self.ready
+
+    def status(self) -> str:
+        """One line for the page: loading (with elapsed time), failed, or ready."""
+        if self.error is not None:
+            return f"Loading {self.description} failed: {self.error}"
+        if self.model is None:
+            return f"Loading {self.description}… {time.monotonic() - self._started:.0f} s"
+        return f"{self.model.name} ready (loaded in {self.load_seconds:.1f} s)"

@@ -1,0 +1,67 @@
+"""Per-browser-session state, kept in ``gr.State``: the conversation, the session's step statistics,
+the last reply's step records (for the step slider), and the flags that let Stop end a reply cleanly.
+
+Handlers mutate the ``Session`` in place, so a reply that Stop cancels keeps every step it finished.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import uuid
+from dataclasses import dataclass, field
+
+from medusa_core import StepRecord
+
+from .stats import StepRow
+from .text import ReplyText
+
+#: Turn states: waiting for the model, streaming, finished, stopped by the user, or failed.
+TURN_STATES = ("pending", "streaming", "done", "stopped", "error")
+
+
+@dataclass
+class Turn:
+    """One user message and the model's reply to it."""
+
+    user: str
+    reply: ReplyText = field(default_factory=ReplyText)
+    state: str = "pending"
+    error: str = ""  # shown under the reply when state == "error"
+    note: str = ""  # shown under the reply, e.g. that earlier turns were left out of the prompt
+    reply_index: int | None = None  # the reply's index in the session statistics
+
+
+class Session:
+    """One browser session: conversation, statistics and the stop/idle flags of its running reply.
+
+    ``gr.State`` deep-copies its initial value per session; ``__deepcopy__`` gives the copy fresh
+    threading primitives (they cannot be copied).
+    """
+
+    def __init__(self) -> None:
+        self.id = uuid.uuid4().hex[:8]
+        self.turns: list[Turn] = []
+        self.rows: list[StepRow] = []  # every step of every reply, in order
+        self.replies = 0  # replies started so far (chat and compare), numbering StepRow.reply_index
+        self.last_records: list[StepRecord] = []  # steps of the latest reply, for the step slider
+        self.last_labels: dict[int, str] = {}  # token id -> label, for the latest reply's trees
+        self.stop_requested = threading.Event()
+        self.idle = threading.Event()
+        self.idle.set()
+
+    def __deepcopy__(self, memo: dict) -> "Session":
+        new = Session()
+        for name in ("turns", "rows", "replies", "last_records", "last_labels"):
+            setattr(new, name, copy.deepcopy(getattr(self, name), memo))
+        return new
+
+    @property
+    def busy(self) -> bool:
+        """True while a reply or a comparison runs for this session."""
+        return not self.idle.is_set()
+
+    def history(self, before: int) -> list[tuple[str, str]]:
+        """(user, reply) pairs of the turns before index ``before`` that reached the model (not failed ones)."""
+        return [(t.user, t.reply.text) for t in self.turns[:before] if t.state in ("done", "stopped")]
+

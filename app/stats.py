@@ -1,0 +1,179 @@
+"""Session statistics: one row per decoding step, the summary the page shows, and the CSV export.
+
+Pure functions over ``StepRow`` lists. Definitions (Medusa paper, section 3):
+
+- *acceleration rate*: tokens per decoding step of Medusa replies (plain decoding is 1.0);
+- *tokens/s* of a group of steps: tokens / (Σ step latency − Σ prefill), i.e. decoding speed without
+  the prompt's prefill, so short and long prompts compare fairly;
+- *speedup*: Medusa tokens/s over the tokens/s of the session's baseline (Medusa off) steps;
+- *acceptance rate of head k*: the share of Medusa steps whose accepted path reached depth k,
+  i.e. that kept a token proposed by head k.
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import asdict, dataclass, fields
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from medusa_core import StepRecord
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """One decoding step as exported to CSV (the field order is the column order)."""
+
+    session_id: str
+    reply_index: int  # 0-based, counts every reply of the session (chat and compare runs)
+    source: str  # "chat" or "compare"
+    step: int  # 0-based step within the reply
+    mode: str  # "medusa" or "baseline"
+    tree_name: str
+    tree_nodes: int  # N, nodes verified this step, root included (1 = plain decoding)
+    temperature: float
+    posterior_threshold: float  # ε
+    posterior_alpha: float  # δ
+    accepted_tokens: int  # tokens added to the reply this step (the backbone's own + those from heads)
+    head_tokens: int  # of which proposed by the heads (the step's accept length)
+    step_latency_ms: float  # includes the prefill on step 0
+    prefill_ms: float
+    tokens_per_s: float  # accepted_tokens / step latency
+    total_tokens: int  # reply tokens so far
+    stop_reason: str  # on the reply's last step: eos / max_new_tokens / context / stopped; else ""
+    timestamp: str  # ISO 8601, UTC, when the step finished
+
+    @classmethod
+    def from_record(
+        cls,
+        record: StepRecord,
+        *,
+        session_id: str,
+        reply_index: int,
+        source: str,
+        temperature: float,
+        posterior_threshold: float,
+        posterior_alpha: float,
+        when: datetime | None = None,
+    ) -> "StepRow":
+        when = when or datetime.now(timezone.utc)
+        return cls(
+            session_id=session_id,
+            reply_index=reply_index,
+            source=source,
+            step=record.step,
+            mode=record.mode,
+            tree_name=record.tree_name,
+            tree_nodes=record.tree_nodes,
+            temperature=temperature,
+            posterior_threshold=posterior_threshold,
+            posterior_alpha=posterior_alpha,
+            accepted_tokens=len(record.token_ids),
+            head_tokens=record.accept_length,
+            step_latency_ms=round(record.latency_s * 1e3, 4),
+            prefill_ms=round(record.prefill_s * 1e3, 4),
+            tokens_per_s=round(record.tokens_per_s, 3),
+            total_tokens=record.total_tokens,
+            stop_reason=record.stop_reason or "",
+            timestamp=when.isoformat(timespec="milliseconds"),
+        )
+
+
+CSV_COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(StepRow))
+
+
+def write_csv(rows: Iterable[StepRow], path: Path) -> Path:
+    """Write ``rows`` with a header line to ``path`` (parents created); returns ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        writer.writeheader()
+        writer.writerows(asdict(r) for r in rows)
+    return path
+
+
+def decode_tokens_per_s(rows: Sequence[StepRow]) -> float | None:
+    """Tokens per second of ``rows`` without the prefill; None when there is no decoding time."""
+    seconds = sum(r.step_latency_ms - r.prefill_ms for r in rows) / 1e3
+    return sum(r.accepted_tokens for r in rows) / seconds if seconds > 0 else None
+
+
+def rolling_mean(values: Sequence[float], window: int) -> list[float]:
+    """Mean of each value and up to ``window - 1`` values before it."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What the summary panel shows about a session's steps."""
+
+    medusa_steps: int
+    baseline_steps: int
+    acceleration_rate: float | None  # tokens per Medusa step
+    medusa_step_ms: float | None  # mean Medusa step latency without prefill
+    baseline_step_ms: float | None
+    medusa_tokens_per_s: float | None
+    baseline_tokens_per_s: float | None
+    speedup: float | None  # medusa / baseline tokens per second
+    head_acceptance: tuple[float, ...]  # rate for heads 1..K (empty without Medusa steps)
+
+
+def summarize(rows: Sequence[StepRow], num_heads: int) -> Summary:
+    """Summary of a session's steps; tree-less steps (N = 1) near a reply's token limit count as baseline."""
+    medusa = [r for r in rows if r.mode == "medusa" and r.tree_nodes > 1]
+    baseline = [r for r in rows if r.mode == "baseline"]
+    medusa_speed, baseline_speed = decode_tokens_per_s(medusa), decode_tokens_per_s(baseline)
+    return Summary(
+        medusa_steps=len(medusa),
+        baseline_steps=len(baseline),
+        acceleration_rate=sum(r.accepted_tokens for r in medusa) / len(medusa) if medusa else None,
+        medusa_step_ms=_mean_step_ms(medusa),
+        baseline_step_ms=_mean_step_ms(baseline),
+        medusa_tokens_per_s=medusa_speed,
+        baseline_tokens_per_s=baseline_speed,
+        speedup=medusa_speed / baseline_speed if medusa_speed and baseline_speed else None,
+        head_acceptance=tuple(
+            sum(r.head_tokens >= k for r in medusa) / len(medusa) for k in range(1, num_heads + 1)
+        )
+        if medusa
+        else (),
+    )
+
+
+def _mean_step_ms(rows: Sequence[StepRow]) -> float | None:
+    return sum(r.step_latency_ms - r.prefill_ms for r in rows) / len(rows) if rows else None
+
+
+def summary_markdown(summary: Summary) -> str:
+    """The summary panel as a Markdown table."""
+
+    def num(x: float | None, fmt: str) -> str:
+        return "–" if x is None else format(x, fmt)
+
+    s = summary
+    lines = [
+        "| | Medusa | baseline |",
+        "|---|---|---|",
+        f"| steps | {s.medusa_steps} | {s.baseline_steps} |",
+        f"| tokens / step (acceleration rate) | {num(s.acceleration_rate, '.2f')} | {'1.00' if s.baseline_steps else '–'} |",
+        f"| mean step latency (ms) | {num(s.medusa_step_ms, '.1f')} | {num(s.baseline_step_ms, '.1f')} |",
+        f"| tokens / s | {num(s.medusa_tokens_per_s, '.1f')} | {num(s.baseline_tokens_per_s, '.1f')} |",
+        "",
+        f"**Speedup vs this session's baseline replies: {num(s.speedup, '.2f')}×**"
+        + ("" if s.speedup is not None else " (send a reply with Medusa off, or press Compare)"),
+    ]
+    if s.head_acceptance:
+        lines += [
+            "",
+            "| head | " + " | ".join(str(k) for k in range(1, len(s.head_acceptance) + 1)) + " |",
+            "|---|" + "---|" * len(s.head_acceptance),
+            "| acceptance rate | " + " | ".join(f"{a:.0%}" for a in s.head_acceptance) + " |",
+        ]
+    return "\n".join(lines)

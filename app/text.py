@@ -1,0 +1,141 @@
+"""Token ids → text for the app: the one UTF-8-safe streaming detokenizer, reply text that remembers
+which tokens came from the Medusa heads, prompts through the model's chat template, and token labels.
+
+A byte-level BPE token can end in the middle of a UTF-8 character (an emoji or a CJK character is
+often 2–4 tokens), and SentencePiece tokenizers decode a token differently depending on what comes
+before it. ``StreamingDetokenizer`` is the only place that deals with both: it decodes a short window
+of recent tokens and emits only text that can no longer change.
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class StreamingDetokenizer:
+    """Turns token ids, pushed one at a time, into text pieces made only of whole characters.
+
+    ``push`` returns the text the token completes ("" while a character is still incomplete);
+    ``flush`` returns what is left at the end of the reply. Joining every piece gives
+    ``tokenizer.decode(all_ids, skip_special_tokens=True)`` (special tokens such as EOS give "").
+
+    The window trick (as in text-generation-inference): decode ``ids[prefix:]`` and the already
+    emitted ``ids[prefix:read]``; the difference is new text unless it ends in U+FFFD, i.e. a cut character.
+    """
+
+    def __init__(self, tokenizer: Any):
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._prefix = 0  # start of the decode window (keeps SentencePiece's leading-space context)
+        self._read = 0  # tokens before this index are already emitted as text
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text it completes."""
+        self._ids.append(int(token_id))
+        emitted = self._decode(self._ids[self._prefix : self._read])
+        text = self._decode(self._ids[self._prefix :])
+        if len(text) > len(emitted) and not text.endswith(REPLACEMENT_CHAR):
+            self._prefix, self._read = self._read, len(self._ids)
+            return text[len(emitted) :]
+        return ""
+
+    def flush(self) -> str:
+        """Text of the tokens not yet emitted (an unfinished character shows as U+FFFD)."""
+        emitted = self._decode(self._ids[self._prefix : self._read])
+        text = self._decode(self._ids[self._prefix :])
+        self._prefix = self._read = len(self._ids)
+        return text[len(emitted) :]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+
+
+@dataclass
+class ReplyText:
+    """A reply as runs of text, each marked by whether its tokens were accepted from the Medusa heads.
+
+    ``free`` runs are the tokens a step accepted beyond the backbone's own token (paper 2.3.1): the
+    tokens Medusa got without an extra forward pass.
+    """
+
+    runs: list[tuple[str, bool]] = field(default_factory=list)
+
+    def append(self, text: str, free: bool) -> None:
+        if not text:
+            return
+        if self.runs and self.runs[-1][1] == free:
+            self.runs[-1] = (self.runs[-1][0] + text, free)
+        else:
+            self.runs.append((text, free))
+
+    @property
+    def text(self) -> str:
+        return "".join(t for t, _ in self.runs)
+
+    def html(self, highlight: bool) -> str:
+        """The reply as preformatted HTML; with ``highlight``, free runs are wrapped in ``<mark>``."""
+        parts = [
+            f'<mark class="medusa-free">{html.escape(t)}</mark>' if free and highlight else html.escape(t)
+            for t, free in self.runs
+        ]
+        return '<pre class="medusa-reply">' + "".join(parts) + "</pre>"
+
+
+def token_label(tokenizer: Any, token_id: int) -> str:
+    """A short visible label for one token: its decoded text with spaces and newlines made visible."""
+    text = tokenizer.decode([int(token_id)], skip_special_tokens=False)
+    text = text.replace(" ", "␣").replace("\n", "⏎").replace("\t", "⇥")
+    return text if len(text) <= 12 else text[:11] + "…"
+
+
+#: Used when a tokenizer has no chat template (e.g. Vicuna v1.3, the backbone of the published Medusa heads).
+VICUNA_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }} "
+    "{% elif m['role'] == 'user' %}USER: {{ m['content'] }} "
+    "{% else %}ASSISTANT: {{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+
+
+def chat_messages(system_prompt: str, history: Sequence[tuple[str, str]], user: str) -> list[dict[str, str]]:
+    """Chat-template messages: the system prompt (if any), past (user, reply) pairs, the new user message."""
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt.strip() else []
+    for question, answer in history:
+        messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    return messages + [{"role": "user", "content": user}]
+
+
+def prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> torch.Tensor:
+    """Token ids [1, T] of ``prompt_text(tokenizer, messages)``."""
+    # The template writes any BOS itself: adding special tokens again would double it.
+    return tokenizer(prompt_text(tokenizer, messages), add_special_tokens=False, return_tensors="pt").input_ids
+
+
+def prompt_text(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+    """``messages`` through the tokenizer's chat template, ending where the assistant's reply starts.
+
+    Templates that reject a system role get the system prompt prepended to the first user message.
+    Tokenizers without a template use the Vicuna v1.1 format.
+    """
+    from jinja2 import TemplateError
+
+    template = None if getattr(tokenizer, "chat_template", None) else VICUNA_TEMPLATE
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, chat_template=template, tokenize=False, add_generation_prompt=True
+        )
+    except TemplateError:
+        if messages[0]["role"] != "system":
+            raise
+        system, first, *rest = messages
+        merged = {"role": "user", "content": f"{system['content']}\n\n{first['content']}"}
+        text = tokenizer.apply_chat_template(
+            [merged, *rest], chat_template=template, tokenize=False, add_generation_prompt=True
+        )
+    return text

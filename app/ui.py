@@ -1,0 +1,191 @@
+"""The page: ``build_ui(engine, settings) -> gr.Blocks``. Layout and event wiring only; the behaviour
+lives in ``app.handlers``, whose named outputs are mapped to components here.
+
+Generation events (reply, regenerate, compare) share one concurrency group of size 1: one
+generation at a time on the model, the others queue. Everything else (Stop, export, the slider)
+runs beside it, so Stop and Export work while a reply streams.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from contextlib import closing
+from typing import Any, Callable
+
+import gradio as gr
+
+from . import handlers
+from .charts import empty_figure, speed_figure
+from .engine import Engine
+from .handlers import CONTROL_NAMES, CUSTOM_TREE, Controls
+from .session import Session
+from .settings import AppSettings
+from .stats import summarize, summary_markdown
+
+MODEL_QUEUE = dict(concurrency_id="model", concurrency_limit=1)
+
+# Runs in the browser after Export: download the file the handler just wrote (one click for the user).
+DOWNLOAD_JS = """
+(file) => {
+  if (file && file.url) {
+    const a = document.createElement("a");
+    a.href = file.url;
+    a.download = file.orig_name || "medusa-chat.csv";
+    document.body.appendChild(a);
+    a.click();
+    a.remove();
+  }
+  return [];
+}
+"""
+
+
+def _named(fn: Callable[..., Any], outputs: dict[str, gr.components.Component]) -> Callable[..., Any]:
+    """Adapt a handler that returns (or yields) ``{name: value}`` to Gradio's ``{component: value}``."""
+
+    def to_components(update: dict[str, Any]) -> dict[Any, Any]:
+        return {outputs[name]: value for name, value in update.items()}
+
+    if inspect.isgeneratorfunction(fn):
+
+        def stream(*args: Any) -> Any:
+            with closing(fn(*args)) as updates:  # Stop closes this generator, which closes the handler's
+                for update in updates:
+                    yield to_components(update)
+
+        stream.__name__ = _name(fn)
+        return stream
+
+    def call(*args: Any) -> Any:
+        return to_components(fn(*args))
+
+    call.__name__ = _name(fn)
+    return call
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    """The handler's name (API names and logs), also through ``functools.partial``."""
+    return getattr(getattr(fn, "func", fn), "__name__", "handler")
+
+
+def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
+    """The whole page for one engine and one set of settings. Loads nothing; safe to call in tests."""
+    defaults = Controls.from_settings(settings)
+    with gr.Blocks(title="Medusa chat", analytics_enabled=False) as demo:
+        session = gr.State(Session)
+        with gr.Row(elem_id="header"):
+            gr.Markdown("## Medusa chat: one backbone, several heads, a tree of guesses per step")
+        banner = gr.Markdown(elem_id="banner")
+        timer = gr.Timer(1.0, active=True)
+        with gr.Row(equal_height=False):
+            with gr.Column(scale=3):
+                chatbot = gr.Chatbot(elem_id="chat", height=460, label="Chat", autoscroll=True, feedback_options=None)
+                with gr.Row():
+                    message = gr.Textbox(
+                        elem_id="message", show_label=False, placeholder="Message (Enter sends, Shift+Enter: new line)",
+                        lines=1, max_lines=8, scale=5, autofocus=True,
+                    )
+                    send = gr.Button("Send", variant="primary", scale=1, elem_id="send")
+                with gr.Row():
+                    stop = gr.Button("Stop", variant="stop", size="sm", elem_id="stop")
+                    regenerate = gr.Button("Regenerate", size="sm", elem_id="regenerate")
+                    clear = gr.Button("Clear", size="sm", elem_id="clear")
+                    highlight = gr.Checkbox(defaults.highlight, label="Highlight tokens from the heads", elem_id="highlight")
+                system_prompt = gr.Textbox(defaults.system_prompt, label="System prompt", lines=2, elem_id="system-prompt")
+            with gr.Column(scale=2):
+                with gr.Tab("Controls"):
+                    medusa = gr.Checkbox(defaults.medusa, label="Medusa (off = plain decoding, one token per step)", elem_id="medusa")
+                    tree = gr.Dropdown([], value=None, label="Tree", elem_id="tree")
+                    custom_tree = gr.Textbox(
+                        defaults.custom_tree, label="Custom tree (JSON paths of head ranks)", placeholder="[[0], [1], [0, 0], [0, 0, 0]]",
+                        visible=False, elem_id="custom-tree",
+                    )
+                    tree_status = gr.Markdown(elem_id="tree-status")
+                    temperature = gr.Slider(0.0, 2.0, defaults.temperature, step=0.05, label="Temperature (0 = greedy)", elem_id="temperature")
+                    posterior_threshold = gr.Slider(
+                        0.0, 0.5, defaults.posterior_threshold, step=0.01, label="ε posterior threshold (typical acceptance)", elem_id="epsilon"
+                    )
+                    posterior_alpha = gr.Slider(0.0, 1.0, defaults.posterior_alpha, step=0.01, label="δ posterior alpha (√ of it in the paper)", elem_id="delta")
+                    max_new_tokens = gr.Slider(1, 2048, defaults.max_new_tokens, step=1, label="Max new tokens", elem_id="max-new-tokens")
+                    seed = gr.Number(
+                        -1 if defaults.seed is None else defaults.seed, label="Seed (−1 = a fresh one per reply; matters when temperature > 0)",
+                        precision=0, minimum=-1, elem_id="seed",
+                    )
+                with gr.Tab("Compare"):
+                    gr.Markdown("Re-runs the last prompt greedily with Medusa off, then on, with the tree and token limit above.")
+                    compare = gr.Button("Compare Medusa off / on", variant="primary", elem_id="compare")
+                    compare_result = gr.Markdown(elem_id="compare-result")
+                with gr.Tab("Model"):
+                    model_info = gr.Markdown(handlers.model_panel(engine), elem_id="model-panel")
+                with gr.Tab("Export"):
+                    gr.Markdown("One row per decoding step of this session (so far, if a reply is streaming).")
+                    export = gr.Button("Export CSV", elem_id="export")
+                    csv_file = gr.File(label="Session statistics", interactive=False, elem_id="csv-file")
+                    csv_path = gr.Markdown(elem_id="csv-path")
+        with gr.Row(equal_height=False):
+            with gr.Column(scale=1):
+                tree_plot = gr.Plot(empty_figure("Each step's candidate tree appears here while a reply streams", 420), elem_id="tree-plot", show_label=False)
+                step_slider = gr.Slider(0, 1, 0, step=1, label="Step of the latest reply", interactive=False, elem_id="step-slider")
+            with gr.Column(scale=1):
+                speed_plot = gr.Plot(speed_figure([]), elem_id="speed-plot", show_label=False)
+                summary = gr.Markdown(summary_markdown(summarize([], 0)), elem_id="summary")
+
+        outputs = dict(
+            banner=banner, timer=timer, chatbot=chatbot, message=message, tree=tree, tree_status=tree_status,
+            model_panel=model_info, compare_result=compare_result, csv_file=csv_file, csv_path=csv_path,
+            tree_plot=tree_plot, step_slider=step_slider, speed_plot=speed_plot, summary=summary,
+        )
+        controls = dict(
+            medusa=medusa, temperature=temperature, posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha,
+            tree=tree, custom_tree=custom_tree, max_new_tokens=max_new_tokens, seed=seed, system_prompt=system_prompt,
+            highlight=highlight,
+        )
+        assert tuple(controls) == CONTROL_NAMES
+        out = list(outputs.values())
+
+        def with_controls(fn: Callable[..., Any]) -> Callable[..., Any]:
+            """``fn(engine, settings, session, controls)`` as a Gradio function of (session, *control values)."""
+
+            def run(state: Session, *values: Any) -> Any:
+                values_by_name = dict(zip(CONTROL_NAMES, values))
+                seed_value = values_by_name["seed"]
+                values_by_name["seed"] = None if seed_value is None or seed_value < 0 else int(seed_value)
+                values_by_name["max_new_tokens"] = int(values_by_name["max_new_tokens"])
+                yield from fn(engine, settings, state, Controls(**values_by_name))
+
+            run.__name__ = fn.__name__
+            return _named(run, outputs)
+
+        control_inputs = [session, *controls.values()]
+        reply = with_controls(handlers.respond)
+
+        status = _named(functools.partial(handlers.page_status, engine, settings), outputs)
+        demo.load(status, [session], out, queue=False)
+        timer.tick(status, [session], out, queue=False)
+
+        sent = gr.on(
+            [message.submit, send.click],
+            _named(functools.partial(handlers.add_user, engine), outputs),
+            [session, message, highlight], out, queue=False,
+        )
+        replying = sent.then(reply, control_inputs, out, **MODEL_QUEUE)
+        regenerating = regenerate.click(
+            _named(functools.partial(handlers.regenerate, engine), outputs), [session, highlight], out, queue=False
+        ).then(reply, control_inputs, out, **MODEL_QUEUE)
+        comparing = compare.click(with_controls(handlers.compare), control_inputs, out, **MODEL_QUEUE)
+        running = [replying, regenerating, comparing]
+        stop.click(_named(functools.partial(handlers.stop, engine), outputs), [session, highlight], out, cancels=running, queue=False)
+        clear.click(_named(functools.partial(handlers.clear, engine), outputs), [session], out, cancels=running, queue=False)
+
+        highlight.change(_named(handlers.rerender_chat, outputs), [session, highlight], out, queue=False)
+        step_slider.release(_named(functools.partial(handlers.show_step, engine), outputs), [session, step_slider], out, queue=False)
+        tree.change(lambda t: gr.Textbox(visible=t == CUSTOM_TREE), [tree], [custom_tree], queue=False)
+        gr.on(
+            [tree.change, custom_tree.blur, custom_tree.submit],
+            _named(functools.partial(handlers.check_tree, engine), outputs), [tree, custom_tree], out, queue=False,
+        )
+        export.click(_named(functools.partial(handlers.export_csv, settings), outputs), [session], out, queue=False).then(
+            None, [csv_file], None, js=DOWNLOAD_JS
+        )
+    return demo

@@ -1,0 +1,88 @@
+"""Serve the Medusa chat app: ``python launch.py`` (``--help`` lists every setting with its default).
+
+The only module with side effects: it reads the settings, starts serving (so the page can show
+the model loading), loads the model once, and serves until Ctrl+C. A model that fails to load
+prints the loader's message and exits with status 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+import webbrowser
+
+
+def main(argv: list[str]) -> int:
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # a local app: no phoning home
+
+    from app.settings import AppSettings
+
+    settings = AppSettings.from_cli(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if settings.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
+
+    from app.engine import Engine
+    from app.paths import CSS_FILE
+    from app.ui import build_ui
+    from medusa_core import load_medusa_model
+
+    engine = Engine(f"{settings.model} ({settings.quantization} backbone, device {settings.device})")
+    demo = build_ui(engine, settings)
+    demo.queue(default_concurrency_limit=None)
+    settings.exports_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        demo.launch(
+            server_name=settings.host,
+            server_port=settings.port,
+            share=False,
+            inbrowser=False,
+            prevent_thread_lock=True,
+            show_error=True,
+            quiet=True,
+            css_paths=[CSS_FILE],
+            allowed_paths=[str(settings.exports_dir)],
+        )
+    except OSError as e:
+        print(f"error: cannot serve on {settings.host}:{settings.port}: {e}", file=sys.stderr)
+        return 1
+    url = f"http://{'127.0.0.1' if settings.host in ('0.0.0.0', '::') else settings.host}:{settings.port}"
+    print(f"medusa-chat: serving on {url}  (Ctrl+C stops)", flush=True)
+    if settings.open:
+        webbrowser.open(url)
+
+    print(f"medusa-chat: loading {engine.description} …", flush=True)
+    start = time.monotonic()
+    try:
+        engine.load(
+            lambda: load_medusa_model(
+                settings.model, base_model=settings.base_model, quantization=settings.quantization, device=settings.device
+            )
+        )
+    except Exception as e:  # noqa: BLE001 - one clear line instead of a traceback wall
+        if settings.verbose:
+            logging.exception("loading failed")
+        print(f"error: could not load {settings.model}: {e}", file=sys.stderr)
+        if not settings.verbose:
+            print("(run with --verbose for the traceback)", file=sys.stderr)
+        demo.close()
+        return 1
+    model = engine.model
+    print(
+        f"medusa-chat: ready in {time.monotonic() - start:.1f} s: {model.name} on {model.device}, "
+        f"{model.num_heads} heads, default tree {model.default_tree}; open {url}",
+        flush=True,
+    )
+    try:
+        demo.block_thread()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        demo.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,325 @@
+"""Handler-level tests of the app on a tiny random Llama with Medusa heads: no browser, no server.
+
+Handlers are called as the page calls them; streaming handlers are iterated, and a Stop is either
+the Stop handler's flag or closing the generator (what Gradio's ``cancels=`` does).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+from pathlib import Path
+
+import gradio as gr
+import pytest
+import torch
+from tiny_models import write_tiny_medusa
+
+from app import handlers
+from app.engine import Engine
+from app.handlers import CUSTOM_TREE, Controls
+from app.session import Session
+from app.settings import AppSettings
+from app.stats import CSV_COLUMNS
+from app.ui import build_ui
+from medusa_core import load_medusa_model
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory) -> Engine:
+    folder = write_tiny_medusa(tmp_path_factory.mktemp("tiny"))
+    return Engine.of(load_medusa_model(folder, quantization=None))
+
+
+@pytest.fixture
+def settings(tmp_path) -> AppSettings:
+    # Redraw on every step so the tests see every intermediate update.
+    return AppSettings(data_dir=tmp_path / "data", stream_interval_s=0.0, redraw_interval_s=0.0, max_new_tokens=24)
+
+
+@pytest.fixture
+def controls(settings) -> Controls:
+    return dataclasses.replace(Controls.from_settings(settings), tree="sparse_16", system_prompt="be brief")
+
+
+def send(engine, settings, session, controls, message="def add"):
+    handlers.add_user(engine, session, message, controls.highlight)
+    return list(handlers.respond(engine, settings, session, controls))
+
+
+def reply_html(update) -> str:
+    return update["chatbot"][-1]["content"]
+
+
+def greedy_reference(engine, session, controls, index=-1) -> str:
+    """The reply plain medusa_core gives for the same prompt, decoded in one go."""
+    model = engine.model
+    ids, _ = handlers._fit_prompt(model, controls, session.history(len(session.turns) + index), session.turns[index].user)
+    tokens = [t for r in model.generate(ids, max_new_tokens=controls.max_new_tokens, tree=controls.tree) for t in r.token_ids]
+    return model.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def test_a_reply_streams_step_by_step_and_equals_the_engines_greedy_output(engine, settings, controls):
+    session = Session()
+    updates = send(engine, settings, session, controls)
+    texts = [reply_html(u) for u in updates if "chatbot" in u]
+    assert len(texts) > 3
+    assert len(set(texts)) > 3  # the text grew across updates
+    turn = session.turns[0]
+    assert turn.state == "done" and not session.busy
+    assert turn.reply.text == greedy_reference(engine, session, controls)
+    assert len(session.rows) == len(session.last_records) > 1
+    assert sum(r.accepted_tokens for r in session.rows) == session.rows[-1].total_tokens
+    final = updates[-1]
+    assert {"tree_plot", "step_slider", "speed_plot", "summary", "model_panel"} <= set(final)
+    assert final["tree_plot"].layout["title"]["text"].startswith(f"step {len(session.rows) - 1} ")
+
+
+def test_the_highlight_marks_exactly_the_tokens_accepted_from_the_heads(engine, settings, controls):
+    session = Session()
+    send(engine, settings, session, controls)
+    head_tokens = sum(r.head_tokens for r in session.rows)
+    free_text = "".join(t for t, free in session.turns[0].reply.runs if free)
+    assert bool(free_text) == (head_tokens > 0)
+    shown = handlers.rerender_chat(session, True)["chatbot"][-1]["content"]
+    assert ("<mark" in shown) == bool(free_text)
+    assert "<mark" not in handlers.rerender_chat(session, False)["chatbot"][-1]["content"]
+
+
+def test_stop_ends_the_reply_after_the_current_step_and_keeps_the_partial_reply(engine, settings, controls):
+    session = Session()
+    handlers.add_user(engine, session, "def add", False)
+    stream = handlers.respond(engine, settings, session, controls)
+    next(stream)
+    next(stream)
+    session.stop_requested.set()  # what the Stop handler does first
+    rest = list(stream)
+    turn = session.turns[0]
+    assert turn.state == "stopped" and turn.reply.text
+    assert session.rows[-1].stop_reason == "stopped"
+    assert len(session.rows) <= 3 and sum(r.accepted_tokens for r in session.rows) < controls.max_new_tokens
+    assert "stopped" in reply_html(rest[-1])
+    shown = handlers.stop(engine, session, False)["chatbot"][-1]["content"]
+    assert turn.reply.html(False) in shown
+
+
+def test_a_cancelled_stream_keeps_its_text_and_frees_the_session(engine, settings, controls):
+    session = Session()
+    handlers.add_user(engine, session, "def add", False)
+    stream = handlers.respond(engine, settings, session, controls)
+    next(stream)
+    next(stream)
+    assert session.busy
+    stream.close()  # Gradio's cancels= closes the handler's generator
+    assert not session.busy
+    assert session.turns[0].state == "stopped" and session.turns[0].reply.text
+    shown = handlers.stop(engine, session, False)["chatbot"]
+    assert "stopped" in shown[-1]["content"]
+    # The app keeps serving: the next message gets a complete reply.
+    send(engine, settings, session, controls, "return")
+    assert session.turns[1].state == "done"
+
+
+def test_regenerate_replaces_the_last_reply(engine, settings, controls):
+    session = Session()
+    send(engine, settings, session, controls)
+    first = session.turns[0].reply.text
+    updates = handlers.regenerate(engine, session, False)
+    assert updates["chatbot"][-1]["role"] == "user"  # the old reply is gone
+    list(handlers.respond(engine, settings, session, controls))
+    assert len(session.turns) == 1 and session.turns[0].state == "done"
+    assert session.turns[0].reply.text == first  # greedy: the same reply again
+    assert session.replies == 2 and {r.reply_index for r in session.rows} == {0, 1}
+
+
+def test_sampling_with_a_fixed_seed_repeats_and_different_seeds_vary(engine, settings, controls):
+    def reply(seed):
+        session = Session()
+        send(engine, settings, session, dataclasses.replace(controls, temperature=1.0, seed=seed))
+        return session.turns[0].reply.text
+
+    assert reply(7) == reply(7)
+    assert len({reply(s) for s in (1, 2, 3)}) > 1
+
+
+def test_clear_empties_the_chat_but_keeps_the_statistics(engine, settings, controls):
+    session = Session()
+    send(engine, settings, session, controls)
+    steps = len(session.rows)
+    updates = handlers.clear(engine, session)
+    assert updates["chatbot"] == [] and session.turns == []
+    assert len(session.rows) == steps
+
+
+def test_export_writes_every_column_and_one_row_per_step(engine, settings, controls):
+    session = Session()
+    send(engine, settings, session, controls)
+    send(engine, settings, session, dataclasses.replace(controls, medusa=False), "return")
+    out = handlers.export_csv(settings, session)
+    path = Path(out["csv_file"])
+    assert path.parent == settings.exports_dir and str(path) in out["csv_path"]
+    with path.open() as f:
+        rows = list(csv.DictReader(f))
+    assert tuple(rows[0]) == CSV_COLUMNS
+    assert len(rows) == len(session.rows)
+    assert {r["session_id"] for r in rows} == {session.id}
+    assert [r["mode"] for r in rows].count("baseline") == sum(1 for r in session.rows if r.mode == "baseline") > 0
+    assert all(r["tokens_per_s"] and float(r["step_latency_ms"]) > 0 for r in rows)
+    for reply in ("0", "1"):
+        steps = [int(r["step"]) for r in rows if r["reply_index"] == reply]
+        assert steps == list(range(len(steps)))
+
+
+def test_export_while_a_reply_streams_gives_the_steps_so_far(engine, settings, controls):
+    session = Session()
+    handlers.add_user(engine, session, "def add", False)
+    stream = handlers.respond(engine, settings, session, controls)
+    for _ in range(3):
+        next(stream)
+    with Path(handlers.export_csv(settings, session)["csv_file"]).open() as f:
+        assert len(list(csv.DictReader(f))) == len(session.rows) >= 2
+    stream.close()
+
+
+def test_an_empty_message_is_ignored(engine, settings, controls):
+    session = Session()
+    assert handlers.add_user(engine, session, "   \n", False) == {"message": ""}
+    assert session.turns == []
+    assert list(handlers.respond(engine, settings, session, controls)) == [{}]
+
+
+def test_a_prompt_longer_than_the_context_gets_a_message_and_the_chat_continues(engine, settings, controls):
+    session = Session()
+    updates = send(engine, settings, session, controls, "def add " * 400)
+    assert session.turns[0].state == "error"
+    assert "context window is 256 tokens" in reply_html(updates[-1])
+    send(engine, settings, session, controls, "def add")
+    assert session.turns[1].state == "done" and session.turns[1].reply.text
+
+
+def test_old_turns_are_left_out_when_the_conversation_outgrows_the_context(engine, settings, controls):
+    session = Session()
+    long = dataclasses.replace(controls, max_new_tokens=60)
+    for _ in range(6):
+        send(engine, settings, session, long, "def add(a, b): return a + b " * 2)
+    assert all(t.state == "done" for t in session.turns)
+    assert "left out to fit the 256-token context" in session.turns[-1].note
+    assert not session.turns[0].note
+
+
+def test_an_invalid_custom_tree_gets_the_validators_message(engine, settings, controls):
+    session = Session()
+    bad = dataclasses.replace(controls, tree=CUSTOM_TREE, custom_tree="[[0], [0, 0, 1]]")
+    updates = send(engine, settings, session, bad)
+    assert session.turns[0].state == "error"
+    message = updates[-1]["tree_status"]
+    assert "[0, 0]" in message  # the validator names the missing prefix
+    assert handlers.check_tree(engine, CUSTOM_TREE, "[[0], [0, 0, 1]]")["tree_status"] == message
+    assert "not valid JSON" in handlers.check_tree(engine, CUSTOM_TREE, "[[0]")["tree_status"]
+    too_deep = handlers.check_tree(engine, CUSTOM_TREE, "[[0], [0, 0], [0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0, 0]]")
+    assert too_deep["tree_status"].startswith("⚠") and "4" in too_deep["tree_status"]
+
+
+def test_a_valid_custom_tree_is_used_for_the_reply(engine, settings, controls):
+    session = Session()
+    custom = dataclasses.replace(controls, tree=CUSTOM_TREE, custom_tree="[[0], [1], [0, 0]]")
+    assert handlers.check_tree(engine, CUSTOM_TREE, custom.custom_tree)["tree_status"].startswith("✓")
+    send(engine, settings, session, custom)
+    assert session.rows[0].tree_nodes == 4 and session.rows[0].tree_name == "custom_3"
+
+
+def test_an_error_inside_generation_appears_in_the_chat_and_the_app_keeps_serving(engine, settings, controls, monkeypatch):
+    session = Session()
+    model = engine.model
+    real = model._tree_forward
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of memory (simulated)")
+
+    monkeypatch.setattr(model, "_tree_forward", broken)
+    updates = send(engine, settings, session, controls)
+    assert session.turns[0].state == "error" and not session.busy
+    assert "out of memory (simulated)" in reply_html(updates[-1])
+    monkeypatch.setattr(model, "_tree_forward", real)
+    send(engine, settings, session, controls, "return")
+    assert session.turns[1].state == "done"
+
+
+def test_compare_runs_medusa_off_then_on_and_reports_identical_greedy_replies(engine, settings, controls):
+    session = Session()
+    send(engine, settings, session, dataclasses.replace(controls, temperature=0.7))
+    updates = list(handlers.compare(engine, settings, session, controls))
+    table = updates[-1]["compare_result"]
+    assert "Medusa off" in table and "Medusa on" in table and "Speedup" in table
+    assert "Identical replies: **yes**" in table
+    compare_rows = [r for r in session.rows if r.source == "compare"]
+    assert {r.mode for r in compare_rows} == {"baseline", "medusa"}
+    assert {r.temperature for r in compare_rows} == {0.0}
+    assert updates[-1]["summary"].count("–") < handlers.summary_markdown(handlers.summarize([], 4)).count("–")
+
+
+def test_compare_without_a_message_says_what_to_do(engine, settings, controls):
+    (update,) = handlers.compare(engine, settings, Session(), controls)
+    assert "Send a message first" in update["compare_result"]
+
+
+def test_the_step_slider_shows_any_step_of_the_latest_reply(engine, settings, controls):
+    session = Session()
+    updates = send(engine, settings, session, controls)
+    slider = updates[-1]["step_slider"]
+    assert slider.maximum == len(session.last_records) - 1
+    shown = handlers.show_step(engine, session, 1)["tree_plot"]
+    assert shown.layout["title"]["text"].startswith("step 1 ")
+    assert handlers.show_step(engine, session, 999)["tree_plot"].layout["title"]["text"].startswith(f"step {slider.maximum} ")
+
+
+def test_tree_choices_offer_model_trees_presets_chain_dense_and_custom(engine):
+    values = [v for _, v in handlers.tree_choices(engine.model)]
+    assert values[:len(engine.model.tree_names())] == engine.model.tree_names()
+    assert {"chain_1", "chain_4", "dense_3x2x2", "dense_2x2x2x2", CUSTOM_TREE} <= set(values)
+    assert "dense_3x3x2x2x1" not in values  # deeper than the 4 heads
+
+
+def test_the_model_panel_shows_names_precision_device_heads_and_memory(engine):
+    panel = handlers.model_panel(engine, Session())
+    for needle in ("base model", "none", "float32", "cpu", "| Medusa heads | 4", "sparse_16", "MiB"):
+        assert needle in panel
+
+
+def test_while_the_model_loads_messages_wait_and_the_page_shows_progress(settings, controls, monkeypatch):
+    loading = Engine("demo (nf4)")
+    warnings = []
+    monkeypatch.setattr(gr, "Warning", lambda msg, *a, **k: warnings.append(msg))
+    session = Session()
+    assert handlers.add_user(loading, session, "hi", False) == {} and session.turns == []
+    assert "Loading demo (nf4)" in warnings[0]
+    assert handlers.page_status(loading, settings, session)["banner"].startswith("⏳ Loading demo (nf4)")
+    with pytest.raises(ValueError):
+        loading.load(lambda: (_ for _ in ()).throw(ValueError("no such folder")))
+    failed = handlers.page_status(loading, settings, session)
+    assert "no such folder" in failed["banner"] and "timer" in failed
+
+
+def test_page_status_fills_the_tree_choices_once_ready(engine, settings):
+    updates = handlers.page_status(engine, settings, Session())
+    assert updates["banner"] == "" and updates["tree"].value == engine.model.default_tree
+
+
+def test_the_ui_builds_without_a_model_and_with_one(engine, settings):
+    assert isinstance(build_ui(Engine("not loaded"), settings), gr.Blocks)
+    assert isinstance(build_ui(engine, settings), gr.Blocks)
+
+
+def test_session_state_copies_are_independent_and_usable():
+    import copy
+
+    original = Session()
+    original.turns.append(handlers.Turn(user="x"))
+    copied = copy.deepcopy(original)
+    assert copied.turns[0].user == "x" and copied.turns is not original.turns
+    assert not copied.busy and copied.id != original.id
+
+
+def test_prompts_are_built_on_the_cpu_host_side(engine, controls):
+    ids, dropped = handlers._fit_prompt(engine.model, controls, [], "def add")
+    assert ids.dtype == torch.long and ids.shape[0] == 1 and dropped == 0

@@ -1,0 +1,118 @@
+"""Tests of app.stats and app.charts on hand-made step records: summary arithmetic, CSV, figures."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+
+import plotly.graph_objects as go
+import pytest
+
+from app.charts import empty_figure, speed_figure, tree_figure, tree_layout
+from app.stats import CSV_COLUMNS, StepRow, rolling_mean, summarize, summary_markdown, write_csv
+from medusa_core import StepRecord
+
+# A 6-node tree: root 0; head-1 candidates 1 (rank 0) and 2 (rank 1); 3 = [0, 0], 4 = [0, 1], 5 = [0, 0, 0].
+PARENTS = (-1, 0, 0, 1, 1, 3)
+HEADS = (-1, 0, 0, 1, 1, 2)  # 0-based head index, as medusa_core records it
+RANKS = (0, 0, 1, 0, 1, 0)
+
+
+def record(step=0, accepted=(0, 1, 3), mode="medusa", latency=0.010, prefill=0.0, stop=None) -> StepRecord:
+    nodes = len(PARENTS) if mode == "medusa" else 1
+    return StepRecord(
+        step=step, mode=mode, tree_name="hand" if mode == "medusa" else "baseline", tree_nodes=nodes,
+        node_token_ids=tuple(range(10, 10 + nodes)), node_parents=PARENTS[:nodes], node_heads=HEADS[:nodes],
+        node_ranks=RANKS[:nodes], accepted_nodes=accepted, token_ids=tuple(10 + i for i in accepted),
+        accept_length=len(accepted) - 1, latency_s=latency, total_tokens=len(accepted), prefill_s=prefill, stop_reason=stop,
+    )
+
+
+def row(rec: StepRecord, reply_index=0) -> StepRow:
+    return StepRow.from_record(
+        rec, session_id="s1", reply_index=reply_index, source="chat", temperature=0.0, posterior_threshold=0.09, posterior_alpha=0.3
+    )
+
+
+def test_step_row_converts_units_and_counts_tokens():
+    r = row(record(accepted=(0, 1, 3), latency=0.020, prefill=0.005, stop="eos"))
+    assert (r.accepted_tokens, r.head_tokens) == (3, 2)
+    assert (r.step_latency_ms, r.prefill_ms) == (20.0, 5.0)
+    assert r.tokens_per_s == pytest.approx(150.0)
+    assert r.stop_reason == "eos" and r.mode == "medusa" and r.tree_nodes == 6
+
+
+def test_summary_gives_acceleration_speedup_and_per_head_acceptance():
+    rows = [
+        row(record(0, accepted=(0, 1, 3, 5), latency=0.030, prefill=0.010)),  # 4 tokens, 20 ms of decoding
+        row(record(1, accepted=(0, 2), latency=0.020)),  # 2 tokens
+        row(record(2, accepted=(0,), latency=0.020)),  # 1 token
+        *[row(record(i, accepted=(0,), mode="baseline", latency=0.010), reply_index=1) for i in range(4)],
+    ]
+    s = summarize(rows, num_heads=4)
+    assert (s.medusa_steps, s.baseline_steps) == (3, 4)
+    assert s.acceleration_rate == pytest.approx(7 / 3)
+    assert s.medusa_tokens_per_s == pytest.approx(7 / 0.060)
+    assert s.baseline_tokens_per_s == pytest.approx(100.0)
+    assert s.speedup == pytest.approx(7 / 0.060 / 100.0)
+    assert s.medusa_step_ms == pytest.approx(20.0)
+    assert s.head_acceptance == pytest.approx((2 / 3, 1 / 3, 1 / 3, 0.0))
+    text = summary_markdown(s)
+    assert "1.17×" in text and "67%" in text
+
+
+def test_summary_without_baseline_has_no_speedup_and_tree_less_medusa_steps_are_left_out():
+    tail = dataclasses.replace(row(record(1)), tree_nodes=1, accepted_tokens=1, head_tokens=0)
+    s = summarize([row(record(0)), tail], num_heads=3)
+    assert s.speedup is None and s.medusa_steps == 1 and s.acceleration_rate == 3
+    assert "–×" in summary_markdown(s)
+    assert summarize([], 4).head_acceptance == ()
+
+
+def test_rolling_mean_averages_the_last_window_values():
+    assert rolling_mean([2, 4, 6, 8], 2) == [2, 3, 5, 7]
+    assert rolling_mean([], 3) == []
+
+
+def test_csv_has_every_column_and_one_row_per_step(tmp_path):
+    rows = [row(record(i)) for i in range(3)]
+    path = write_csv(rows, tmp_path / "deep" / "s.csv")
+    with path.open() as f:
+        read = list(csv.DictReader(f))
+    assert tuple(read[0]) == CSV_COLUMNS
+    assert [r["step"] for r in read] == ["0", "1", "2"]
+    required = {"session_id", "reply_index", "step", "mode", "tree_name", "tree_nodes", "temperature", "posterior_threshold",
+                "posterior_alpha", "accepted_tokens", "step_latency_ms", "tokens_per_s", "timestamp"}
+    assert required <= set(CSV_COLUMNS)
+
+
+def test_tree_layout_puts_nodes_at_their_depth_and_parents_between_their_children():
+    x, y = tree_layout(PARENTS)
+    assert x == [0, 1, 1, 2, 2, 3]
+    assert y[5] == y[3] == 0.0 and y[4] == -1.0 and y[2] == -2.0  # leaves top-down in rank order
+    assert y[1] == (y[3] + y[4]) / 2 and y[0] == (y[1] + y[2]) / 2
+
+
+def test_tree_figure_is_valid_plotly_and_draws_the_accepted_path_in_red():
+    fig = tree_figure(record(accepted=(0, 1, 3)), labels=["r", "a", "b", "c", "d", "e"])
+    go.Figure(fig.to_dict())  # raises on anything plotly does not accept
+    path = next(t for t in fig.data if t.get("name") == "accepted path")
+    assert path["x"] == [0, 1, 2] and path["line"]["color"] == "#d62728"
+    names = [t["name"] for t in fig.data if t.get("mode") == "markers+text"]
+    assert names == ["backbone", "head 1", "head 2", "head 3"]  # shown 1-based, as in the paper
+    head1 = fig.data[names.index("head 1") + 2]
+    assert head1["text"] == ["a", "b"] and head1["customdata"][1] == [12, 1, 1, "no"]
+    assert "step 0" in fig.layout["title"]["text"] and "2 from heads" in fig.layout["title"]["text"]
+
+
+def test_speed_figure_separates_medusa_and_baseline_steps_and_is_valid_plotly():
+    rows = [row(record(0)), row(record(1)), row(record(0, accepted=(0,), mode="baseline"), reply_index=1)]
+    fig = speed_figure(rows)
+    go.Figure(fig.to_dict())
+    go.Figure(speed_figure([]).to_dict())
+    go.Figure(empty_figure("x").to_dict())
+    by_name = {t["name"]: t for t in fig.data}
+    assert by_name["medusa tokens/s"]["x"] == [0, 1]
+    assert by_name["baseline tokens/s"]["x"] == [2]
+    assert by_name["medusa tokens/step"]["y"] == [3, 3]
+    assert by_name["medusa tokens/s"]["marker"]["color"] != by_name["baseline tokens/s"]["marker"]["color"]

@@ -1,0 +1,95 @@
+"""Tests of app.text: UTF-8-safe streaming detokenization, reply rendering, chat prompts."""
+
+from __future__ import annotations
+
+from tiny_models import tiny_tokenizer
+
+from app.text import ReplyText, StreamingDetokenizer, chat_messages, prompt_ids, prompt_text, token_label
+
+SPECIAL = 256  # the fake tokenizer's one special token (say, EOS)
+
+
+class ByteTokenizer:
+    """A byte-level fake: token i < 256 is byte i; decoding replaces incomplete characters with U+FFFD,
+    as Hugging Face byte-level BPE tokenizers do."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        text = bytes(i for i in ids if i < SPECIAL).decode("utf-8", errors="replace")
+        return text if skip_special_tokens or SPECIAL not in ids else text + "<eos>"
+
+
+def stream(tokenizer, ids):
+    detok = StreamingDetokenizer(tokenizer)
+    pieces = [detok.push(i) for i in ids]
+    return pieces, detok.flush()
+
+
+def test_characters_split_across_tokens_are_emitted_whole_and_only_once():
+    text = "héllo 😀 世界!"
+    pieces, rest = stream(ByteTokenizer(), list(text.encode("utf-8")))
+    assert "".join(pieces) + rest == text
+    assert all("\ufffd" not in p for p in pieces)
+    emoji_bytes = len("😀".encode())
+    start = len("héllo ".encode())
+    # The emoji's first three byte-tokens emit nothing; the fourth emits the whole emoji.
+    assert pieces[start : start + emoji_bytes] == ["", "", "", "😀"]
+
+
+def test_special_tokens_add_no_text_and_an_unfinished_character_is_flushed_as_replacement():
+    pieces, rest = stream(ByteTokenizer(), [*b"ok", SPECIAL, *"é".encode()[:1]])
+    assert "".join(pieces) == "ok"
+    assert rest == "\ufffd"
+
+
+def test_streamed_pieces_join_to_the_full_decode_with_a_real_bpe_tokenizer():
+    tok = tiny_tokenizer()
+    ids = tok("def add(a, b):\n    return a + b\n<|end|>", add_special_tokens=False).input_ids
+    pieces, rest = stream(tok, ids)
+    assert "".join(pieces) + rest == tok.decode(ids, skip_special_tokens=True)
+    assert sum(1 for p in pieces if p) > 5  # it really streams
+
+
+def test_reply_html_escapes_text_and_marks_only_free_runs_when_highlighting():
+    reply = ReplyText()
+    reply.append("a<b", free=False)
+    reply.append("&c", free=True)
+    reply.append("d", free=True)
+    reply.append("", free=False)
+    assert reply.runs == [("a<b", False), ("&cd", True)]
+    assert reply.text == "a<b&cd"
+    assert reply.html(highlight=True) == '<pre class="medusa-reply">a&lt;b<mark class="medusa-free">&amp;cd</mark></pre>'
+    assert "<mark" not in reply.html(highlight=False)
+
+
+def test_prompt_uses_the_chat_template_with_system_prompt_and_history():
+    tok = tiny_tokenizer()
+    messages = chat_messages("be brief", [("hi", "hello")], "add")
+    assert prompt_text(tok, messages) == (
+        "<|system|>\nbe brief<|end|>\n<|user|>\nhi<|end|>\n<|assistant|>\nhello<|end|>\n"
+        "<|user|>\nadd<|end|>\n<|assistant|>\n"
+    )
+    ids = prompt_ids(tok, messages)
+    assert ids.shape[0] == 1
+    assert tok.decode(ids[0]) == prompt_text(tok, messages)
+
+
+def test_an_empty_system_prompt_is_left_out_and_a_tokenizer_without_template_uses_vicuna_format():
+    tok = tiny_tokenizer()
+    assert chat_messages("  ", [], "x") == [{"role": "user", "content": "x"}]
+    tok.chat_template = None
+    assert prompt_text(tok, chat_messages("sys", [], "add")) == "sys USER: add ASSISTANT:"
+
+
+def test_templates_that_reject_a_system_role_get_it_merged_into_the_first_user_message():
+    tok = tiny_tokenizer()
+    tok.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
+        "[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+    )
+    assert prompt_text(tok, chat_messages("sys", [], "add")) == "[user]sys\n\nadd"
+
+
+def test_token_labels_show_whitespace():
+    tok = tiny_tokenizer()
+    (space_id,) = tok(" ", add_special_tokens=False).input_ids
+    assert token_label(tok, space_id) == "␣"
