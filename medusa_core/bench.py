@@ -854,6 +854,11 @@ def cmd_tune(args: argparse.Namespace, command: str) -> int:
     base_tok_s = overall["baseline"].tok_s
     measured = {n: overall[f"medusa:optimal_{n}"] for n in ranked}
     best = max(ranked, key=lambda n: measured[n].tok_s)
+    if measured[best].tok_s < base_tok_s:
+        notes.append(f"no tree beat plain decoding here: the best, {best} paths, ran at "
+                     f"{_ratio(measured[best].tok_s, base_tok_s):.2f}× the plain loop's tokens/s")
+    if pick != best:
+        notes.append(f"the prediction picked {pick} paths; the confirming benchmark measured {best} paths faster")
 
     rows = []
     for n in sorted(predicted):
