@@ -159,6 +159,11 @@ def speed_figure(rows: Sequence[StepRow], height: int = 420) -> Figure:
             continue
         colour = MODE_COLOURS[mode]
         speed = [rows[i].tokens_per_s for i in idx]
+        mean_x: list[int | None] = []
+        mean_y: list[float | None] = []
+        for reply in _replies(rows, idx):  # one rolling mean per reply, with a gap between replies
+            mean_x += [*reply, None]
+            mean_y += [*rolling_mean([rows[i].tokens_per_s for i in reply], ROLLING_WINDOW), None]
         data += [
             dict(
                 type="scatter", x=idx, y=speed, mode="markers", name=f"{mode} tokens/s",
@@ -167,8 +172,8 @@ def speed_figure(rows: Sequence[StepRow], height: int = 420) -> Figure:
                 hovertemplate="reply %{customdata[0]}, step %{customdata[1]}<br>%{y:.1f} tokens/s<extra></extra>",
             ),
             dict(
-                type="scatter", x=idx, y=rolling_mean(speed, ROLLING_WINDOW), mode="lines",
-                name=f"{mode} rolling mean ({ROLLING_WINDOW} steps)", line=dict(color=colour, width=2),
+                type="scatter", x=mean_x[:-1], y=mean_y[:-1], mode="lines",
+                name=f"{mode} rolling mean ({ROLLING_WINDOW} steps)", line=dict(color=colour, width=2), hoverinfo="skip",
             ),
             dict(
                 type="bar", x=idx, y=[rows[i].accepted_tokens for i in idx], name=f"{mode} tokens/step",
@@ -190,3 +195,14 @@ def speed_figure(rows: Sequence[StepRow], height: int = 420) -> Figure:
             uirevision="speed",
         ),
     )
+
+
+def _replies(rows: Sequence[StepRow], idx: list[int]) -> list[list[int]]:
+    """``idx`` (positions in ``rows``) split into runs of the same reply."""
+    runs: list[list[int]] = []
+    for i in idx:
+        if runs and rows[runs[-1][-1]].reply_index == rows[i].reply_index:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs

@@ -95,13 +95,16 @@ def chat_view(session: Session, highlight: bool) -> list[dict[str, str]]:
     return messages
 
 
-def live_view(engine: Engine, session: Session, step: int | None = None) -> Updates:
-    """The tree plot at ``step`` of the latest reply (default: its last step), the step slider, the
-    session's speed chart and the summary."""
+def live_view(engine: Engine, session: Session, final: bool = False) -> Updates:
+    """The tree plot and step slider at the latest step of the latest reply, the session's speed chart
+    and the summary. With ``final`` (the reply ended) the slider rests on the last step that verified
+    a tree: a reply that hits its token limit ends with a one-token step that has nothing to show."""
     records = session.last_records
     n = len(records)
     if n:
-        step = n - 1 if step is None else min(max(int(step), 0), n - 1)
+        step = n - 1
+        if final:
+            step = next((i for i in range(n - 1, -1, -1) if records[i].tree_nodes > 1), step)
         tree = tree_figure(records[step], _labels(engine, session, records[step]))
     else:
         step = 0
@@ -263,7 +266,7 @@ def respond(engine: Engine, settings: AppSettings, session: Session, controls: C
         if turn.state == "streaming":
             turn.state = "stopped"
         session.idle.set()
-    yield {"chatbot": chat_view(session, controls.highlight), **live_view(engine, session), "model_panel": model_panel(engine, session)}
+    yield {"chatbot": chat_view(session, controls.highlight), **live_view(engine, session, final=True), "model_panel": model_panel(engine, session)}
 
 
 def _stream(engine, settings, session, controls, steps, turn) -> Iterator[Updates]:
@@ -341,7 +344,7 @@ def stop(engine: Engine, session: Session, highlight: bool) -> Updates:
     for turn in session.turns:
         if turn.state == "pending":  # cancelled while waiting for the model
             turn.state = "stopped"
-    return {"chatbot": chat_view(session, highlight), **live_view(engine, session), "model_panel": model_panel(engine, session)}
+    return {"chatbot": chat_view(session, highlight), **live_view(engine, session, final=True), "model_panel": model_panel(engine, session)}
 
 
 def regenerate(engine: Engine, session: Session, highlight: bool) -> Updates:
@@ -418,7 +421,7 @@ def compare(engine: Engine, settings: AppSettings, session: Session, controls: C
         for steps in runs.values():
             steps.close()
         session.idle.set()
-    yield {"compare_result": _compare_table(results, running=None), **live_view(engine, session), "model_panel": model_panel(engine, session)}
+    yield {"compare_result": _compare_table(results, running=None), **live_view(engine, session, final=True), "model_panel": model_panel(engine, session)}
 
 
 def _compare_table(results: dict[str, list[StepRecord]], running: str | None) -> str:

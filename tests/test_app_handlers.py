@@ -72,7 +72,9 @@ def test_a_reply_streams_step_by_step_and_equals_the_engines_greedy_output(engin
     assert sum(r.accepted_tokens for r in session.rows) == session.rows[-1].total_tokens
     final = updates[-1]
     assert {"tree_plot", "step_slider", "speed_plot", "summary", "model_panel"} <= set(final)
-    assert final["tree_plot"].layout["title"]["text"].startswith(f"step {len(session.rows) - 1} ")
+    shown = max(i for i, r in enumerate(session.last_records) if r.tree_nodes > 1)  # not a trailing one-token step
+    assert final["tree_plot"].layout["title"]["text"].startswith(f"step {shown} ")
+    assert final["step_slider"].value == shown
 
 
 def test_the_highlight_marks_exactly_the_tokens_accepted_from_the_heads(engine, settings, controls):

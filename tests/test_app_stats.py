@@ -105,14 +105,21 @@ def test_tree_figure_is_valid_plotly_and_draws_the_accepted_path_in_red():
     assert "step 0" in fig.layout["title"]["text"] and "2 from heads" in fig.layout["title"]["text"]
 
 
-def test_speed_figure_separates_medusa_and_baseline_steps_and_is_valid_plotly():
-    rows = [row(record(0)), row(record(1)), row(record(0, accepted=(0,), mode="baseline"), reply_index=1)]
+def test_speed_figure_separates_modes_and_replies_and_is_valid_plotly():
+    rows = [
+        row(record(0)), row(record(1)),
+        row(record(0, accepted=(0,), mode="baseline"), reply_index=1),
+        row(record(0, accepted=(0,)), reply_index=2),
+    ]
     fig = speed_figure(rows)
     go.Figure(fig.to_dict())
     go.Figure(speed_figure([]).to_dict())
     go.Figure(empty_figure("x").to_dict())
     by_name = {t["name"]: t for t in fig.data}
-    assert by_name["medusa tokens/s"]["x"] == [0, 1]
+    assert by_name["medusa tokens/s"]["x"] == [0, 1, 3]
     assert by_name["baseline tokens/s"]["x"] == [2]
-    assert by_name["medusa tokens/step"]["y"] == [3, 3]
+    assert by_name["medusa tokens/step"]["y"] == [3, 3, 1]
+    mean = by_name["medusa rolling mean (8 steps)"]
+    assert mean["x"] == [0, 1, None, 3]  # each reply has its own rolling mean; no line across other replies
+    assert mean["y"] == [300.0, 300.0, None, 100.0]
     assert by_name["medusa tokens/s"]["marker"]["color"] != by_name["baseline tokens/s"]["marker"]["color"]
