@@ -1,0 +1,284 @@
+"""Checkpoint loading and saving: the three reference layouts, clear errors, the vLLM export and a
+4-bit NF4 backbone on CPU (see MEDUSA_FACTS.md, "Checkpoint layouts to load").
+
+Every checkpoint is written to disk by the test itself from a tiny random Llama.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+from pathlib import Path
+
+import huggingface_hub.constants
+import pytest
+import torch
+from conftest import ARCH_SETTINGS, PROMPT  # plain data, shared with the fixtures
+from safetensors.torch import load_file, save_file
+from tiny_models import HIDDEN, VOCAB, random_heads, tiny_backbone, tiny_tokenizer
+
+from medusa_core import (
+    MedusaCheckpointError,
+    MedusaHeads,
+    MedusaModel,
+    export_vllm,
+    load_medusa_model,
+    save_medusa_heads,
+)
+
+HEADS = 4
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    """A tiny Llama saved with its tokenizer: (folder, the backbone object)."""
+    folder = tmp_path_factory.mktemp("base")
+    backbone = tiny_backbone("llama", **ARCH_SETTINGS["llama"])
+    backbone.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder, backbone
+
+
+def fp16_exact(heads: MedusaHeads) -> MedusaHeads:
+    """Round ``heads`` to values fp16 holds exactly, so a round trip through fp16 files is lossless."""
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(p.half().float())
+    return heads
+
+
+def assert_same_heads(loaded: torch.nn.Module, original: torch.nn.Module) -> None:
+    got, want = loaded.state_dict(), original.state_dict()
+    assert sorted(got) == sorted(want)
+    for key in want:
+        assert torch.equal(got[key].float(), want[key].float()), key
+
+
+def load(folder: Path, **kwargs) -> MedusaModel:
+    return load_medusa_model(folder, quantization=None, device="cpu", **kwargs)
+
+
+# ----------------------------------------------------------------------------------------- layouts
+@pytest.mark.parametrize("file", ["medusa_lm_head.safetensors", "medusa_lm_head.pt"])
+def test_head_only_checkpoint_round_trips_through_either_head_file(file, base, tmp_path):
+    folder, backbone = base
+    heads = fp16_exact(random_heads(backbone, HEADS))
+    save_medusa_heads(heads, tmp_path, base_model_name_or_path=str(folder))
+    if file.endswith(".pt"):
+        torch.save(heads.state_dict(), tmp_path / file)
+        (tmp_path / "medusa_lm_head.safetensors").unlink()
+    assert sorted(p.name for p in tmp_path.glob("medusa_lm_head.*")) == [file]
+    model = load(tmp_path)
+    assert model.num_heads == HEADS and not model.heads.shares_lm_head
+    assert_same_heads(model.heads, heads)
+
+
+def test_head_only_checkpoint_with_two_blocks_per_head_keeps_their_weights_independent(base, tmp_path):
+    folder, backbone = base
+    heads = MedusaHeads(HIDDEN, VOCAB, 3, num_layers=2)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_()
+    fp16_exact(heads)
+    save_medusa_heads(heads, tmp_path, base_model_name_or_path=str(folder))
+    model = load(tmp_path)
+    assert model.num_heads == 3 and model.heads.num_layers == 2
+    assert_same_heads(model.heads, heads)
+    assert not torch.equal(model.heads[0][0].linear.weight, model.heads[0][1].linear.weight)
+
+
+def test_config_head_count_is_ignored_in_favour_of_the_tensors(base, tmp_path):
+    folder, backbone = base
+    heads = fp16_exact(random_heads(backbone, HEADS))
+    save_medusa_heads(heads, tmp_path, base_model_name_or_path=str(folder))
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["medusa_num_heads"] = 2  # what the published Vicuna configs do
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = load(tmp_path)
+    assert model.num_heads == HEADS
+    assert_same_heads(model.heads, heads)
+
+
+def test_version_2_checkpoint_loads_residual_blocks_that_share_the_backbone_lm_head(base, tmp_path):
+    folder, backbone = base
+    heads = MedusaHeads(HIDDEN, VOCAB, HEADS, shared_lm_head=backbone.get_output_embeddings())
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(std=0.1)
+    fp16_exact(heads)
+    save_medusa_heads(heads, tmp_path, base_model_name_or_path=str(folder))
+    assert json.loads((tmp_path / "config.json").read_text())["version"] == "2"
+    assert all(".linear." in k for k in load_file(tmp_path / "medusa_lm_head.safetensors"))
+    model = load(tmp_path)
+    assert model.heads.shares_lm_head and model.num_heads == HEADS
+    assert_same_heads(model.heads, heads)
+    hidden = torch.randn(3, HIDDEN)
+    with torch.no_grad():
+        torch.testing.assert_close(model.heads(hidden), heads(hidden))  # [K, 3, V]
+
+
+def test_medusa_2_full_checkpoint_loads_heads_from_the_model_weights(base, tmp_path):
+    _, backbone = base
+    heads = random_heads(backbone, HEADS)
+    backbone.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    weights.update({f"medusa_head.{k}": v.clone() for k, v in heads.state_dict().items()})
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(medusa_num_heads=HEADS, medusa_num_layers=1)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = load(tmp_path)
+    assert model.num_heads == HEADS
+    assert_same_heads(model.heads, heads)  # float32 in the shard: identical without rounding
+    assert_same_heads(model.backbone, backbone)
+
+
+# ------------------------------------------------------------------------------------------ errors
+@pytest.mark.parametrize(
+    "hidden, vocab, key, found, expected",
+    [
+        (32, VOCAB, "0.0.linear.weight", [32, 32], [HIDDEN, HIDDEN]),
+        (HIDDEN, 50, "0.1.weight", [50, HIDDEN], [VOCAB, HIDDEN]),
+    ],
+    ids=["wrong_hidden_size", "wrong_vocabulary"],
+)
+def test_heads_for_another_backbone_raise_naming_the_key_and_both_shapes(
+    hidden, vocab, key, found, expected, base, tmp_path
+):
+    folder, _ = base
+    save_medusa_heads(MedusaHeads(hidden, vocab, HEADS), tmp_path, base_model_name_or_path=str(folder))
+    with pytest.raises(MedusaCheckpointError) as err:
+        load(tmp_path)
+    message = str(err.value)
+    assert "medusa_lm_head.safetensors" in message
+    assert repr(key) in message and str(found) in message and str(expected) in message
+    assert message.index(str(found)) < message.index(str(expected))  # "has shape found, expected ..."
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda state: state.update({"0.5.weight": torch.zeros(VOCAB, HIDDEN)}), "unexpected tensors ['0.5.weight']"),
+        (lambda state: state.update({"lm_head.weight": torch.zeros(VOCAB, HIDDEN)}), "unexpected key 'lm_head.weight'"),
+        (lambda state: state.pop("2.0.linear.bias"), "missing tensor '2.0.linear.bias' of shape [64]"),
+    ],
+    ids=["extra_tensor", "foreign_key", "missing_tensor"],
+)
+def test_a_head_file_with_extra_or_missing_tensors_is_rejected_not_loaded_loosely(change, message, base, tmp_path):
+    folder, backbone = base
+    save_medusa_heads(random_heads(backbone, HEADS), tmp_path, base_model_name_or_path=str(folder))
+    state = load_file(tmp_path / "medusa_lm_head.safetensors")
+    change(state)
+    save_file(state, tmp_path / "medusa_lm_head.safetensors")
+    with pytest.raises(MedusaCheckpointError, match=re.escape(message)):
+        load(tmp_path)
+
+
+def test_a_folder_without_heads_raises_a_clear_error(base, tmp_path):
+    folder, _ = base
+    (tmp_path / "config.json").write_text(json.dumps({"base_model_name_or_path": str(folder)}))
+    with pytest.raises(MedusaCheckpointError, match=r"no Medusa heads in .*medusa_lm_head\.safetensors"):
+        load(tmp_path)
+    with pytest.raises(MedusaCheckpointError, match=r"no Medusa heads in .*medusa_head\.\* tensors"):
+        load(folder)  # a plain model folder: weights but no medusa_head.* keys
+
+
+def test_a_missing_folder_raises_a_clear_error(tmp_path):
+    missing = tmp_path / "no" / "such" / "folder"
+    with pytest.raises(MedusaCheckpointError, match=re.escape(f"{missing}: no such folder")):
+        load(missing)
+    with pytest.raises(MedusaCheckpointError, match="has no config.json"):
+        load(tmp_path)  # exists, but is empty
+
+
+def test_a_hub_id_not_in_the_cache_while_offline_raises_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # huggingface_hub reads the variable once at import: set the module constant too.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(MedusaCheckpointError, match=r"nobody/not-a-model is not in the local Hugging Face cache"):
+        load_medusa_model("nobody/not-a-model", quantization=None, device="cpu")
+
+
+_UNPICKLED: list[str] = []
+
+
+def _record_unpickling(what: str) -> str:
+    _UNPICKLED.append(what)
+    return what
+
+
+class _CodeOnLoad:
+    """Unpickling this object runs ``_record_unpickling``: the shape of a malicious .pt file."""
+
+    def __reduce__(self):
+        return _record_unpickling, ("code ran",)
+
+
+def test_a_pt_head_file_that_would_run_code_is_refused(base, tmp_path):
+    folder, backbone = base
+    save_medusa_heads(random_heads(backbone, HEADS), tmp_path, base_model_name_or_path=str(folder))
+    (tmp_path / "medusa_lm_head.safetensors").unlink()
+    torch.save({"0.0.linear.weight": _CodeOnLoad()}, tmp_path / "medusa_lm_head.pt")
+    with pytest.raises((pickle.UnpicklingError, MedusaCheckpointError)):
+        load(tmp_path)
+    assert _UNPICKLED == []
+    assert pickle.loads(pickle.dumps(_CodeOnLoad())) == "code ran" and _UNPICKLED == ["code ran"]
+    _UNPICKLED.clear()
+
+
+# ------------------------------------------------------------------------------------------ export
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_vllm_export_has_the_documented_keys_and_config(num_layers, tmp_path):
+    heads = MedusaHeads(HIDDEN, VOCAB, 3, num_layers=num_layers)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_()
+    fp16_exact(heads)
+    export_vllm(heads, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["model_type"] == "medusa" and config["architectures"] == ["MedusaModel"]
+    assert (config["hidden_size"], config["vocab_size"]) == (HIDDEN, VOCAB)
+    assert (config["num_heads"], config["num_hidden_layers"], config["medusa_fc_bias"]) == (3, num_layers, True)
+    state = load_file(tmp_path / "model.safetensors")
+    expected = {f"lm_heads.{i}.weight" for i in range(3)}
+    expected |= {f"blocks.{i}.layers.{j}.{p}" for i in range(3) for j in range(num_layers) for p in ("weight", "bias")}
+    assert set(state) == expected
+    for i in range(3):
+        assert torch.equal(state[f"lm_heads.{i}.weight"].float(), heads[i][num_layers].weight)
+        for j in range(num_layers):
+            assert torch.equal(state[f"blocks.{i}.layers.{j}.weight"].float(), heads[i][j].linear.weight)
+            assert torch.equal(state[f"blocks.{i}.layers.{j}.bias"].float(), heads[i][j].linear.bias)
+
+
+def test_vllm_export_of_version_2_heads_copies_the_backbone_lm_head_per_head(base, tmp_path):
+    _, backbone = base
+    heads = MedusaHeads(HIDDEN, VOCAB, 2, shared_lm_head=backbone.get_output_embeddings())
+    export_vllm(heads, tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    lm_head = backbone.get_output_embeddings().weight.half()
+    assert torch.equal(state["lm_heads.0.weight"], lm_head) and torch.equal(state["lm_heads.1.weight"], lm_head)
+
+
+# --------------------------------------------------------------------------------------------- nf4
+def test_an_nf4_backbone_loads_on_cpu_and_decodes_exactly_like_its_own_greedy_generate(
+    base, tmp_path, greedy, oracle_heads
+):
+    import bitsandbytes as bnb
+
+    folder, backbone = base
+    save_medusa_heads(random_heads(backbone, HEADS), tmp_path, base_model_name_or_path=str(folder))
+    model = load_medusa_model(tmp_path, quantization="nf4", device="cpu")
+    assert model.quantization == "nf4"
+    assert any(isinstance(m, bnb.nn.Linear4bit) for m in model.backbone.modules())
+    assert all(p.dtype == torch.float32 for p in model.heads.parameters())  # heads are never quantized
+    n = 24
+    reference = greedy(model.backbone, PROMPT, n)
+    assert reference != greedy(backbone, PROMPT, n)  # 4 bits really changed the model
+    out = [t for r in model.generate(PROMPT, max_new_tokens=n, tree="sparse_16") for t in r.token_ids]
+    assert out == reference
+    oracle = MedusaModel(model.backbone, oracle_heads(model.backbone, n))  # deep acceptance on 4 bits
+    records = list(oracle.generate(PROMPT, max_new_tokens=n, tree="chain_4"))
+    assert [t for r in records for t in r.token_ids] == reference
+    assert n / len(records) > 3
