@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 import re
 from pathlib import Path
 from typing import Any
@@ -103,7 +104,7 @@ def load_medusa_model(
             f"no Medusa heads in {folder}: expected {' or '.join(HEAD_FILES)} (head-only checkpoint) "
             "or a model folder whose weights hold medusa_head.* tensors (Medusa-2)"
         )
-    backbone = _load_backbone(base, quantization, dtype, dev, trust_remote_code)
+    backbone = load_backbone(base, quantization, dtype, dev, trust_remote_code)
     heads = heads_from_state_dict(state, backbone, source=source).to(device=dev, dtype=dtype)
     tokenizer = _load_tokenizer(folder, base, trust_remote_code)
     calibration = _read_json(folder / CALIBRATION_FILE) if (folder / CALIBRATION_FILE).exists() else {}
@@ -277,7 +278,10 @@ def _read_head_file(path: Path) -> dict[str, torch.Tensor]:
     if path.suffix == ".safetensors":
         return load_file(path)
     # Pickled checkpoints load only as plain tensors: never execute code from a file.
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise MedusaCheckpointError(f"{path} holds more than tensors and was not loaded (weights_only=True): {e}") from e
     if not isinstance(state, dict):
         raise MedusaCheckpointError(f"{path} holds a {type(state).__name__}, expected a state_dict")
     return state
@@ -307,7 +311,17 @@ def _read_full_checkpoint_heads(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _load_backbone(base: str, quantization: str | None, dtype: torch.dtype, device: torch.device, trust_remote_code: bool):
+def load_backbone(
+    base: str,
+    quantization: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    trust_remote_code: bool = False,
+):
+    """A frozen Hugging Face causal LM in eval mode, optionally 4-bit NF4 or int8 (bitsandbytes).
+
+    Raises ``MedusaCheckpointError`` when transformers cannot load ``base``.
+    """
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     kwargs: dict[str, Any] = {"dtype": dtype, "device_map": {"": str(device)}, "trust_remote_code": trust_remote_code}

@@ -297,10 +297,145 @@ def stage_backbone(args) -> None:
     log(f"backbone: {json.dumps(stats)}")
 
 
+def _chat_prompts(split: str, limit: int | None) -> list[list[dict]]:
+    """Seed conversations for self-distillation: a chat's request, a third with the system prompt."""
+    rng = random.Random(SEED + 1)
+    chats = read_jsonl(WORK / "corpus" / f"{split}_chats.jsonl")
+    rng.shuffle(chats)
+    out = []
+    for c in chats[:limit]:
+        system = [{"role": "system", "content": SYSTEM_PROMPT}] if rng.random() < 0.33 else []
+        out.append(system + [{"role": "user", "content": c["prompt"]}])
+    return out
+
+
+def stage_distill(args) -> None:
+    from transformers import AutoTokenizer
+
+    from medusa_core.loading import load_backbone
+    from medusa_core.train import distill
+
+    backbone = load_backbone(str(WORK / "backbone"))
+    tok = AutoTokenizer.from_pretrained(WORK / "backbone")
+    for split, limit, max_new in (("heldout", None, 256), ("train", args.distill_prompts, 200)):
+        out = WORK / f"distill_{split}.jsonl"
+        chats = _chat_prompts(split, limit)
+        if out.exists() and len(out.read_text().splitlines()) >= len(chats):
+            continue
+        distill(backbone, tok, chats, out, max_new_tokens=max_new, batch_size=48, bf16=True)
+
+
+def stage_heads(args) -> None:
+    out = WORK / "heads"
+    if (out / "train_stats.json").exists():
+        return
+    from medusa_core.loading import load_backbone
+    from medusa_core.train import (
+        CALIBRATION_FILE,
+        HeadTrainingConfig,
+        calibration,
+        collect_positions,
+        rank_accuracy,
+        read_distilled,
+        train_heads,
+    )
+
+    t0 = time.time()
+    backbone = load_backbone(str(WORK / "backbone"))
+    cfg = HeadTrainingConfig(num_heads=4, epochs=args.head_epochs, batch_size=2048, lr=1e-3, warmup_steps=30, seed=SEED)
+    hidden, labels = collect_positions(backbone, read_distilled(WORK / "distill_train.jsonl"), cfg.num_heads, bf16=True)
+    heads, stats = train_heads(backbone, hidden, labels, out, cfg, base_model_name_or_path="backbone")
+    held_h, held_l = collect_positions(backbone, read_distilled(WORK / "distill_heldout.jsonl"), cfg.num_heads)
+    record = calibration(rank_accuracy(heads, held_h, held_l), budgets=(8, 16, 32, 64), default=32)
+    train_acc = rank_accuracy(heads, hidden[:50_000], labels[:50_000])
+    (out / CALIBRATION_FILE).write_text(json.dumps(record, indent=1) + "\n")
+    stats.update(
+        heldout_positions=len(held_h),
+        heldout_top1=record["top1"],
+        heldout_top5=record["top5"],
+        train_top1=[round(r[0], 4) for r in train_acc],
+        expected_acceleration=record["expected_acceleration"],
+        seconds_total=round(time.time() - t0),
+    )
+    (out / "train_stats.json").write_text(json.dumps(stats, indent=2))
+    log(f"heads: {json.dumps({k: v for k, v in stats.items() if k != 'config'})}")
+
+
+def stage_export(args) -> None:
+    """fp16 backbone + tokenizer in assets/demo/backbone; heads, calibration and build figures beside."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ASSET.mkdir(parents=True, exist_ok=True)
+    backbone = AutoModelForCausalLM.from_pretrained(WORK / "backbone", dtype=torch.float16)
+    backbone.save_pretrained(ASSET / "backbone")
+    AutoTokenizer.from_pretrained(WORK / "backbone").save_pretrained(ASSET / "backbone")
+    for name in ("config.json", "medusa_lm_head.safetensors", "medusa_calibration.json"):
+        shutil.copy(WORK / "heads" / name, ASSET / name)
+    figures = {
+        "corpus": json.loads((WORK / "corpus" / "stats.json").read_text()),
+        "backbone": json.loads((WORK / "backbone" / "train_stats.json").read_text()),
+        "heads": json.loads((WORK / "heads" / "train_stats.json").read_text()),
+        "distill": _distill_figures(),
+    }
+    (ASSET / "build_figures.json").write_text(json.dumps(figures, indent=2) + "\n")
+    log(f"export: {sum(f.stat().st_size for f in ASSET.rglob('*') if f.is_file()) / 1e6:.1f} MB in {ASSET}")
+
+
+def _distill_figures() -> dict:
+    from medusa_core.train import read_distilled
+
+    out = {}
+    for split in ("train", "heldout"):
+        rows = read_distilled(WORK / f"distill_{split}.jsonl")
+        end_id = load_tokenizer().convert_tokens_to_ids("<|end|>")
+        ended = sum(1 for r in rows if end_id in r["reply_ids"])
+        out[split] = {
+            "prompts": len(rows),
+            "reply_tokens": sum(len(r["reply_ids"]) for r in rows),
+            "ended_with_end_of_turn": round(ended / max(1, len(rows)), 3),
+        }
+    return out
+
+
+def stage_evaluate(args) -> None:
+    """Acceleration rate of the shipped model on held-out prompts (greedy, optimised trees)."""
+    from medusa_core import load_medusa_model
+    from medusa_core.train import read_distilled
+
+    rows = read_distilled(WORK / "distill_heldout.jsonl")[: args.eval_prompts]
+    figures = json.loads((ASSET / "build_figures.json").read_text())
+    result = {}
+    for quant in ("none", "nf4"):
+        model = load_medusa_model(ASSET, quantization=quant)
+        for tree in ("optimised_16", "optimised_32", "optimised_64"):
+            steps = tokens = same = 0
+            for r in rows:
+                ids = torch.tensor([r["prompt_ids"]])
+                recs = list(model.generate(ids, max_new_tokens=128, tree=tree))
+                out = [t for rec in recs for t in rec.token_ids]
+                steps += len(recs)
+                tokens += len(out)
+                plain = [t for rec in model.generate(ids, max_new_tokens=128, medusa=False) for t in rec.token_ids]
+                same += out == plain
+            result[f"{quant}/{tree}"] = {
+                "acceleration_rate": round(tokens / steps, 3),
+                "identical_to_plain_greedy": f"{same}/{len(rows)}",
+            }
+            log(f"evaluate {quant}/{tree}: {result[f'{quant}/{tree}']}")
+    figures["evaluation"] = {"prompts": len(rows), "max_new_tokens": 128, "results": result}
+    (ASSET / "build_figures.json").write_text(json.dumps(figures, indent=2) + "\n")
+
+
 STAGES = {
     "corpus": lambda a: stage_corpus(),
     "tokenizer": lambda a: stage_tokenizer(),
     "backbone": stage_backbone,
+    "distill": stage_distill,
+    "heads": stage_heads,
+    "export": stage_export,
+    "evaluate": stage_evaluate,
 }
 
 
@@ -311,8 +446,12 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--backbone-steps", type=int, default=1300)
     p.add_argument("--backbone-lr", type=float, default=1.5e-3)
+    p.add_argument("--distill-prompts", type=int, default=3000, help="training prompts to self-distil")
+    p.add_argument("--head-epochs", type=float, default=2.0)
+    p.add_argument("--eval-prompts", type=int, default=20)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch CPU threads")
     args = p.parse_args()
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(args.threads)
     WORK.mkdir(parents=True, exist_ok=True)
     for name in args.stages:
         t0 = time.time()

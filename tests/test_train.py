@@ -1,0 +1,154 @@
+"""Head training, self-distillation and calibration on tiny models (paper 2.2.1, 2.3.2, 2.3.3)."""
+
+import json
+
+import pytest
+
+import torch
+from safetensors.torch import load_file
+
+from medusa_core import MedusaHeads, load_medusa_model, optimal_tree
+from medusa_core.train import (
+    HeadTrainingConfig,
+    calibration,
+    collect_positions,
+    distill,
+    head_loss,
+    main,
+    rank_accuracy,
+    read_distilled,
+    read_prompts,
+    train_heads,
+)
+from tiny_models import tiny_backbone, tiny_tokenizer, write_tiny_medusa
+
+
+def _distilled_rows(tmp_path, n=12):
+    tok = tiny_tokenizer()
+    backbone = tiny_backbone(eos_token_id=tok.convert_tokens_to_ids("<|end|>"))
+    chats = [[{"role": "user", "content": "def add" + " a" * i}] for i in range(n)]
+    out = distill(backbone, tok, chats, tmp_path / "d.jsonl", max_new_tokens=24, batch_size=5)
+    return backbone, tok, read_distilled(out)
+
+
+def test_distill_writes_greedy_replies_that_equal_generate_and_resumes(tmp_path):
+    backbone, tok, rows = _distilled_rows(tmp_path, n=6)
+    assert sorted(r["id"] for r in rows) == list(range(6))
+    row = rows[0]
+    expected = backbone.generate(torch.tensor([row["prompt_ids"]]), max_new_tokens=24, do_sample=False)[0, len(row["prompt_ids"]) :]
+    assert row["reply_ids"] == expected.tolist()[: len(row["reply_ids"])]
+    # resuming with more prompts only generates the missing ones
+    chats = [[{"role": "user", "content": "def add" + " a" * i}] for i in range(8)]
+    distill(backbone, tok, chats, tmp_path / "d.jsonl", max_new_tokens=24, batch_size=5)
+    ids = [r["id"] for r in read_distilled(tmp_path / "d.jsonl")]
+    assert sorted(ids) == list(range(8)) and len(ids) == 8
+
+
+def test_collect_positions_labels_are_the_reply_tokens_k_plus_2_ahead(tmp_path):
+    backbone, _, rows = _distilled_rows(tmp_path, n=1)
+    row = rows[0]
+    hidden, labels = collect_positions(backbone, rows, num_heads=3)
+    p, seq = len(row["prompt_ids"]), row["prompt_ids"] + row["reply_ids"]
+    assert hidden.shape == (len(seq) - p, 64)
+    assert labels[0, 0] == seq[p + 1] and labels[0, 2] == seq[p + 3]
+    assert (labels[-1] == -100).all()  # nothing beyond the end
+
+
+def test_head_loss_weights_heads_by_point_eight_to_the_k():
+    logits = torch.zeros(2, 1, 5)
+    labels = torch.tensor([[1, 2]])
+    loss, top1 = head_loss(logits, labels)
+    assert torch.isclose(loss, torch.tensor((1 + 0.8) * torch.log(torch.tensor(5.0)).item()))
+    assert top1.shape == (2,)
+
+
+def test_training_lowers_the_loss_and_writes_a_folder_that_loads_back_identically(tmp_path):
+    backbone, _, rows = _distilled_rows(tmp_path, n=12)
+    hidden, labels = collect_positions(backbone, rows, num_heads=2)
+    cfg = HeadTrainingConfig(num_heads=2, epochs=30, batch_size=64, warmup_steps=2, lr=1e-2, checkpoint_every=0, bf16=False)
+    base = tmp_path / "base"
+    backbone.save_pretrained(base)
+    logits0 = MedusaHeads.from_backbone(backbone, 2)(hidden.float())
+    loss0 = head_loss(logits0, labels)[0].item()
+    heads, stats = train_heads(backbone, hidden, labels, tmp_path / "heads", cfg, base_model_name_or_path=str(base))
+    assert stats["final_loss"] < loss0 * 0.8
+    loaded = load_medusa_model(tmp_path / "heads", quantization=None)
+    saved = load_file(tmp_path / "heads" / "medusa_lm_head.safetensors")
+    for k, v in loaded.heads.state_dict().items():
+        assert torch.equal(v, saved[k].float())
+        assert torch.allclose(v, heads.state_dict()[k], atol=1e-2)
+
+
+def test_an_interrupted_training_resumes_from_its_checkpoint_to_the_same_heads(tmp_path, monkeypatch):
+    import medusa_core.train as train
+
+    backbone, _, rows = _distilled_rows(tmp_path, n=6)
+    hidden, labels = collect_positions(backbone, rows, num_heads=2)
+    cfg = HeadTrainingConfig(num_heads=2, epochs=8, batch_size=32, warmup_steps=1, checkpoint_every=2, bf16=False)
+    reference, _ = train_heads(backbone, hidden, labels, tmp_path / "ref", cfg, base_model_name_or_path="base")
+
+    original = train._checkpoint
+
+    def checkpoint_then_die(*args):
+        original(*args)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "_checkpoint", checkpoint_then_die)
+    try:
+        train_heads(backbone, hidden, labels, tmp_path / "run", cfg, base_model_name_or_path="base")
+    except KeyboardInterrupt:
+        pass
+    monkeypatch.setattr(train, "_checkpoint", original)
+    assert (tmp_path / "run" / "trainer_state.pt").exists()
+    resumed, stats = train_heads(backbone, hidden, labels, tmp_path / "run", cfg, base_model_name_or_path="base")
+    assert stats["resumed_from"] == 2 and not (tmp_path / "run" / "trainer_state.pt").exists()
+    for k, v in reference.state_dict().items():
+        assert torch.allclose(resumed.state_dict()[k], v, atol=1e-6), k
+
+
+def test_rank_accuracy_counts_exact_ranks_and_calibration_builds_the_optimal_tree():
+    class Fixed(torch.nn.Module):
+        num_heads = 2
+
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, h):
+            # vocabulary of 4 with logits 3 > 2 > 1 > 0 for tokens 0..3, for both heads
+            return torch.tensor([3.0, 2.0, 1.0, 0.0]).expand(2, h.shape[0], 4)
+
+    labels = torch.tensor([[0, 1], [0, 0], [1, 3], [2, -100]])
+    acc = rank_accuracy(Fixed(), torch.zeros(4, 8), labels, max_rank=4)
+    assert acc[0] == [0.5, 0.25, 0.25, 0.0]
+    assert acc[1] == pytest.approx([1 / 3, 1 / 3, 0.0, 1 / 3])
+    record = calibration(acc, budgets=[3])
+    assert record["trees"]["optimised_3"] == optimal_tree(acc, 3)[0]
+    # values: [0] .5, [1] .25, [2] .25, [0,0] .5/3 -> the three first-level ranks win over [0,0]
+    # node values: [0] .5, [1] .25, [2] .25, [0,0] .5/3, so the three first-level ranks are chosen
+    assert record["trees"]["optimised_3"] == [[0], [1], [2]]
+    assert record["expected_acceleration"]["optimised_3"] == 2.0
+
+
+def test_cli_distill_heads_and_vllm_export_run_end_to_end(tmp_path):
+    folder = write_tiny_medusa(tmp_path)
+    base = str(tmp_path / "base")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"def f{i}"}) for i in range(4)) + "\n")
+    main(["distill", "--model", base, "--prompts", str(prompts), "--out", str(tmp_path / "d.jsonl"), "--max-new-tokens", "12"])
+    main(["heads", "--model", base, "--data", str(tmp_path / "d.jsonl"), "--heldout", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "h"),
+          "--num-heads", "2", "--epochs", "1", "--batch-size", "8", "--export", "vllm", str(tmp_path / "vllm")])
+    assert json.loads((tmp_path / "h" / "config.json").read_text())["medusa_num_heads"] == 2
+    assert "optimised_32" in json.loads((tmp_path / "h" / "medusa_calibration.json").read_text())["trees"]
+    assert json.loads((tmp_path / "vllm" / "config.json").read_text())["model_type"] == "medusa"
+    assert folder.exists()
+
+
+def test_read_prompts_accepts_chats_prompts_and_text(tmp_path):
+    (tmp_path / "p.txt").write_text("one\n\ntwo\n")
+    assert read_prompts(tmp_path / "p.txt") == [[{"role": "user", "content": "one"}], [{"role": "user", "content": "two"}]]
+    rows = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}, {"prompt": "p", "system": "s"}]
+    (tmp_path / "p.jsonl").write_text("\n".join(map(json.dumps, rows)))
+    chats = read_prompts(tmp_path / "p.jsonl")
+    assert chats[0] == [{"role": "user", "content": "q"}]
+    assert chats[1] == [{"role": "system", "content": "s"}, {"role": "user", "content": "p"}]
