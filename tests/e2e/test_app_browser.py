@@ -97,28 +97,31 @@ def app_url(tmp_path_factory):
             proc.wait()
 
 
-def _wait_for_reply(page) -> list[int]:
-    """Wait until the streaming reply ends; returns the lengths of the reply text seen meanwhile."""
-    bot = page.locator("#chat [data-testid=bot]").last
+def _send(page, text: str) -> list[int]:
+    """Send ``text`` and wait until its reply has ended; returns the reply text lengths seen meanwhile.
+
+    The reply has ended once the new bot message exists and no component has been "generating"
+    for two polls in a row (a fast reply can start and end between two polls).
+    """
+    bots = page.locator("#chat [data-testid=bot]")
+    expected = bots.count() + 1
+    page.locator("#message textarea").fill(text)
+    page.locator("#message textarea").press("Enter")
     generating = page.locator(".generating")
     lengths: list[int] = []
-    started = False
+    idle_polls = 0
     deadline = time.monotonic() + REPLY_TIMEOUT_S
     while time.monotonic() < deadline:
         busy = generating.count() > 0
-        started = started or busy
-        if page.locator("#chat [data-testid=bot]").count():
-            lengths.append(len(bot.inner_text()))
-        if started and not busy:
-            return lengths
+        if bots.count() == expected:
+            lengths.append(len(bots.last.inner_text()))
+            idle_polls = 0 if busy else idle_polls + 1
+            if idle_polls >= 2:
+                return lengths
         page.wait_for_timeout(50)
-    raise AssertionError("the reply did not finish in time")
-
-
-def _send(page, text: str) -> list[int]:
-    page.locator("#message textarea").fill(text)
-    page.locator("#message textarea").press("Enter")
-    return _wait_for_reply(page)
+    page.screenshot(path=str(SCREENSHOTS / "timeout.png"), full_page=True)
+    busy_ids = generating.evaluate_all("els => els.map(e => e.id || e.className)")
+    raise AssertionError(f"the reply did not finish in {REPLY_TIMEOUT_S} s; still generating: {busy_ids}")
 
 
 def test_chat_live_view_compare_and_csv_export_in_headless_chromium(app_url, tmp_path):
