@@ -710,6 +710,7 @@ def write_report(
         "accel. rate: tokens per decoding step; overhead: step latency ÷ the `baseline` loop's; "
         "speedup: tokens/s ÷ HF `generate`'s; TTFT: time to the first new token.", "",
         "## Speedup vs HF generate per category", "", category_matrix(summaries, "speedup"), "",
+        "## Tokens/s per category (median over repeats)", "", category_matrix(summaries, "tok_s", 1), "",
         "## Acceleration rate per category", "", category_matrix(summaries, "acceleration"), "",
         "## Greedy outputs compared with HF generate", "",
     ]
