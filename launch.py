@@ -24,6 +24,11 @@ def main(argv: list[str]) -> int:
         level=logging.DEBUG if settings.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
 
+    if settings.threads:
+        import torch
+
+        torch.set_num_threads(settings.threads)
+
     from app.engine import Engine
     from app.paths import CSS_FILE
     from app.ui import build_ui

@@ -47,6 +47,7 @@ class AppSettings(BaseSettings):
     base_model: str | None = Field(None, description="backbone to use instead of the checkpoint's base_model_name_or_path")
     quantization: Literal["nf4", "int8", "none"] = Field("nf4", description="backbone weights: 4-bit NF4, 8-bit, or none")
     device: str = Field("auto", description="'auto' (CUDA when present, else CPU), 'cpu', 'cuda', 'cuda:1', ...")
+    threads: int | None = Field(None, ge=1, description="CPU threads for torch, null = torch's choice (1 helps on a small, busy CPU)")
     # ---- server
     host: str = Field("127.0.0.1", description="address to bind; the default serves this machine only")
     port: int = Field(7860, description="port to serve on")
@@ -60,7 +61,7 @@ class AppSettings(BaseSettings):
     tree: str | None = Field(None, description="initial tree name; default: the model's own default tree")
     # ---- live view and files
     redraw_interval_s: float = Field(0.25, ge=0.0, description="seconds between redraws of the plots while a reply streams")
-    stream_interval_s: float = Field(0.03, ge=0.0, description="seconds between chat updates while a reply streams")
+    stream_interval_s: float = Field(0.05, ge=0.0, description="seconds between chat updates while a reply streams")
     data_dir: Path = Field(paths.user_data_dir(), description="folder for CSV exports (under exports/)")
     verbose: bool = Field(False, description="print tracebacks and debug logs")
 

@@ -80,7 +80,9 @@ def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
         timer = gr.Timer(1.0, active=True)
         with gr.Row(equal_height=False):
             with gr.Column(scale=3):
-                chatbot = gr.Chatbot(elem_id="chat", height=460, label="Chat", autoscroll=True, feedback_options=None)
+                chatbot = gr.Chatbot(
+                    elem_id="chat", height=460, label="Chat", autoscroll=True, feedback_options=None, buttons=["copy_all"]
+                )
                 with gr.Row():
                     message = gr.Textbox(
                         elem_id="message", show_label=False, placeholder="Message (Enter sends, Shift+Enter: new line)",
@@ -106,7 +108,7 @@ def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
                     posterior_threshold = gr.Slider(
                         0.0, 0.5, defaults.posterior_threshold, step=0.01, label="ε posterior threshold (typical acceptance)", elem_id="epsilon"
                     )
-                    posterior_alpha = gr.Slider(0.0, 1.0, defaults.posterior_alpha, step=0.01, label="δ posterior alpha (√ of it in the paper)", elem_id="delta")
+                    posterior_alpha = gr.Slider(0.0, 1.0, defaults.posterior_alpha, step=0.01, label="δ posterior alpha: threshold min(ε, δ·exp(−entropy))", elem_id="delta")
                     max_new_tokens = gr.Slider(1, 2048, defaults.max_new_tokens, step=1, label="Max new tokens", elem_id="max-new-tokens")
                     seed = gr.Number(
                         -1 if defaults.seed is None else defaults.seed, label="Seed (−1 = a fresh one per reply; matters when temperature > 0)",
@@ -176,7 +178,9 @@ def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
         comparing = compare.click(with_controls(handlers.compare), control_inputs, out, **MODEL_QUEUE)
         running = [replying, regenerating, comparing]
         stop.click(_named(functools.partial(handlers.stop, engine), outputs), [session, highlight], out, cancels=running, queue=False)
-        clear.click(_named(functools.partial(handlers.clear, engine), outputs), [session], out, cancels=running, queue=False)
+        clearing = _named(functools.partial(handlers.clear, engine), outputs)
+        clear.click(clearing, [session], out, cancels=running, queue=False)
+        chatbot.clear(clearing, [session], out, cancels=running, queue=False)  # the chat's own trash icon
 
         highlight.change(_named(handlers.rerender_chat, outputs), [session, highlight], out, queue=False)
         step_slider.release(_named(functools.partial(handlers.show_step, engine), outputs), [session, step_slider], out, queue=False)

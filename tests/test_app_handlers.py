@@ -325,3 +325,14 @@ def test_session_state_copies_are_independent_and_usable():
 def test_prompts_are_built_on_the_cpu_host_side(engine, controls):
     ids, dropped = handlers._fit_prompt(engine.model, controls, [], "def add")
     assert ids.dtype == torch.long and ids.shape[0] == 1 and dropped == 0
+
+
+def test_generations_share_one_model_queue_and_stop_cancels_them(engine, settings):
+    fns = list(build_ui(engine, settings).fns.values())
+    generating = [f for f in fns if f.name in ("respond", "compare")]
+    assert len(generating) == 3  # reply after send, reply after regenerate, compare
+    assert {(f.concurrency_id, f.concurrency_limit, f.queue) for f in generating} == {("model", 1, True)}
+    generating_ids = {i for i, f in enumerate(fns) if f in generating}
+    cancellers = [f for f in fns if f.cancels]
+    assert len(cancellers) == 3 and all(set(f.cancels) == generating_ids for f in cancellers)  # Stop, Clear, trash icon
+    assert all(not f.queue for f in fns if f.name in ("stop", "export_csv", "show_step", "add_user"))  # run beside a reply

@@ -12,40 +12,21 @@ any other value is passed to ``--model``) and ``MEDUSA_CHAT_E2E_QUANTIZATION`` i
 
 from __future__ import annotations
 
-import csv
 import os
 import re
 import shutil
-import signal
-import socket
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
+from harness import CHROMIUM, REPO, chromium, download_csv, launched_app, send, tiny_model
 
 pytestmark = pytest.mark.e2e
 
-REPO = Path(__file__).resolve().parents[2]
-CHROMIUM = os.environ.get("MEDUSA_CHAT_E2E_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-]
 SCREENSHOTS = Path(os.environ.get("MEDUSA_CHAT_E2E_SCREENSHOTS", REPO / "screenshots-tmp" / "e2e"))
 README_SCREENSHOT = REPO / "assets" / "screenshots" / "app.png"
 PROMPTS = ("Return the sum of two numbers.", "Return True if the string is a palindrome.")
 MAX_NEW_TOKENS = 96
-LOAD_TIMEOUT_S = 150
 REPLY_TIMEOUT_S = 60
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -60,167 +41,103 @@ def app_url(tmp_path_factory):
     pytest.importorskip("playwright.sync_api", reason="the e2e test needs the playwright Python package")
     home = tmp_path_factory.mktemp("home")
     if model == "tiny":
-        sys.path.insert(0, str(REPO / "tests"))
-        from tiny_models import write_tiny_medusa
-
-        model = str(write_tiny_medusa(home / "tiny"))
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "launch.py", "--model", model, "--quantization", quantization, "--port", str(port),
-         "--max-new-tokens", str(MAX_NEW_TOKENS)],
-        cwd=REPO,
-        env={**os.environ, "XDG_CONFIG_HOME": str(home / "config"), "XDG_DATA_HOME": str(home / "data"), "PYTHONUNBUFFERED": "1"},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    log: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        for line in proc.stdout:
-            log.append(line)
-            if "ready in" in line:
-                ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    try:
-        deadline = time.monotonic() + LOAD_TIMEOUT_S
-        while not ready.wait(0.5):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail("the app did not become ready:\n" + "".join(log))
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        model = tiny_model(home / "tiny")
+    with launched_app(model, quantization, home, "--max-new-tokens", str(MAX_NEW_TOKENS)) as url:
+        yield url
 
 
 def _send(page, text: str) -> list[int]:
-    """Send ``text`` and wait until its reply has ended; returns the reply text lengths seen meanwhile.
-
-    The reply has ended once the new bot message exists and no component has been "generating"
-    for two polls in a row (a fast reply can start and end between two polls).
-    """
-    bots = page.locator("#chat [data-testid=bot]")
-    expected = bots.count() + 1
-    page.locator("#message textarea").fill(text)
-    page.locator("#message textarea").press("Enter")
-    generating = page.locator(".generating")
-    lengths: list[int] = []
-    idle_polls = 0
-    deadline = time.monotonic() + REPLY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        busy = generating.count() > 0
-        if bots.count() == expected:
-            lengths.append(len(bots.last.inner_text()))
-            idle_polls = 0 if busy else idle_polls + 1
-            if idle_polls >= 2:
-                return lengths
-        page.wait_for_timeout(50)
-    page.screenshot(path=str(SCREENSHOTS / "timeout.png"), full_page=True)
-    busy_ids = generating.evaluate_all("els => els.map(e => e.id || e.className)")
-    raise AssertionError(f"the reply did not finish in {REPLY_TIMEOUT_S} s; still generating: {busy_ids}")
+    return send(page, text, REPLY_TIMEOUT_S, screenshot=SCREENSHOTS / "timeout.png")
 
 
 def test_chat_live_view_compare_and_csv_export_in_headless_chromium(app_url, tmp_path):
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1440, "height": 1300}, accept_downloads=True)
-            errors: list[str] = []
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.goto(app_url)
-            expect(page.locator("#tree input")).to_have_value(re.compile(r"\(\d+ nodes"), timeout=30_000)  # model ready
+    with chromium() as browser:
+        page = browser.new_page(viewport={"width": 1440, "height": 1300}, accept_downloads=True)
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(app_url)
+        expect(page.locator("#tree input")).to_have_value(re.compile(r"\(\d+ nodes"), timeout=30_000)  # model ready
 
-            # A reply streams into the chat: several different partial lengths before the end.
-            lengths = _send(page, PROMPTS[0])
-            partial = {n for n in lengths if 0 < n < lengths[-1]}
-            assert len(partial) >= 2, f"the reply did not stream: text lengths seen {lengths}"
-            expect(page.locator("#chat [data-testid=bot]")).to_have_count(1)
+        # A reply streams into the chat: several different partial lengths before the end.
+        lengths = _send(page, PROMPTS[0])
+        partial = {n for n in lengths if 0 < n < lengths[-1]}
+        assert len(partial) >= 2, f"the reply did not stream: text lengths seen {lengths}"
+        expect(page.locator("#chat [data-testid=bot]")).to_have_count(1)
 
-            # The tree plot and the speed charts render with plotly, and the summary fills in.
-            tree_title = page.locator("#tree-plot .gtitle")
-            expect(tree_title).to_contain_text(re.compile(r"^step \d+ · "))
-            assert page.locator("#tree-plot .scatterlayer .trace").count() >= 2  # accepted path, nodes
-            assert page.locator("#speed-plot .scatterlayer .trace").count() >= 2  # tokens/s and its rolling mean
-            assert page.locator("#speed-plot .barlayer .trace").count() >= 1  # tokens per step
-            expect(page.locator("#summary")).to_contain_text("tokens / step")
-            page.screenshot(path=str(SCREENSHOTS / "1-reply.png"), full_page=True)
+        # The tree plot and the speed charts render with plotly, and the summary fills in.
+        tree_title = page.locator("#tree-plot .gtitle")
+        expect(tree_title).to_contain_text(re.compile(r"^step \d+ · "))
+        assert page.locator("#tree-plot .scatterlayer .trace").count() >= 2  # accepted path, nodes
+        assert page.locator("#speed-plot .scatterlayer .trace").count() >= 2  # tokens/s and its rolling mean
+        assert page.locator("#speed-plot .barlayer .trace").count() >= 1  # tokens per step
+        expect(page.locator("#summary")).to_contain_text("tokens / step")
+        page.screenshot(path=str(SCREENSHOTS / "1-reply.png"), full_page=True)
 
-            # The step slider shows every step of the last reply.
-            steps = int(re.search(r"\((\d+) steps\)", page.locator("#step-slider").inner_text()).group(1))
-            assert steps >= 2
-            assert int(number_value := page.locator("#step-slider input[type=number]").input_value()) <= steps - 1
-            assert tree_title.text_content().startswith(f"step {number_value} ")
-            number = page.locator("#step-slider input[type=number]")
-            number.fill("0")
-            number.blur()
-            expect(tree_title).to_contain_text(re.compile(r"^step 0 · "))
-            assert page.locator("#tree-plot .scatterlayer .trace").count() >= 4  # edges, path, root, head-1 nodes
+        # The step slider shows every step of the last reply.
+        steps = int(re.search(r"\((\d+) steps\)", page.locator("#step-slider").inner_text()).group(1))
+        assert steps >= 2
+        assert int(number_value := page.locator("#step-slider input[type=number]").input_value()) <= steps - 1
+        assert tree_title.text_content().startswith(f"step {number_value} ")
+        number = page.locator("#step-slider input[type=number]")
+        number.fill("0")
+        number.blur()
+        expect(tree_title).to_contain_text(re.compile(r"^step 0 · "))
+        assert page.locator("#tree-plot .scatterlayer .trace").count() >= 4  # edges, path, root, head-1 nodes
 
-            # Highlighting marks the tokens accepted from the heads (if this reply accepted any).
-            page.locator("#highlight input[type=checkbox]").check()
-            summary = page.locator("#summary").inner_text()
-            rate = float(re.search(r"acceleration rate\)\s+([\d.]+)", summary).group(1))
-            if rate > 1.0:
-                expect(page.locator("#chat mark.medusa-free").first).to_be_visible()
-            page.screenshot(path=str(SCREENSHOTS / "2-step-0-highlight.png"), full_page=True)
+        # Highlighting marks the tokens accepted from the heads (if this reply accepted any).
+        page.locator("#highlight input[type=checkbox]").check()
+        summary = page.locator("#summary").inner_text()
+        rate = float(re.search(r"acceleration rate\)\s+([\d.]+)", summary).group(1))
+        if rate > 1.0:
+            expect(page.locator("#chat mark.medusa-free").first).to_be_visible()
+        page.screenshot(path=str(SCREENSHOTS / "2-step-0-highlight.png"), full_page=True)
 
-            # Medusa off: the next reply decodes one token per step and is charted as baseline.
-            page.locator("#medusa input[type=checkbox]").uncheck()
-            _send(page, PROMPTS[1])
-            expect(page.locator("#chat [data-testid=bot]")).to_have_count(2)
-            expect(page.locator("#speed-plot .legend")).to_contain_text("baseline tokens/s")
-            expect(tree_title).to_contain_text("baseline (1 nodes)")
-            expect(page.locator("#summary")).to_contain_text(re.compile(r"Speedup vs this session's baseline replies: [\d.]+×"))
+        # Medusa off: the next reply decodes one token per step and is charted as baseline.
+        page.locator("#medusa input[type=checkbox]").uncheck()
+        _send(page, PROMPTS[1])
+        expect(page.locator("#chat [data-testid=bot]")).to_have_count(2)
+        expect(page.locator("#speed-plot .legend")).to_contain_text("baseline tokens/s")
+        expect(tree_title).to_contain_text("baseline (1 nodes)")
+        expect(page.locator("#summary")).to_contain_text(re.compile(r"Speedup vs this session's baseline replies: [\d.]+×"))
 
-            # Compare re-runs the last prompt with Medusa off, then on.
-            page.locator("#medusa input[type=checkbox]").check()
-            page.get_by_role("tab", name="Compare").click()
-            page.locator("#compare").click()
-            result = page.locator("#compare-result")
-            expect(result).to_contain_text("Identical replies", timeout=REPLY_TIMEOUT_S * 2_000)
-            expect(result).to_contain_text(re.compile(r"Speedup: [\d.]+×"))
-            page.screenshot(path=str(SCREENSHOTS / "3-compare.png"), full_page=True)
+        # Compare re-runs the last prompt with Medusa off, then on.
+        page.locator("#medusa input[type=checkbox]").check()
+        page.get_by_role("tab", name="Compare").click()
+        page.locator("#compare").click()
+        result = page.locator("#compare-result")
+        expect(result).to_contain_text("Identical replies", timeout=REPLY_TIMEOUT_S * 2_000)
+        expect(result).to_contain_text(re.compile(r"Speedup: [\d.]+×"))
+        page.screenshot(path=str(SCREENSHOTS / "3-compare.png"), full_page=True)
 
-            # Export downloads one row per step of the session and saves a copy whose path is shown.
-            page.get_by_role("tab", name="Export").click()
-            with page.expect_download(timeout=30_000) as download:
-                page.locator("#export").click()
-            downloaded = tmp_path / "session.csv"
-            download.value.save_as(downloaded)
-            with downloaded.open() as f:
-                rows = list(csv.DictReader(f))
-            for column in ("session_id", "reply_index", "step", "mode", "tree_name", "tree_nodes", "temperature",
-                           "posterior_threshold", "posterior_alpha", "accepted_tokens", "step_latency_ms",
-                           "tokens_per_s", "timestamp"):
-                assert column in rows[0], column
-            replies = {}
-            for r in rows:
-                replies.setdefault(int(r["reply_index"]), []).append(r)
-            assert sorted(replies) == [0, 1, 2, 3]  # two chat replies, then compare's off and on runs
-            assert [r["source"] for r in rows if r["step"] == "0"] == ["chat", "chat", "compare", "compare"]
-            assert len(replies[0]) == steps
-            assert {r["mode"] for r in replies[1]} == {r["mode"] for r in replies[2]} == {"baseline"}
-            assert {r["mode"] for r in replies[3]} == {"medusa"}
-            for reply in replies.values():
-                assert [int(r["step"]) for r in reply] == list(range(len(reply)))
-                assert sum(int(r["accepted_tokens"]) for r in reply) == int(reply[-1]["total_tokens"])
-            assert len({r["session_id"] for r in rows}) == 1
-            saved = Path(re.search(r"to (/\S+\.csv)", page.locator("#csv-path").inner_text()).group(1))
-            assert saved.read_text() == downloaded.read_text()
+        # Export downloads one row per step of the session and saves a copy whose path is shown.
+        downloaded = tmp_path / "session.csv"
+        rows = download_csv(page, downloaded)
+        for column in ("session_id", "reply_index", "step", "mode", "tree_name", "tree_nodes", "temperature",
+                       "posterior_threshold", "posterior_alpha", "accepted_tokens", "step_latency_ms",
+                       "tokens_per_s", "timestamp"):
+            assert column in rows[0], column
+        replies = {}
+        for r in rows:
+            replies.setdefault(int(r["reply_index"]), []).append(r)
+        assert sorted(replies) == [0, 1, 2, 3]  # two chat replies, then compare's off and on runs
+        assert [r["source"] for r in rows if r["step"] == "0"] == ["chat", "chat", "compare", "compare"]
+        assert len(replies[0]) == steps
+        assert {r["mode"] for r in replies[1]} == {r["mode"] for r in replies[2]} == {"baseline"}
+        assert {r["mode"] for r in replies[3]} == {"medusa"}
+        for reply in replies.values():
+            assert [int(r["step"]) for r in reply] == list(range(len(reply)))
+            assert sum(int(r["accepted_tokens"]) for r in reply) == int(reply[-1]["total_tokens"])
+        assert len({r["session_id"] for r in rows}) == 1
+        saved = Path(re.search(r"to (/\S+\.csv)", page.locator("#csv-path").inner_text()).group(1))
+        assert saved.read_text() == downloaded.read_text()
 
-            page.get_by_role("tab", name="Controls").click()
-            page.locator("#step-slider").scroll_into_view_if_needed()
-            page.screenshot(path=str(SCREENSHOTS / "4-final.png"), full_page=True)
-            assert not errors, errors
-        finally:
-            browser.close()
+        page.get_by_role("tab", name="Controls").click()
+        page.locator("#step-slider").scroll_into_view_if_needed()
+        page.screenshot(path=str(SCREENSHOTS / "4-final.png"), full_page=True)
+        assert not errors, errors
     if os.environ.get("MEDUSA_CHAT_E2E_UPDATE_SCREENSHOT") == "1":
         README_SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(SCREENSHOTS / "1-reply.png", README_SCREENSHOT)

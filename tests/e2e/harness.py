@@ -1,0 +1,131 @@
+"""Shared by the e2e test and the live-view cost measurement: launch the real app, drive Chromium.
+
+``launched_app`` runs ``python launch.py`` in a subprocess with its own config/data folders and yields
+its URL once the model is ready; ``chromium`` starts Debian's Chromium through Playwright (Playwright
+never downloads a browser); ``send`` types a message and waits until its reply has ended.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+REPO = Path(__file__).resolve().parents[2]
+CHROMIUM = os.environ.get("MEDUSA_CHAT_E2E_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]
+LOAD_TIMEOUT_S = 150
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny_model(folder: Path) -> str:
+    """A tiny random Medusa checkpoint (gibberish text) written to ``folder``; returns its path."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from tiny_models import write_tiny_medusa
+
+    return str(write_tiny_medusa(folder))
+
+
+@contextlib.contextmanager
+def launched_app(model: str, quantization: str, home: Path, *args: str) -> Iterator[str]:
+    """``python launch.py --model model ...`` until the block ends; yields ``http://127.0.0.1:<port>``.
+
+    Raises RuntimeError with the app's output when it exits or is not ready in time.
+    """
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "launch.py", "--model", model, "--quantization", quantization, "--port", str(port), *args],
+        cwd=REPO,
+        env={**os.environ, "XDG_CONFIG_HOME": str(home / "config"), "XDG_DATA_HOME": str(home / "data"), "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    log: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:
+            log.append(line)
+            if "ready in" in line:
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        deadline = time.monotonic() + LOAD_TIMEOUT_S
+        while not ready.wait(0.5):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the app did not become ready:\n" + "".join(log))
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextlib.contextmanager
+def chromium() -> Iterator[object]:
+    """A headless Chromium ``Browser`` (Playwright's sync API) on Debian's binary."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+def send(page, text: str, timeout_s: float = 60.0, screenshot: Path | None = None) -> list[int]:
+    """Send ``text`` and wait until its reply has ended; returns the reply text lengths seen meanwhile.
+
+    The reply has ended once the new bot message exists and no component has been "generating"
+    for two polls in a row (a fast reply can start and end between two polls).
+    """
+    bots = page.locator("#chat [data-testid=bot]")
+    expected = bots.count() + 1
+    page.locator("#message textarea").fill(text)
+    page.locator("#message textarea").press("Enter")
+    generating = page.locator(".generating")
+    lengths: list[int] = []
+    idle_polls = 0
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        busy = generating.count() > 0
+        if bots.count() == expected:
+            lengths.append(len(bots.last.inner_text()))
+            idle_polls = 0 if busy else idle_polls + 1
+            if idle_polls >= 2:
+                return lengths
+        page.wait_for_timeout(50)
+    if screenshot is not None:
+        page.screenshot(path=str(screenshot), full_page=True)
+    busy_ids = generating.evaluate_all("els => els.map(e => e.id || e.className)")
+    raise AssertionError(f"the reply did not finish in {timeout_s} s; still generating: {busy_ids}")
+
+
+def download_csv(page, target: Path) -> list[dict[str, str]]:
+    """Press Export (on the Export tab) and read the downloaded CSV's rows."""
+    page.get_by_role("tab", name="Export").click()
+    with page.expect_download(timeout=30_000) as download:
+        page.locator("#export").click()
+    download.value.save_as(target)
+    with target.open() as f:
+        return list(csv.DictReader(f))

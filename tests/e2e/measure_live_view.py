@@ -1,0 +1,127 @@
+"""Measure what the live view costs: the same greedy replies through ``medusa_core`` alone and through
+the real app in headless Chromium (chat streaming, tree plot and charts redrawing).
+
+    python tests/e2e/measure_live_view.py                    # the demo model, NF4
+    python tests/e2e/measure_live_view.py --model tiny --quantization none
+
+Speed is wall-clock decoding speed: tokens after the first step / time from the end of the first
+step to the end of the last (the first step holds the prefill). The app's steps are timed from the
+timestamps of its CSV export, the engine's from the same moments in this process. Runs alternate
+(engine, app, engine, app, ...) so slow drifts of a shared machine hit both; each prompt runs
+``--rounds`` times per side and the table shows medians. Prints a table and writes it as CSV to
+``out/live_view_cost.csv``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import REPO, chromium, download_csv, launched_app, send, tiny_model  # noqa: E402
+
+sys.path.insert(0, str(REPO))
+PROMPTS = (
+    "Return the sum of two numbers.",
+    "Return True if the string is a palindrome.",
+    "Split a path into its directory and file name.",
+    "Return the n-th Fibonacci number.",
+    "Read a JSON file and return its content.",
+    "Remove duplicate items from a list, keeping their order.",
+)
+
+
+def engine_run(model, system_prompt: str, prompt: str, max_new_tokens: int) -> tuple[int, float]:
+    """(tokens after step 0, seconds from the end of step 0 to the end of the last step)."""
+    from app.text import chat_messages, prompt_ids
+
+    ids = prompt_ids(model.tokenizer, chat_messages(system_prompt, [], prompt))
+    ends, tokens = [], []
+    for record in model.generate(ids, max_new_tokens=max_new_tokens):
+        ends.append(time.time())
+        tokens.append(len(record.token_ids))
+    return sum(tokens[1:]), ends[-1] - ends[0]
+
+
+def app_runs(rows: list[dict[str, str]]) -> dict[int, tuple[int, float]]:
+    """The same measure per reply of the app's CSV export."""
+    out: dict[int, tuple[int, float]] = {}
+    for reply in sorted({int(r["reply_index"]) for r in rows}):
+        steps = [r for r in rows if int(r["reply_index"]) == reply]
+        ends = [datetime.fromisoformat(r["timestamp"]).timestamp() for r in steps]
+        out[reply] = (sum(int(r["accepted_tokens"]) for r in steps[1:]), ends[-1] - ends[0])
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="demo", help="'demo', 'tiny' (a random tiny model) or a Medusa folder")
+    parser.add_argument("--quantization", default="nf4")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--prompts", type=int, default=len(PROMPTS))
+    parser.add_argument("--rounds", type=int, default=3, help="times each prompt runs on each side")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads on both sides")
+    parser.add_argument("--out", type=Path, default=REPO / "out" / "live_view_cost.csv")
+    args = parser.parse_args()
+
+    import torch
+
+    from app.settings import AppSettings
+    from medusa_core import load_medusa_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    app_args = ["--max-new-tokens", str(args.max_new_tokens)] + (["--threads", str(args.threads)] if args.threads else [])
+
+    home = Path(tempfile.mkdtemp(prefix="medusa-live-cost-"))
+    model_path = tiny_model(home / "tiny") if args.model == "tiny" else args.model
+    model = load_medusa_model(model_path, quantization=args.quantization)
+    system_prompt = AppSettings(_env_file=None).system_prompt
+    prompts = PROMPTS[: args.prompts]
+    engine: list[tuple[int, float]] = []
+    with launched_app(model_path, args.quantization, home, *app_args) as url, chromium() as browser:
+        page = browser.new_page(viewport={"width": 1440, "height": 1300}, accept_downloads=True)
+        page.goto(url)
+        page.locator("#tree input").wait_for()
+        page.wait_for_function("() => /nodes/.test(document.querySelector('#tree input').value)", timeout=60_000)
+        engine_run(model, system_prompt, prompts[0], 8)  # warm-up, both sides
+        send(page, prompts[0])
+        page.locator("#clear").click()
+        for _ in range(args.rounds):
+            for prompt in prompts:
+                engine.append(engine_run(model, system_prompt, prompt, args.max_new_tokens))
+                send(page, prompt)
+                page.locator("#clear").click()  # same prompt as the engine's: no history
+                page.wait_for_timeout(300)
+        app = app_runs(download_csv(page, home / "session.csv"))
+    table = []
+    for i, prompt in enumerate(prompts):
+        runs = range(i, len(engine), len(prompts))
+        e_tokens, a_tokens = engine[i][0], app[i + 1][0]  # app reply 0 was the warm-up
+        e_speed = statistics.median(engine[j][0] / engine[j][1] for j in runs)
+        a_speed = statistics.median(app[j + 1][0] / app[j + 1][1] for j in runs)
+        table.append(dict(prompt=prompt, engine_tokens=e_tokens, app_tokens=a_tokens, engine_tokens_per_s=round(e_speed, 1),
+                          app_tokens_per_s=round(a_speed, 1), app_over_engine=round(a_speed / e_speed, 3)))
+    print(f"{'prompt':<58} {'tokens':>6} {'engine tok/s':>12} {'app tok/s':>10} {'app/engine':>10}")
+    for r in table:
+        same = "" if r["engine_tokens"] == r["app_tokens"] else f"  (app: {r['app_tokens']} tokens)"
+        print(f"{r['prompt']:<58} {r['engine_tokens']:>6} {r['engine_tokens_per_s']:>12} {r['app_tokens_per_s']:>10} {r['app_over_engine']:>10}{same}")
+    ratio = statistics.median(r["app_over_engine"] for r in table)
+    print(f"median app/engine: {ratio:.3f}  (live view cost: {(1 - ratio) * 100:.1f} % of decoding speed)")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with args.out.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(table[0]))
+        writer.writeheader()
+        writer.writerows(table)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
