@@ -96,8 +96,7 @@ class MedusaHeads(nn.ModuleList):
         """
         heads = list(self)[: num_heads or len(self)]
         if self._shared_lm_head:
-            lm_head = self._shared_lm_head[0]
-            return torch.stack([lm_head(head(hidden)) for head in heads])
+            return self._shared_lm_head[0](torch.stack([head(hidden) for head in heads]))  # one LM-head pass
         return torch.stack([head(hidden) for head in heads])
 
 

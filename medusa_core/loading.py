@@ -57,6 +57,7 @@ def load_medusa_model(
     quantization: str | None = "nf4",
     dtype: torch.dtype | str | None = None,
     device: str | torch.device = "auto",
+    head_dtype: torch.dtype | str | None = None,
     trust_remote_code: bool = False,
 ) -> MedusaModel:
     """Load a backbone with its Medusa heads (any of the three layouts) into a ``MedusaModel``.
@@ -68,6 +69,9 @@ def load_medusa_model(
             plain weights. Heads are never quantized.
         dtype: compute dtype; default float32 on CPU, float16 on CUDA.
         device: ``"auto"`` (CUDA when present, else CPU), ``"cpu"``, ``"cuda"``, ``"cuda:1"``...
+        head_dtype: dtype the heads run in; default bfloat16 on CPUs with native bf16 matmuls (the
+            heads' [V, H] projections are read every step, and their proposals are verified by the
+            backbone, so output is unchanged), else ``dtype``. Shared-LM-head heads use ``dtype``.
         trust_remote_code: passed to transformers; off unless the caller asks.
 
     Raises:
@@ -105,7 +109,13 @@ def load_medusa_model(
             "or a model folder whose weights hold medusa_head.* tensors (Medusa-2)"
         )
     backbone = load_backbone(base, quantization, dtype, dev, trust_remote_code)
-    heads = heads_from_state_dict(state, backbone, source=source).to(device=dev, dtype=dtype)
+    heads = heads_from_state_dict(state, backbone, source=source)
+    if isinstance(head_dtype, str):
+        head_dtype = getattr(torch, head_dtype)
+    if head_dtype is None:
+        cpu_bf16 = dev.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        head_dtype = torch.bfloat16 if cpu_bf16 and not heads.shares_lm_head else dtype
+    heads = heads.to(device=dev, dtype=dtype if heads.shares_lm_head else head_dtype)
     tokenizer = _load_tokenizer(folder, base, trust_remote_code)
     calibration = _read_json(folder / CALIBRATION_FILE) if (folder / CALIBRATION_FILE).exists() else {}
     trees = dict(calibration.get("trees", {}))

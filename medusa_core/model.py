@@ -134,6 +134,8 @@ class MedusaModel:
                 f"Medusa heads expect hidden size {hidden}, the backbone has {self.config.hidden_size}"
             )
         self.eos_token_ids = _eos_ids(backbone)
+        # Heads may run in a cheaper dtype than the backbone: they only propose, the backbone verifies.
+        self._head_dtype = next(heads.parameters(), backbone.get_input_embeddings().weight).dtype
         self._trees: dict[str, _Tree] = {}
         self._default_tree = default_tree
 
@@ -146,7 +148,7 @@ class MedusaModel:
     @property
     def dtype(self) -> torch.dtype:
         """Compute dtype of the activations (a 4-bit backbone computes in its compute dtype)."""
-        return next(self.heads.parameters(), self.backbone.get_input_embeddings().weight).dtype
+        return self.backbone.get_input_embeddings().weight.dtype
 
     @property
     def num_heads(self) -> int:
@@ -298,7 +300,7 @@ class MedusaModel:
         b = tree.buffers
         if b.num_nodes == 1:
             return root.view(1)
-        head_logits = self.heads(hidden, num_heads=b.depth)[:, 0]  # [D, V]
+        head_logits = self.heads(hidden.to(self._head_dtype), num_heads=b.depth)[:, 0]  # [D, V]
         top = head_logits.topk(b.topk, dim=-1).indices  # [D, topk]
         return torch.cat([root.view(1), top.flatten()])[b.tree_indices]
 

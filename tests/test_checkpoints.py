@@ -56,7 +56,7 @@ def assert_same_heads(loaded: torch.nn.Module, original: torch.nn.Module) -> Non
 
 
 def load(folder: Path, **kwargs) -> MedusaModel:
-    return load_medusa_model(folder, quantization=None, device="cpu", **kwargs)
+    return load_medusa_model(folder, quantization=None, device="cpu", head_dtype=torch.float32, **kwargs)
 
 
 # ----------------------------------------------------------------------------------------- layouts
@@ -272,7 +272,7 @@ def test_an_nf4_backbone_loads_on_cpu_and_decodes_exactly_like_its_own_greedy_ge
     model = load_medusa_model(tmp_path, quantization="nf4", device="cpu")
     assert model.quantization == "nf4"
     assert any(isinstance(m, bnb.nn.Linear4bit) for m in model.backbone.modules())
-    assert all(p.dtype == torch.float32 for p in model.heads.parameters())  # heads are never quantized
+    assert all(p.dtype in (torch.float32, torch.bfloat16) for p in model.heads.parameters())  # never quantized
     n = 24
     reference = greedy(model.backbone, PROMPT, n)
     assert reference != greedy(backbone, PROMPT, n)  # 4 bits really changed the model
@@ -282,3 +282,18 @@ def test_an_nf4_backbone_loads_on_cpu_and_decodes_exactly_like_its_own_greedy_ge
     records = list(oracle.generate(PROMPT, max_new_tokens=n, tree="chain_4"))
     assert [t for r in records for t in r.token_ids] == reference
     assert n / len(records) > 3
+
+
+def test_heads_default_to_bfloat16_on_cpus_with_native_bf16_and_output_stays_greedy(tmp_path):
+    backbone = tiny_backbone("llama", seed=3)
+    heads = random_heads(backbone, 3)
+    backbone.save_pretrained(tmp_path / "base")
+    save_medusa_heads(heads, tmp_path / "heads", base_model_name_or_path=str(tmp_path / "base"))
+    model = load_medusa_model(tmp_path / "heads", quantization=None, device="cpu")
+    expected = torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+    assert next(model.heads.parameters()).dtype == expected
+    assert model.dtype == torch.float32
+    ids = torch.tensor([[5, 9, 17, 3, 44]])
+    want = backbone.generate(ids, max_new_tokens=24, do_sample=False)[0, 5:].tolist()
+    got = [t for r in model.generate(ids, max_new_tokens=24, tree="chain_3") for t in r.token_ids]
+    assert got == want
