@@ -24,10 +24,9 @@ def main(argv: list[str]) -> int:
         level=logging.DEBUG if settings.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
 
-    if settings.threads:
-        import torch
+    import torch
 
-        torch.set_num_threads(settings.threads)
+    torch.set_num_threads(settings.threads)  # before any model code runs
 
     from app.engine import Engine
     from app.paths import CSS_FILE

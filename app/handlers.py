@@ -24,6 +24,7 @@ from typing import Any, Iterator, Sequence
 
 import gradio as gr
 import torch
+from jinja2 import TemplateError
 
 from medusa_core import MedusaModel, StepRecord
 
@@ -252,7 +253,7 @@ def respond(engine: Engine, settings: AppSettings, session: Session, controls: C
             medusa=controls.medusa,
             seed=controls.seed,
         )
-    except ValueError as e:  # too-long prompt, invalid tree, bad control value: the engine's message
+    except (ValueError, TemplateError) as e:  # too-long prompt, invalid tree, bad control value, template error
         turn.state, turn.error = "error", f"Not sent: {e}"
         yield {"chatbot": chat_view(session, controls.highlight), "tree_status": f"⚠ {html.escape(str(e))}"}
         return
@@ -394,7 +395,7 @@ def compare(engine: Engine, settings: AppSettings, session: Session, controls: C
         tree = tree_argument(model, greedy.tree, greedy.custom_tree)
         ids, _ = _fit_prompt(model, greedy, session.history(index), session.turns[index].user)
         runs = {mode: model.generate(ids, max_new_tokens=greedy.max_new_tokens, tree=tree, medusa=mode == "Medusa on") for mode in ("Medusa off", "Medusa on")}
-    except ValueError as e:
+    except (ValueError, TemplateError) as e:
         yield {"compare_result": f"⚠ {html.escape(str(e))}"}
         return
     results: dict[str, list[StepRecord]] = {}

@@ -47,7 +47,7 @@ class AppSettings(BaseSettings):
     base_model: str | None = Field(None, description="backbone to use instead of the checkpoint's base_model_name_or_path")
     quantization: Literal["nf4", "int8", "none"] = Field("nf4", description="backbone weights: 4-bit NF4, 8-bit, or none")
     device: str = Field("auto", description="'auto' (CUDA when present, else CPU), 'cpu', 'cuda', 'cuda:1', ...")
-    threads: int | None = Field(None, ge=1, description="CPU threads for torch, null = torch's choice (1 helps on a small, busy CPU)")
+    threads: int = Field(1, ge=1, description="CPU threads for torch; small models decode fastest on one, and more stall when the CPU is shared (e.g. with the browser)")
     # ---- server
     host: str = Field("127.0.0.1", description="address to bind; the default serves this machine only")
     port: int = Field(7860, description="port to serve on")

@@ -91,6 +91,8 @@ def token_label(tokenizer: Any, token_id: int) -> str:
     """A short visible label for one token: its decoded text with spaces and newlines made visible."""
     text = tokenizer.decode([int(token_id)], skip_special_tokens=False)
     text = text.replace(" ", "␣").replace("\n", "⏎").replace("\t", "⇥")
+    if not text:  # an id the tokenizer cannot decode (the model's vocabulary can be larger)
+        return f"#{int(token_id)}"
     return text if len(text) <= 12 else text[:11] + "…"
 
 

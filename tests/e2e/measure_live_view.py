@@ -66,7 +66,7 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=len(PROMPTS))
     parser.add_argument("--rounds", type=int, default=3, help="times each prompt runs on each side")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads on both sides")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads on both sides (the app's default is 1)")
     parser.add_argument("--out", type=Path, default=REPO / "out" / "live_view_cost.csv")
     args = parser.parse_args()
 
@@ -75,9 +75,8 @@ def main() -> int:
     from app.settings import AppSettings
     from medusa_core import load_medusa_model
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    app_args = ["--max-new-tokens", str(args.max_new_tokens)] + (["--threads", str(args.threads)] if args.threads else [])
+    torch.set_num_threads(args.threads)
+    app_args = ["--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads)]
 
     home = Path(tempfile.mkdtemp(prefix="medusa-live-cost-"))
     model_path = tiny_model(home / "tiny") if args.model == "tiny" else args.model
