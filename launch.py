@@ -50,7 +50,8 @@ def main(argv: list[str]) -> int:
             allowed_paths=[str(settings.exports_dir)],
         )
     except OSError as e:
-        print(f"error: cannot serve on {settings.host}:{settings.port}: {e}", file=sys.stderr)
+        reason = "the port is in use: pass --port with a free one" if "empty port" in str(e) else str(e)
+        print(f"error: cannot serve on {settings.host}:{settings.port}: {reason}", file=sys.stderr)
         return 1
     url = f"http://{'127.0.0.1' if settings.host in ('0.0.0.0', '::') else settings.host}:{settings.port}"
     print(f"medusa-chat: serving on {url}  (Ctrl+C stops)", flush=True)

@@ -282,7 +282,7 @@ def _stream(engine, settings, session, controls, steps, turn) -> Iterator[Update
                 elif now - last_chat >= settings.stream_interval_s:
                     last_chat = now
                     yield {"chatbot": chat_view(session, controls.highlight)}
-        turn.state = "stopped" if session.stop_requested.is_set() else "done"
+        turn.state = "stopped" if session.rows[-1].stop_reason == "stopped" else "done"
     except Exception as e:  # noqa: BLE001 - any failure inside the model is shown in the chat; the app keeps serving
         log.exception("generation failed")
         turn.state, turn.error = "error", f"Generation failed: {type(e).__name__}: {e}"
@@ -453,6 +453,8 @@ def _compare_table(results: dict[str, list[StepRecord]], running: str | None) ->
             "",
             "Greedy decoding, same prompt, tree and token limit; tokens/s leaves out the prompt's prefill.",
         ]
+    elif running is None:
+        lines += ["", "Stopped before both runs finished."]
     return "\n".join(lines)
 
 

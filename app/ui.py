@@ -81,7 +81,8 @@ def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
         with gr.Row(equal_height=False):
             with gr.Column(scale=3):
                 chatbot = gr.Chatbot(
-                    elem_id="chat", height=460, label="Chat", autoscroll=True, feedback_options=None, buttons=["copy_all"]
+                    elem_id="chat", height=460, label="Chat", autoscroll=True, feedback_options=None,
+                    buttons=[],  # copy buttons would copy the HTML the replies are rendered with
                 )
                 with gr.Row():
                     message = gr.Textbox(

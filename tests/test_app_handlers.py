@@ -336,3 +336,14 @@ def test_generations_share_one_model_queue_and_stop_cancels_them(engine, setting
     cancellers = [f for f in fns if f.cancels]
     assert len(cancellers) == 3 and all(set(f.cancels) == generating_ids for f in cancellers)  # Stop, Clear, trash icon
     assert all(not f.queue for f in fns if f.name in ("stop", "export_csv", "show_step", "add_user"))  # run beside a reply
+
+
+def test_stop_during_compare_ends_it_and_says_so(engine, settings, controls):
+    session = Session()
+    send(engine, settings, session, controls)
+    stream = handlers.compare(engine, settings, session, controls)
+    next(stream)
+    session.stop_requested.set()
+    final = list(stream)[-1]["compare_result"]
+    assert "Stopped before both runs finished." in final and "Medusa on" not in final
+    assert not session.busy
