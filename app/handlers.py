@@ -135,21 +135,23 @@ def model_panel(engine: Engine, session: Session | None = None) -> str:
         return f"**{html.escape(engine.status())}**"
     model = engine.model
     d = model.describe()
-    in_use = session.last_records[-1].tree_name if session is not None and session.last_records else None
+    in_use = session.last_records[0].tree_name if session is not None and session.last_records else None
+    backbone = {"nf4": "4-bit NF4", "int8": "8-bit"}.get(d["quantization"], "not quantized")
     rows = [
         ("model", f"`{d['model']}`"),
         ("base model", f"`{d['base_model']}`"),
-        ("precision", f"backbone {d['quantization']}, compute {d['dtype']}; heads {d['dtype']}"),
+        ("precision", f"backbone {backbone}, computing in {d['dtype']}; heads {d['dtype']}"),
         ("device", d["device"]),
         ("Medusa heads", f"{d['num_heads']} ({d['head_layers']} residual block{'s' if d['head_layers'] != 1 else ''} each)"),
         ("context window", f"{d['max_context']} tokens"),
-        ("tree in use", f"{in_use or d['default_tree']}" + ("" if in_use else " (model default)")),
+        ("tree in use", f"{in_use} (latest reply)" if in_use else f"{d['default_tree']} (the model's default)"),
         ("chat template", "the tokenizer's" if getattr(model.tokenizer, "chat_template", None) else "Vicuna v1.1 (the tokenizer has none)"),
         ("weights", f"{d['parameter_bytes'] / 2**20:.1f} MiB"),
         ("memory used", _memory_used(model)),
         ("loaded in", f"{engine.load_seconds:.1f} s"),
     ]
-    return "| | |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
+    (k0, v0), *rest = rows
+    return f"| {k0} | {v0} |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rest)
 
 
 def _memory_used(model: MedusaModel) -> str:

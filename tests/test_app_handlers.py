@@ -284,8 +284,14 @@ def test_tree_choices_offer_model_trees_presets_chain_dense_and_custom(engine):
 
 def test_the_model_panel_shows_names_precision_device_heads_and_memory(engine):
     panel = handlers.model_panel(engine, Session())
-    for needle in ("base model", "none", "float32", "cpu", "| Medusa heads | 4", "sparse_16", "MiB"):
+    for needle in ("base model", "not quantized", "float32", "cpu", "| Medusa heads | 4", "sparse_16 (the model's default)", "MiB"):
         assert needle in panel
+
+
+def test_the_model_panel_names_the_tree_of_the_latest_reply(engine, settings, controls):
+    session = Session()
+    send(engine, settings, session, dataclasses.replace(controls, tree="chain_3"))
+    assert "chain_3 (latest reply)" in handlers.model_panel(engine, session)
 
 
 def test_while_the_model_loads_messages_wait_and_the_page_shows_progress(settings, controls, monkeypatch):
