@@ -191,6 +191,7 @@ class HeadTrainingConfig:
 
     num_heads: int = 4  # K
     num_layers: int = 1  # residual blocks per head
+    share_lm_head: bool = False  # "version 2" heads: residual blocks only, the backbone's LM head projects
     epochs: float = 2.0  # passes over the reply positions
     batch_size: int = 2048  # positions per optimizer step (after accumulation)
     grad_accum: int = 1  # micro-batches per optimizer step
@@ -250,7 +251,12 @@ def train_heads(
     """
     out = Path(out)
     torch.manual_seed(cfg.seed)
-    heads = MedusaHeads.from_backbone(backbone, cfg.num_heads, cfg.num_layers).float().cpu().train()
+    if cfg.share_lm_head:
+        lm_head = backbone.get_output_embeddings()
+        heads = MedusaHeads(lm_head.in_features, lm_head.out_features, cfg.num_heads, cfg.num_layers, shared_lm_head=lm_head)
+    else:
+        heads = MedusaHeads.from_backbone(backbone, cfg.num_heads, cfg.num_layers)
+    heads = heads.float().cpu().train()
     opt = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     micro = cfg.batch_size // cfg.grad_accum
     total_steps = max(1, int(cfg.epochs * len(hidden) / cfg.batch_size))
@@ -395,7 +401,10 @@ def main(argv: list[str] | None = None) -> None:
     h.add_argument("--export", nargs=2, metavar=("FORMAT", "DIR"), help="also export, e.g. --export vllm DIR")
     h.add_argument("--no-resume", action="store_true")
     for field, default in asdict(HeadTrainingConfig()).items():
-        if field != "bf16":  # --bf16 (common) covers the heads' autocast too
+        if isinstance(default, bool):
+            if field != "bf16":  # --bf16 (common) covers the heads' autocast too
+                h.add_argument(f"--{field.replace('_', '-')}", action="store_true")
+        else:
             h.add_argument(f"--{field.replace('_', '-')}", type=type(default), default=default)
 
     c = sub.add_parser("calibrate", help="rank accuracies on held-out replies and optimised trees (paper 2.3.3)")
@@ -410,8 +419,7 @@ def main(argv: list[str] | None = None) -> None:
         chats = read_prompts(args.prompts)[: args.limit]
         distill(backbone, tokenizer, chats, args.out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, bf16=args.bf16)
     elif args.command == "heads":
-        cfg_fields = {f: getattr(args, f) for f in asdict(HeadTrainingConfig()) if f != "bf16"}
-        cfg_fields["bf16"] = args.bf16
+        cfg_fields = {f: getattr(args, f) for f in asdict(HeadTrainingConfig())}
         cfg = HeadTrainingConfig(**cfg_fields)
         hidden, labels = collect_positions(backbone, read_distilled(args.data), cfg.num_heads, bf16=args.bf16)
         heads, stats = train_heads(backbone, hidden, labels, args.out, cfg, base_model_name_or_path=args.base_name or args.model, resume=not args.no_resume)

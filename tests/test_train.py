@@ -152,3 +152,17 @@ def test_read_prompts_accepts_chats_prompts_and_text(tmp_path):
     chats = read_prompts(tmp_path / "p.jsonl")
     assert chats[0] == [{"role": "user", "content": "q"}]
     assert chats[1] == [{"role": "system", "content": "s"}, {"role": "user", "content": "p"}]
+
+
+def test_version_2_heads_train_only_their_blocks_and_save_without_projections(tmp_path):
+    backbone, _, rows = _distilled_rows(tmp_path, n=6)
+    hidden, labels = collect_positions(backbone, rows, num_heads=2)
+    cfg = HeadTrainingConfig(num_heads=2, share_lm_head=True, epochs=10, batch_size=32, warmup_steps=1, lr=1e-2, checkpoint_every=0, bf16=False)
+    lm_before = backbone.get_output_embeddings().weight.clone()
+    heads, stats = train_heads(backbone, hidden, labels, tmp_path / "v2", cfg, base_model_name_or_path="base")
+    assert heads.shares_lm_head and torch.equal(backbone.get_output_embeddings().weight, lm_before)
+    assert json.loads((tmp_path / "v2" / "config.json").read_text())["version"] == "2"
+    assert set(load_file(tmp_path / "v2" / "medusa_lm_head.safetensors")) == {
+        f"{i}.0.linear.{w}" for i in range(2) for w in ("weight", "bias")
+    }
+    assert any(p.abs().sum() > 0 for p in heads.parameters())  # the zero-initialised blocks moved
