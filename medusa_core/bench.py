@@ -744,6 +744,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, default=None, help="use N prompts spread over the set")
     p.add_argument("--system", default=None, help="system message put before every prompt (default: none)")
     p.add_argument("--out", type=Path, default=None, help="output folder")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -790,6 +791,8 @@ def build_parser(command: str) -> argparse.ArgumentParser:
 def _load(args: argparse.Namespace) -> Any:
     from .loading import load_medusa_model
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     return load_medusa_model(args.model, base_model=args.base_model, quantization=args.quantization,
                              dtype=args.dtype, device=args.device)
 
