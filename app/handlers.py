@@ -262,13 +262,13 @@ def respond(engine: Engine, settings: AppSettings, session: Session, controls: C
     if dropped:
         turn.note = f"{dropped} earlier turn{'s' if dropped > 1 else ''} left out to fit the {model.max_context}-token context"
     turn.state, turn.reply = "streaming", ReplyText()
-    session.idle.clear()
+    session.begin()
     try:
         yield from _stream(engine, settings, session, controls, steps, turn)
     finally:  # also when Stop cancels this generator
         if turn.state == "streaming":
             turn.state = "stopped"
-        session.idle.set()
+        session.end()
     yield {"chatbot": chat_view(session, controls.highlight), **live_view(engine, session, final=True), "model_panel": model_panel(engine, session)}
 
 
@@ -298,7 +298,6 @@ def _record_steps(
     Stops after the current step when Stop is pressed; closing this generator closes the engine's
     iterator, which releases the KV cache.
     """
-    session.stop_requested.clear()
     session.last_records = []
     reply_index = session.replies
     session.replies += 1
@@ -401,7 +400,7 @@ def compare(engine: Engine, settings: AppSettings, session: Session, controls: C
         yield {"compare_result": f"⚠ {html.escape(str(e))}"}
         return
     results: dict[str, list[StepRecord]] = {}
-    session.idle.clear()
+    session.begin()
     try:
         for mode, steps in runs.items():
             if session.stop_requested.is_set():
@@ -423,7 +422,7 @@ def compare(engine: Engine, settings: AppSettings, session: Session, controls: C
     finally:
         for steps in runs.values():
             steps.close()
-        session.idle.set()
+        session.end()
     yield {"compare_result": _compare_table(results, running=None), **live_view(engine, session, final=True), "model_panel": model_panel(engine, session)}
 
 

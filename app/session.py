@@ -61,6 +61,15 @@ class Session:
         """True while a reply or a comparison runs for this session."""
         return not self.idle.is_set()
 
+    def begin(self) -> None:
+        """A reply or comparison starts: the session is busy and an earlier Stop no longer applies."""
+        self.stop_requested.clear()
+        self.idle.clear()
+
+    def end(self) -> None:
+        """The reply or comparison ended (finished, stopped, cancelled or failed)."""
+        self.idle.set()
+
     def history(self, before: int) -> list[tuple[str, str]]:
         """(user, reply) pairs of the turns before index ``before`` that reached the model (not failed ones)."""
         return [(t.user, t.reply.text) for t in self.turns[:before] if t.state in ("done", "stopped")]

@@ -353,3 +353,13 @@ def test_stop_during_compare_ends_it_and_says_so(engine, settings, controls):
     final = list(stream)[-1]["compare_result"]
     assert "Stopped before both runs finished." in final and "Medusa on" not in final
     assert not session.busy
+
+
+def test_a_stop_pressed_after_a_reply_ended_does_not_stop_the_next_one(engine, settings, controls):
+    session = Session()
+    send(engine, settings, session, controls)
+    handlers.stop(engine, session, False)  # nothing running: only the flag is left behind
+    send(engine, settings, session, controls, "return")
+    assert session.turns[1].state == "done"
+    table = list(handlers.compare(engine, settings, session, controls))[-1]["compare_result"]
+    assert "Identical replies" in table

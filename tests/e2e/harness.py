@@ -93,27 +93,44 @@ def chromium() -> Iterator[object]:
             browser.close()
 
 
+# Records the length of the last bot message at every change of the chat's DOM (every render).
+WATCH_REPLY_JS = """
+() => {
+  window.__replyLengths = [];
+  const chat = document.querySelector('#chat');
+  const record = () => {
+    const bots = chat.querySelectorAll('[data-testid=bot]');
+    if (bots.length) window.__replyLengths.push([bots.length, bots[bots.length - 1].innerText.length]);
+  };
+  if (window.__replyObserver) window.__replyObserver.disconnect();
+  window.__replyObserver = new MutationObserver(record);
+  window.__replyObserver.observe(chat, {subtree: true, childList: true, characterData: true});
+}
+"""
+
+
 def send(page, text: str, timeout_s: float = 60.0, screenshot: Path | None = None) -> list[int]:
-    """Send ``text`` and wait until its reply has ended; returns the reply text lengths seen meanwhile.
+    """Send ``text`` and wait until its reply has ended; returns the reply's text length at every
+    render of the chat, in order (a streamed reply shows several partial lengths).
 
     The reply has ended once the new bot message exists and no component has been "generating"
     for two polls in a row (a fast reply can start and end between two polls).
     """
     bots = page.locator("#chat [data-testid=bot]")
     expected = bots.count() + 1
+    page.evaluate(WATCH_REPLY_JS)
     page.locator("#message textarea").fill(text)
     page.locator("#message textarea").press("Enter")
     generating = page.locator(".generating")
-    lengths: list[int] = []
     idle_polls = 0
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         busy = generating.count() > 0
         if bots.count() == expected:
-            lengths.append(len(bots.last.inner_text()))
             idle_polls = 0 if busy else idle_polls + 1
             if idle_polls >= 2:
-                return lengths
+                seen = page.evaluate("() => window.__replyLengths")
+                return [length for count, length in seen if count == expected]
         page.wait_for_timeout(50)
     if screenshot is not None:
         page.screenshot(path=str(screenshot), full_page=True)

@@ -1,8 +1,8 @@
 """End-to-end test: the real ``python launch.py`` on the demo model, driven in headless Chromium.
 
 Sends a prompt and watches the reply stream, checks the tree plot and the charts render, moves the
-step slider, turns Medusa off and sends again, presses Compare, downloads the CSV and checks its
-rows. Screenshots go to ``screenshots-tmp/e2e`` (or ``$MEDUSA_CHAT_E2E_SCREENSHOTS``);
+step slider, turns Medusa off and sends again, stops a reply midway, presses Compare, downloads
+the CSV and checks its rows. Screenshots go to ``screenshots-tmp/e2e`` (or ``$MEDUSA_CHAT_E2E_SCREENSHOTS``);
 ``MEDUSA_CHAT_E2E_UPDATE_SCREENSHOT=1`` also refreshes ``assets/screenshots/app.png``.
 
 Uses Debian's ``chromium`` (``/usr/bin/chromium``, or ``$MEDUSA_CHAT_E2E_CHROMIUM``); Playwright never
@@ -24,7 +24,11 @@ pytestmark = pytest.mark.e2e
 
 SCREENSHOTS = Path(os.environ.get("MEDUSA_CHAT_E2E_SCREENSHOTS", REPO / "screenshots-tmp" / "e2e"))
 README_SCREENSHOT = REPO / "assets" / "screenshots" / "app.png"
-PROMPTS = ("Return the sum of two numbers.", "Return True if the string is a palindrome.")
+PROMPTS = (
+    "Return the sum of two numbers.",
+    "Return True if the string is a palindrome.",
+    "Parse a configuration file and return a dictionary of its sections and options.",
+)
 MAX_NEW_TOKENS = 96
 REPLY_TIMEOUT_S = 60
 
@@ -103,8 +107,26 @@ def test_chat_live_view_compare_and_csv_export_in_headless_chromium(app_url, tmp
         expect(tree_title).to_contain_text("baseline (1 nodes)")
         expect(page.locator("#summary")).to_contain_text(re.compile(r"Speedup vs this session's baseline replies: [\d.]+×"))
 
-        # Compare re-runs the last prompt with Medusa off, then on.
+        # Stop mid-reply keeps the partial reply (unless the model finished before the click landed).
         page.locator("#medusa input[type=checkbox]").check()
+        max_tokens = page.locator("#max-new-tokens input[type=number]")
+        max_tokens.fill("1000")
+        max_tokens.blur()
+        bots = page.locator("#chat [data-testid=bot]")
+        page.locator("#message textarea").fill(PROMPTS[2])
+        page.locator("#message textarea").press("Enter")
+        expect(bots).to_have_count(3, timeout=REPLY_TIMEOUT_S * 1_000)
+        expect(bots.last).not_to_have_text("", timeout=REPLY_TIMEOUT_S * 1_000)
+        still_running = page.locator(".generating").count() > 0
+        page.locator("#stop").click()
+        if still_running:
+            expect(bots.last).to_contain_text("stopped")
+            assert len(bots.last.inner_text().replace("⏹ stopped", "").strip()) > 0
+        expect(page.locator(".generating")).to_have_count(0, timeout=REPLY_TIMEOUT_S * 1_000)
+        max_tokens.fill(str(MAX_NEW_TOKENS))
+        max_tokens.blur()
+
+        # Compare re-runs the last prompt with Medusa off, then on.
         page.get_by_role("tab", name="Compare").click()
         page.locator("#compare").click()
         result = page.locator("#compare-result")
@@ -122,11 +144,13 @@ def test_chat_live_view_compare_and_csv_export_in_headless_chromium(app_url, tmp
         replies = {}
         for r in rows:
             replies.setdefault(int(r["reply_index"]), []).append(r)
-        assert sorted(replies) == [0, 1, 2, 3]  # two chat replies, then compare's off and on runs
-        assert [r["source"] for r in rows if r["step"] == "0"] == ["chat", "chat", "compare", "compare"]
+        assert sorted(replies) == [0, 1, 2, 3, 4]  # three chat replies, then compare's off and on runs
+        assert [r["source"] for r in rows if r["step"] == "0"] == ["chat", "chat", "chat", "compare", "compare"]
         assert len(replies[0]) == steps
-        assert {r["mode"] for r in replies[1]} == {r["mode"] for r in replies[2]} == {"baseline"}
-        assert {r["mode"] for r in replies[3]} == {"medusa"}
+        assert {r["mode"] for r in replies[1]} == {r["mode"] for r in replies[3]} == {"baseline"}
+        assert {r["mode"] for r in replies[2]} == {r["mode"] for r in replies[4]} == {"medusa"}
+        if still_running:
+            assert replies[2][-1]["stop_reason"] == "stopped"
         for reply in replies.values():
             assert [int(r["step"]) for r in reply] == list(range(len(reply)))
             assert sum(int(r["accepted_tokens"]) for r in reply) == int(reply[-1]["total_tokens"])
