@@ -184,6 +184,8 @@ class Run:
         timed_steps: steps that ``step_time_s`` covers.
         tree_nodes: N verified per Medusa step (1 for other methods).
         output: the new token ids (compared with the reference method's).
+        cpu_s: CPU time this process used during the call (all threads); well below
+            ``wall_s × threads`` when other processes took the cores.
     """
 
     method: str
@@ -198,6 +200,7 @@ class Run:
     timed_steps: int
     tree_nodes: int = 1
     output: tuple[int, ...] = field(default=(), repr=False)
+    cpu_s: float = 0.0
 
 
 class _HFClock:
@@ -252,6 +255,7 @@ def run_once(
         if method.kind == "hf_pld":
             kwargs["prompt_lookup_num_tokens"] = pld_tokens
         _sync(model.device)
+        cpu0 = time.process_time()
         clock = _HFClock(model.backbone, model.device)
         try:
             with torch.inference_mode():
@@ -265,10 +269,12 @@ def run_once(
         return Run(
             **meta, tokens=len(output), steps=clock.forwards, wall_s=end - clock.start, ttft_s=ttft,
             step_time_s=end - clock.start - ttft, timed_steps=max(clock.forwards - 1, 0), output=output,
+            cpu_s=time.process_time() - cpu0,
         )
     if method.kind not in ("baseline", "medusa"):
         raise ValueError(f"unknown method kind {method.kind!r}")
     _sync(model.device)
+    cpu0 = time.process_time()
     start = time.perf_counter()
     records = []
     first_at = None
@@ -283,7 +289,7 @@ def run_once(
     return Run(
         **meta, tokens=len(output), steps=len(records), wall_s=end - start, ttft_s=(first_at or end) - start,
         step_time_s=sum(r.latency_s for r in records) - records[0].prefill_s, timed_steps=len(records),
-        output=output,
+        output=output, cpu_s=time.process_time() - cpu0,
     )
 
 
@@ -347,6 +353,8 @@ class Summary:
         ttft_ms: median time to first token.
         identical / compared: prompts whose every output equals the reference's, of those compared
             (0 / 0 for the reference itself).
+        cpu_per_wall: Σ CPU time ÷ Σ wall time; with one torch thread, values well below 1 mean other
+            processes took the core and the wall-clock figures are inflated.
     """
 
     method: str
@@ -365,6 +373,7 @@ class Summary:
     ttft_ms: float
     identical: int
     compared: int
+    cpu_per_wall: float = math.nan
 
 
 @dataclass(frozen=True)
@@ -475,6 +484,7 @@ def summarise(runs: Sequence[Run], *, reference: str = REFERENCE, baseline: str 
                 ttft_ms=1e3 * statistics.median(r.ttft_s for r in group),
                 identical=sum(1 for p in compared if (method, p) not in diverged),
                 compared=len(compared),
+                cpu_per_wall=_ratio(sum(r.cpu_s for r in group), sum(r.wall_s for r in group)),
             ))
     return out
 
@@ -598,9 +608,10 @@ def summary_markdown(summaries: Sequence[Summary], category: str = ALL) -> str:
         rows.append([
             s.method, s.tree_nodes, f"{s.tok_s:.1f} ({s.tok_s_min:.1f}–{s.tok_s_max:.1f})", _fmt(s.acceleration),
             _fmt(s.step_ms), _fmt(s.overhead), _fmt(s.speedup) + "×", _fmt(s.ttft_ms, 1), same,
+            _fmt(s.cpu_per_wall),
         ])
     header = ["method", "tree tokens", "tokens/s median (min–max)", "accel. rate", "step ms", "overhead",
-              "speedup vs HF", "TTFT ms", "identical to HF"]
+              "speedup vs HF", "TTFT ms", "identical to HF", "CPU/wall"]
     return markdown_table(rows, header)
 
 
@@ -708,7 +719,8 @@ def write_report(
         summary_markdown(summaries), "",
         "tokens/s: new tokens ÷ wall time of the whole call (prefill included), median over repeats; "
         "accel. rate: tokens per decoding step; overhead: step latency ÷ the `baseline` loop's; "
-        "speedup: tokens/s ÷ HF `generate`'s; TTFT: time to the first new token.", "",
+        "speedup: tokens/s ÷ HF `generate`'s; TTFT: time to the first new token; CPU/wall: this process's CPU "
+        "time ÷ wall time (about the thread count on a quiet machine; lower means other processes took the cores).", "",
         "## Speedup vs HF generate per category", "", category_matrix(summaries, "speedup"), "",
         "## Tokens/s per category (median over repeats)", "", category_matrix(summaries, "tok_s", 1), "",
         "## Acceleration rate per category", "", category_matrix(summaries, "acceleration"), "",

@@ -32,13 +32,13 @@ MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", 
 
 
 def run(method, *, prompt=0, category="code", repeat=0, tokens=100, steps=100, wall=1.0, ttft=0.01,
-        step_time=None, timed_steps=None, nodes=1, output=None):
+        step_time=None, timed_steps=None, nodes=1, output=None, cpu=None):
     """A synthetic run; by default its step time is the whole wall time over all steps."""
     return Run(
         method=method, prompt=prompt, category=category, repeat=repeat, tokens=tokens, steps=steps, wall_s=wall,
         ttft_s=ttft, step_time_s=wall if step_time is None else step_time,
         timed_steps=steps if timed_steps is None else timed_steps, tree_nodes=nodes,
-        output=tuple(range(tokens)) if output is None else tuple(output),
+        output=tuple(range(tokens)) if output is None else tuple(output), cpu_s=wall if cpu is None else cpu,
     )
 
 
@@ -79,6 +79,11 @@ def test_tokens_per_second_is_the_median_over_repeats_with_min_and_max_as_spread
     runs = [run("hf", repeat=r, wall=w) for r, w in enumerate([1.0, 0.5, 2.0])]  # 100, 200, 50 tokens/s
     s = by_method(summarise(runs))["hf"]
     assert (s.tok_s, s.tok_s_min, s.tok_s_max) == pytest.approx((100.0, 50.0, 200.0))
+
+
+def test_cpu_per_wall_shows_how_much_of_the_wall_time_this_process_ran():
+    runs = [run("hf", prompt=0, wall=1.0, cpu=1.0), run("hf", prompt=1, wall=3.0, cpu=1.0)]  # second run: 2 s stolen
+    assert by_method(summarise(runs))["hf"].cpu_per_wall == pytest.approx(0.5)
 
 
 def test_tokens_per_second_pools_prompts_by_total_tokens_over_total_time():
