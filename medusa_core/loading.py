@@ -345,7 +345,24 @@ def load_backbone(
         model = AutoModelForCausalLM.from_pretrained(base, **kwargs)
     except (OSError, ValueError) as e:
         raise MedusaCheckpointError(f"could not load the backbone {base!r}: {e}") from e
+    if quantization == "nf4" and torch.device(device).type == "cpu":
+        _exact_cpu_4bit(model)
     return model.eval().requires_grad_(False)
+
+
+def _exact_cpu_4bit(model: nn.Module) -> None:
+    """Keep 4-bit CPU matmuls exact across token counts (bitsandbytes 0.50).
+
+    On CPUs with AVX512-BF16, bitsandbytes repacks NF4 weights at the first forward and runs a fused
+    kernel that computes in bfloat16 and tiles one token differently from many, so verifying a tree
+    in one pass would not reproduce token-by-token greedy decoding (19/20 demo prompts identical).
+    Without it, weights are dequantized and multiplied in the compute dtype, which is exact.
+    """
+    import bitsandbytes as bnb
+
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
 
 
 def _load_tokenizer(folder: Path, base: str, trust_remote_code: bool):
