@@ -21,6 +21,7 @@ BACKBONE = "#444444"  # the root: the backbone's own token
 HEAD_COLOURS = ("#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2", "#bcbd22")
 MODE_COLOURS = {"medusa": "#1f77b4", "baseline": "#ff7f0e"}
 ROLLING_WINDOW = 8
+MAX_MARKERS = 400  # per-step dots for the session's latest steps only: every SVG dot costs the browser a redraw
 
 
 @dataclass(frozen=True)
@@ -148,8 +149,9 @@ def tree_figure(record: StepRecord, labels: Sequence[str], height: int = 420) ->
 
 
 def speed_figure(rows: Sequence[StepRow], height: int = 420) -> Figure:
-    """Session steps in order: tokens/s per step (markers) with a rolling mean per mode (lines) on top,
-    tokens accepted per step (bars) below; Medusa and baseline steps in different colours."""
+    """Session steps in order: tokens/s per step (dots, for the latest ``MAX_MARKERS`` steps) with a
+    rolling mean per reply (lines) on top, tokens accepted per step (a stepped line) below; Medusa and
+    baseline steps in different colours. Lines are one SVG path each, so the figure redraws fast."""
     if not rows:
         return empty_figure("tokens/s per step appear here once a reply streams", height)
     data: list[dict[str, Any]] = []
@@ -158,26 +160,28 @@ def speed_figure(rows: Sequence[StepRow], height: int = 420) -> Figure:
         if not idx:
             continue
         colour = MODE_COLOURS[mode]
-        speed = [rows[i].tokens_per_s for i in idx]
-        mean_x: list[int | None] = []
+        dots = [i for i in idx if i >= len(rows) - MAX_MARKERS]
+        line_x: list[int | None] = []
         mean_y: list[float | None] = []
-        for reply in _replies(rows, idx):  # one rolling mean per reply, with a gap between replies
-            mean_x += [*reply, None]
+        tokens_y: list[int | None] = []
+        for reply in _replies(rows, idx):  # one line per reply, with a gap between replies
+            line_x += [*reply, None]
             mean_y += [*rolling_mean([rows[i].tokens_per_s for i in reply], ROLLING_WINDOW), None]
+            tokens_y += [*(rows[i].accepted_tokens for i in reply), None]
         data += [
             dict(
-                type="scatter", x=idx, y=speed, mode="markers", name=f"{mode} tokens/s",
+                type="scatter", x=dots, y=[rows[i].tokens_per_s for i in dots], mode="markers", name=f"{mode} tokens/s",
                 marker=dict(color=colour, size=4, opacity=0.5),
-                customdata=[[rows[i].reply_index, rows[i].step] for i in idx],
+                customdata=[[rows[i].reply_index, rows[i].step] for i in dots],
                 hovertemplate="reply %{customdata[0]}, step %{customdata[1]}<br>%{y:.1f} tokens/s<extra></extra>",
             ),
             dict(
-                type="scatter", x=mean_x[:-1], y=mean_y[:-1], mode="lines",
+                type="scatter", x=line_x[:-1], y=mean_y[:-1], mode="lines",
                 name=f"{mode} rolling mean ({ROLLING_WINDOW} steps)", line=dict(color=colour, width=2), hoverinfo="skip",
             ),
             dict(
-                type="bar", x=idx, y=[rows[i].accepted_tokens for i in idx], name=f"{mode} tokens/step",
-                marker=dict(color=colour), showlegend=False, xaxis="x2", yaxis="y2",
+                type="scatter", x=line_x[:-1], y=tokens_y[:-1], mode="lines", name=f"{mode} tokens/step",
+                line=dict(color=colour, width=1, shape="hv"), fill="tozeroy", showlegend=False, xaxis="x2", yaxis="y2",
             ),
         ]
     return Figure(

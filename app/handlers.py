@@ -32,7 +32,7 @@ from .charts import empty_figure, speed_figure, tree_figure
 from .engine import Engine
 from .session import Session, Turn
 from .settings import AppSettings
-from .stats import StepRow, summarize, summary_markdown, write_csv
+from .stats import StepRow, decode_tokens_per_s, summarize, summary_markdown, write_csv
 from .text import ReplyText, StreamingDetokenizer, chat_messages, prompt_ids, token_label
 
 log = logging.getLogger(__name__)
@@ -94,6 +94,36 @@ def chat_view(session: Session, highlight: bool) -> list[dict[str, str]]:
             content += f'<p class="medusa-note">{html.escape(turn.note)}</p>'
         messages.append({"role": "assistant", "content": content})
     return messages
+
+
+STOP_REASON_TEXT = {
+    "eos": "ended by the model",
+    "max_new_tokens": "hit the token limit",
+    "context": "filled the context window",
+    "stopped": "stopped",
+}
+
+
+def reply_status(session: Session) -> str:
+    """One line under the chat about the latest reply: waiting, generating, or its numbers."""
+    if not session.turns:
+        return ""
+    turn = session.turns[-1]
+    if turn.state == "pending":
+        return "⏳ Waiting for the model…"
+    if turn.state == "streaming":
+        return "⏳ Generating…"
+    rows = session.reply_rows(turn.reply_index) if turn.reply_index is not None else []
+    if not rows:
+        return "Latest reply: not generated (see the chat)." if turn.state == "error" else "Latest reply: stopped before it started."
+    tokens = sum(r.accepted_tokens for r in rows)
+    seconds = sum(r.step_latency_ms for r in rows) / 1e3
+    speed = decode_tokens_per_s(rows)
+    mode = "Medusa, " + rows[0].tree_name if rows[0].mode == "medusa" else "Medusa off"
+    return (
+        f"Latest reply: {tokens} tokens in {seconds:.2f} s · {tokens / len(rows):.2f} tokens/step · "
+        f"{'–' if speed is None else f'{speed:.1f}'} tokens/s ({mode}) · {STOP_REASON_TEXT.get(rows[-1].stop_reason, turn.state)}"
+    )
 
 
 def live_view(engine: Engine, session: Session, final: bool = False) -> Updates:
@@ -232,7 +262,7 @@ def add_user(engine: Engine, session: Session, message: str, highlight: bool) ->
         gr.Warning("A reply is still streaming: wait for it or press Stop.")
         return {}
     session.turns.append(Turn(user=text))
-    return {"message": "", "chatbot": chat_view(session, highlight)}
+    return {"message": "", "chatbot": chat_view(session, highlight), "reply_status": reply_status(session)}
 
 
 def respond(engine: Engine, settings: AppSettings, session: Session, controls: Controls) -> Iterator[Updates]:
@@ -257,7 +287,7 @@ def respond(engine: Engine, settings: AppSettings, session: Session, controls: C
         )
     except (ValueError, TemplateError) as e:  # too-long prompt, invalid tree, bad control value, template error
         turn.state, turn.error = "error", f"Not sent: {e}"
-        yield {"chatbot": chat_view(session, controls.highlight), "tree_status": f"⚠ {html.escape(str(e))}"}
+        yield {"chatbot": chat_view(session, controls.highlight), "tree_status": f"⚠ {html.escape(str(e))}", "reply_status": reply_status(session)}
         return
     if dropped:
         turn.note = f"{dropped} earlier turn{'s' if dropped > 1 else ''} left out to fit the {model.max_context}-token context"
@@ -269,18 +299,25 @@ def respond(engine: Engine, settings: AppSettings, session: Session, controls: C
         if turn.state == "streaming":
             turn.state = "stopped"
         session.end()
-    yield {"chatbot": chat_view(session, controls.highlight), **live_view(engine, session, final=True), "model_panel": model_panel(engine, session)}
+    yield {
+        "chatbot": chat_view(session, controls.highlight),
+        **live_view(engine, session, final=True),
+        "model_panel": model_panel(engine, session),
+        "reply_status": reply_status(session),
+    }
 
 
 def _stream(engine, settings, session, controls, steps, turn) -> Iterator[Updates]:
     last_chat = last_plot = 0.0
     try:
-        with closing(_record_steps(engine, session, steps, controls, "chat", turn.reply)) as records:
+        turn.reply_index = session.new_reply()
+        with closing(_record_steps(engine, session, steps, controls, "chat", turn.reply_index, turn.reply)) as records:
             for _ in records:
                 now = time.monotonic()
                 if now - last_plot >= settings.redraw_interval_s:
+                    status = {"reply_status": reply_status(session)} if last_plot == 0.0 else {}
                     last_plot = last_chat = now
-                    yield {"chatbot": chat_view(session, controls.highlight), **live_view(engine, session)}
+                    yield {"chatbot": chat_view(session, controls.highlight), **live_view(engine, session), **status}
                 elif now - last_chat >= settings.stream_interval_s:
                     last_chat = now
                     yield {"chatbot": chat_view(session, controls.highlight)}
@@ -291,7 +328,13 @@ def _stream(engine, settings, session, controls, steps, turn) -> Iterator[Update
 
 
 def _record_steps(
-    engine: Engine, session: Session, steps: Iterator[StepRecord], controls: Controls, source: str, reply: ReplyText
+    engine: Engine,
+    session: Session,
+    steps: Iterator[StepRecord],
+    controls: Controls,
+    source: str,
+    reply_index: int,
+    reply: ReplyText,
 ) -> Iterator[StepRecord]:
     """Consume the engine's steps: record each in the session's statistics and the reply's text.
 
@@ -299,8 +342,6 @@ def _record_steps(
     iterator, which releases the KV cache.
     """
     session.last_records = []
-    reply_index = session.replies
-    session.replies += 1
     detok = StreamingDetokenizer(engine.model.tokenizer)
     try:
         for record in steps:
@@ -346,7 +387,12 @@ def stop(engine: Engine, session: Session, highlight: bool) -> Updates:
     for turn in session.turns:
         if turn.state == "pending":  # cancelled while waiting for the model
             turn.state = "stopped"
-    return {"chatbot": chat_view(session, highlight), **live_view(engine, session, final=True), "model_panel": model_panel(engine, session)}
+    return {
+        "chatbot": chat_view(session, highlight),
+        **live_view(engine, session, final=True),
+        "model_panel": model_panel(engine, session),
+        "reply_status": reply_status(session),
+    }
 
 
 def regenerate(engine: Engine, session: Session, highlight: bool) -> Updates:
@@ -355,7 +401,7 @@ def regenerate(engine: Engine, session: Session, highlight: bool) -> Updates:
         return {}
     last = session.turns[-1]
     last.reply, last.state, last.error, last.note = ReplyText(), "pending", "", ""
-    return {"chatbot": chat_view(session, highlight)}
+    return {"chatbot": chat_view(session, highlight), "reply_status": reply_status(session)}
 
 
 def clear(engine: Engine, session: Session) -> Updates:
@@ -364,7 +410,7 @@ def clear(engine: Engine, session: Session) -> Updates:
     session.idle.wait(STOP_WAIT_S)
     session.turns.clear()
     session.last_records = []
-    return {"chatbot": [], "message": "", **live_view(engine, session)}
+    return {"chatbot": [], "message": "", "reply_status": "", **live_view(engine, session)}
 
 
 def show_step(engine: Engine, session: Session, step: float) -> Updates:
@@ -408,7 +454,7 @@ def compare(engine: Engine, settings: AppSettings, session: Session, controls: C
                 continue
             done: list[StepRecord] = []
             last_plot = 0.0
-            with closing(_record_steps(engine, session, steps, greedy, "compare", ReplyText())) as records:
+            with closing(_record_steps(engine, session, steps, greedy, "compare", session.new_reply(), ReplyText())) as records:
                 for record in records:
                     done.append(record)
                     if time.monotonic() - last_plot >= settings.redraw_interval_s:

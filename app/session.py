@@ -61,6 +61,15 @@ class Session:
         """True while a reply or a comparison runs for this session."""
         return not self.idle.is_set()
 
+    def new_reply(self) -> int:
+        """The index of a new reply in the statistics (``StepRow.reply_index``)."""
+        self.replies += 1
+        return self.replies - 1
+
+    def reply_rows(self, reply_index: int) -> list[StepRow]:
+        """The steps of one reply."""
+        return [r for r in self.rows if r.reply_index == reply_index]
+
     def begin(self) -> None:
         """A reply or comparison starts: the session is busy and an earlier Stop no longer applies."""
         self.stop_requested.clear()

@@ -23,7 +23,7 @@ from .session import Session
 from .settings import AppSettings
 from .stats import summarize, summary_markdown
 
-MODEL_QUEUE = dict(concurrency_id="model", concurrency_limit=1)
+MODEL_QUEUE = dict(concurrency_id="model", concurrency_limit=1, show_progress="minimal")
 
 # Runs in the browser after Export: download the file the handler just wrote (one click for the user).
 DOWNLOAD_JS = """
@@ -95,6 +95,7 @@ def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
                     regenerate = gr.Button("Regenerate", size="sm", elem_id="regenerate")
                     clear = gr.Button("Clear", size="sm", elem_id="clear")
                     highlight = gr.Checkbox(defaults.highlight, label="Highlight tokens from the heads", elem_id="highlight")
+                status_line = gr.Markdown(elem_id="reply-status")
                 system_prompt = gr.Textbox(defaults.system_prompt, label="System prompt", lines=2, elem_id="system-prompt")
             with gr.Column(scale=2):
                 with gr.Tab("Controls"):
@@ -137,7 +138,7 @@ def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
         outputs = dict(
             banner=banner, timer=timer, chatbot=chatbot, message=message, tree=tree, tree_status=tree_status,
             model_panel=model_info, compare_result=compare_result, csv_file=csv_file, csv_path=csv_path,
-            tree_plot=tree_plot, step_slider=step_slider, speed_plot=speed_plot, summary=summary,
+            tree_plot=tree_plot, step_slider=step_slider, speed_plot=speed_plot, summary=summary, reply_status=status_line,
         )
         controls = dict(
             medusa=medusa, temperature=temperature, posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha,

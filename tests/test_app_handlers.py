@@ -363,3 +363,22 @@ def test_a_stop_pressed_after_a_reply_ended_does_not_stop_the_next_one(engine, s
     assert session.turns[1].state == "done"
     table = list(handlers.compare(engine, settings, session, controls))[-1]["compare_result"]
     assert "Identical replies" in table
+
+
+def test_the_status_line_follows_the_latest_reply(engine, settings, controls):
+    session = Session()
+    assert handlers.add_user(engine, session, "def add", False)["reply_status"] == "⏳ Waiting for the model…"
+    stream = handlers.respond(engine, settings, session, controls)
+    assert next(stream)["reply_status"] == "⏳ Generating…"
+    final = list(stream)[-1]["reply_status"]
+    tokens = sum(r.accepted_tokens for r in session.rows)
+    assert final.startswith(f"Latest reply: {tokens} tokens in ") and "(Medusa, sparse_16)" in final
+    handlers.add_user(engine, session, "def add " * 400, False)
+    assert list(handlers.respond(engine, settings, session, controls))[-1]["reply_status"] == "Latest reply: not generated (see the chat)."
+    handlers.add_user(engine, session, "return", False)
+    stream = handlers.respond(engine, settings, session, dataclasses.replace(controls, medusa=False))
+    next(stream)
+    session.stop_requested.set()  # the Stop handler's first act; the reply ends after this step
+    list(stream)
+    shown = handlers.stop(engine, session, False)["reply_status"]
+    assert shown.endswith("(Medusa off) · stopped")

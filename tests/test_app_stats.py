@@ -118,8 +118,17 @@ def test_speed_figure_separates_modes_and_replies_and_is_valid_plotly():
     by_name = {t["name"]: t for t in fig.data}
     assert by_name["medusa tokens/s"]["x"] == [0, 1, 3]
     assert by_name["baseline tokens/s"]["x"] == [2]
-    assert by_name["medusa tokens/step"]["y"] == [3, 3, 1]
+    assert by_name["medusa tokens/step"]["y"] == [3, 3, None, 1]
     mean = by_name["medusa rolling mean (8 steps)"]
     assert mean["x"] == [0, 1, None, 3]  # each reply has its own rolling mean; no line across other replies
     assert mean["y"] == [300.0, 300.0, None, 100.0]
     assert by_name["medusa tokens/s"]["marker"]["color"] != by_name["baseline tokens/s"]["marker"]["color"]
+
+
+def test_speed_figure_draws_dots_only_for_the_latest_steps_but_lines_for_all():
+    from app.charts import MAX_MARKERS
+
+    rows = [row(record(i)) for i in range(MAX_MARKERS + 50)]
+    by_name = {t["name"]: t for t in speed_figure(rows).data}
+    assert by_name["medusa tokens/s"]["x"][0] == 50 and len(by_name["medusa tokens/s"]["x"]) == MAX_MARKERS
+    assert len(by_name["medusa rolling mean (8 steps)"]["x"]) == MAX_MARKERS + 50

@@ -113,29 +113,24 @@ def send(page, text: str, timeout_s: float = 60.0, screenshot: Path | None = Non
     """Send ``text`` and wait until its reply has ended; returns the reply's text length at every
     render of the chat, in order (a streamed reply shows several partial lengths).
 
-    The reply has ended once the new bot message exists and no component has been "generating"
-    for two polls in a row (a fast reply can start and end between two polls).
+    The reply has ended once the new bot message exists and the status line under the chat
+    reports the latest reply (it says "Waiting…" / "Generating…" before).
     """
     bots = page.locator("#chat [data-testid=bot]")
     expected = bots.count() + 1
     page.evaluate(WATCH_REPLY_JS)
     page.locator("#message textarea").fill(text)
     page.locator("#message textarea").press("Enter")
-    generating = page.locator(".generating")
-    idle_polls = 0
+    status = page.locator("#reply-status")
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        busy = generating.count() > 0
-        if bots.count() == expected:
-            idle_polls = 0 if busy else idle_polls + 1
-            if idle_polls >= 2:
-                seen = page.evaluate("() => window.__replyLengths")
-                return [length for count, length in seen if count == expected]
+        if bots.count() == expected and status.inner_text().startswith("Latest reply"):
+            seen = page.evaluate("() => window.__replyLengths")
+            return [length for count, length in seen if count == expected]
         page.wait_for_timeout(50)
     if screenshot is not None:
         page.screenshot(path=str(screenshot), full_page=True)
-    busy_ids = generating.evaluate_all("els => els.map(e => e.id || e.className)")
-    raise AssertionError(f"the reply did not finish in {timeout_s} s; still generating: {busy_ids}")
+    raise AssertionError(f"the reply did not finish in {timeout_s} s; status: {status.inner_text()!r}")
 
 
 def download_csv(page, target: Path) -> list[dict[str, str]]:
