@@ -21,6 +21,7 @@ from medusa_core.bench import (
     first_difference,
     load_prompts,
     main,
+    monotone_latency,
     predict_speedups,
     summarise,
     write_tuned,
@@ -167,6 +168,12 @@ def test_tuner_on_the_feasibility_runs_cpu_forward_costs_picks_the_8_token_tree(
     predicted = predict_speedups(accept, latency)
     assert choose_tree_size({n: s for n, s in predicted.items() if n}) == 7
     assert predicted[63] < 1.0 < predicted[7]
+
+
+def test_monotone_latency_pools_a_step_that_measured_cheaper_than_a_smaller_tree():
+    fitted = monotone_latency({0: 10.0, 2: 14.0, 4: 12.0, 8: 20.0})  # 4 paths cannot cost less than 2
+    assert fitted == pytest.approx({0: 10.0, 2: 13.0, 4: 13.0, 8: 20.0})
+    assert monotone_latency({0: 1.0, 1: 2.0}) == {0: 1.0, 1: 2.0}
 
 
 def test_write_tuned_merges_a_device_entry_and_keeps_the_others(tmp_path):
