@@ -65,6 +65,14 @@ def test_chat_live_view_compare_and_csv_export_in_headless_chromium(app_url, tmp
         page.goto(app_url)
         expect(page.locator("#tree input")).to_have_value(re.compile(r"\(\d+ nodes"), timeout=30_000)  # model ready
 
+        # Pick a 17-node tree from the dropdown (the demo's own default for CPUs is a 5-node chain).
+        tree_input = page.locator("#tree input")
+        tree_input.click()
+        tree_input.fill("sparse_16")
+        tree_input.press("Enter")
+        expect(tree_input).to_have_value("sparse_16 (17 nodes)")
+        page.locator("#highlight input[type=checkbox]").check()
+
         # A reply streams into the chat: several different partial lengths before the end.
         lengths = _send(page, PROMPTS[0])
         partial = {n for n in lengths if 0 < n < lengths[-1]}
@@ -87,16 +95,15 @@ def test_chat_live_view_compare_and_csv_export_in_headless_chromium(app_url, tmp
         number = page.locator("#step-slider input[type=number]")
         number.fill("0")
         number.blur()
-        expect(tree_title).to_contain_text(re.compile(r"^step 0 · "))
+        expect(tree_title).to_contain_text(re.compile(r"^step 0 · sparse_16 \(17 nodes\)"))
         assert page.locator("#tree-plot .scatterlayer .trace").count() >= 4  # edges, path, root, head-1 nodes
 
         # Highlighting marks the tokens accepted from the heads (if this reply accepted any).
-        page.locator("#highlight input[type=checkbox]").check()
         summary = page.locator("#summary").inner_text()
         rate = float(re.search(r"acceleration rate\)\s+([\d.]+)", summary).group(1))
         if rate > 1.0:
             expect(page.locator("#chat mark.medusa-free").first).to_be_visible()
-        page.screenshot(path=str(SCREENSHOTS / "2-step-0-highlight.png"), full_page=True)
+        page.screenshot(path=str(SCREENSHOTS / "2-step-0.png"), full_page=True)
 
         # Medusa off: the next reply decodes one token per step and is charted as baseline.
         page.locator("#medusa input[type=checkbox]").uncheck()
@@ -114,16 +121,17 @@ def test_chat_live_view_compare_and_csv_export_in_headless_chromium(app_url, tmp
         bots = page.locator("#chat [data-testid=bot]")
         page.locator("#message textarea").fill(PROMPTS[2])
         page.locator("#message textarea").press("Enter")
-        expect(bots).to_have_count(3, timeout=REPLY_TIMEOUT_S * 1_000)
-        expect(bots.last).not_to_have_text("", timeout=REPLY_TIMEOUT_S * 1_000)
+        expect(bots).to_have_count(3, timeout=REPLY_TIMEOUT_S * 1_000)  # the reply has started streaming
+        page.locator("#stop").dispatch_event("click")  # at once: no waiting for the button to be "stable"
         status = page.locator("#reply-status")
-        still_running = status.inner_text().startswith("⏳")
-        page.locator("#stop").click()
         expect(status).to_contain_text("Latest reply", timeout=REPLY_TIMEOUT_S * 1_000)
-        if still_running:
-            expect(bots.last).to_contain_text("stopped")
-            expect(status).to_contain_text("· stopped")
+        stopped = status.inner_text().endswith("· stopped")
+        print(f"e2e: Stop {'ended the reply midway' if stopped else 'came after the reply had ended'}")
+        if stopped:
+            expect(bots.last).to_contain_text("⏹ stopped")
             assert len(bots.last.inner_text().replace("⏹ stopped", "").strip()) > 0
+        else:  # a fast machine can finish the reply before the click lands
+            expect(bots.last).not_to_contain_text("⏹ stopped")
         max_tokens.fill(str(MAX_NEW_TOKENS))
         max_tokens.blur()
 
@@ -150,8 +158,7 @@ def test_chat_live_view_compare_and_csv_export_in_headless_chromium(app_url, tmp
         assert len(replies[0]) == steps
         assert {r["mode"] for r in replies[1]} == {r["mode"] for r in replies[3]} == {"baseline"}
         assert {r["mode"] for r in replies[2]} == {r["mode"] for r in replies[4]} == {"medusa"}
-        if still_running:
-            assert replies[2][-1]["stop_reason"] == "stopped"
+        assert (replies[2][-1]["stop_reason"] == "stopped") == stopped
         for reply in replies.values():
             assert [int(r["step"]) for r in reply] == list(range(len(reply)))
             assert sum(int(r["accepted_tokens"]) for r in reply) == int(reply[-1]["total_tokens"])
