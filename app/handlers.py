@@ -76,6 +76,23 @@ class Controls:
 
 CONTROL_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Controls))
 
+LIVE_VIEW = ("tree_plot", "step_slider", "speed_plot", "summary")
+#: The named outputs each handler may return. Each event updates only these components: every extra
+#: output costs the browser work at every streamed update.
+OUTPUTS: dict[str, tuple[str, ...]] = {
+    "page_status": ("banner", "timer", "tree", "model_panel", "tree_status"),
+    "add_user": ("message", "chatbot", "reply_status"),
+    "respond": ("chatbot", "tree_status", "reply_status", "model_panel", *LIVE_VIEW),
+    "regenerate": ("chatbot", "reply_status"),
+    "compare": ("compare_result", "model_panel", *LIVE_VIEW),
+    "stop": ("chatbot", "reply_status", "model_panel", *LIVE_VIEW),
+    "clear": ("chatbot", "message", "reply_status", *LIVE_VIEW),
+    "rerender_chat": ("chatbot",),
+    "show_step": ("tree_plot",),
+    "check_tree": ("tree_status",),
+    "export_csv": ("csv_file", "csv_path"),
+}
+
 
 # ------------------------------------------------------------------------------------------ views
 def chat_view(session: Session, highlight: bool) -> list[dict[str, str]]:

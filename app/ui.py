@@ -23,7 +23,9 @@ from .session import Session
 from .settings import AppSettings
 from .stats import summarize, summary_markdown
 
-MODEL_QUEUE = dict(concurrency_id="model", concurrency_limit=1, show_progress="minimal")
+# The status line under the chat says what a reply is doing, so no spinners: each costs the browser work per update.
+MODEL_QUEUE = dict(concurrency_id="model", concurrency_limit=1, show_progress="hidden")
+QUICK = dict(queue=False, show_progress="hidden")
 
 # Runs in the browser after Export: download the file the handler just wrote (one click for the user).
 DOWNLOAD_JS = """
@@ -42,7 +44,10 @@ DOWNLOAD_JS = """
 
 
 def _named(fn: Callable[..., Any], outputs: dict[str, gr.components.Component]) -> Callable[..., Any]:
-    """Adapt a handler that returns (or yields) ``{name: value}`` to Gradio's ``{component: value}``."""
+    """Adapt a handler that returns (or yields) ``{name: value}`` to Gradio's ``{component: value}``.
+
+    ``outputs`` maps the names the handler may return (``handlers.OUTPUTS``) to components.
+    """
 
     def to_components(update: dict[str, Any]) -> dict[Any, Any]:
         return {outputs[name]: value for name, value in update.items()}
@@ -83,6 +88,8 @@ def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
                 chatbot = gr.Chatbot(
                     elem_id="chat", height=460, label="Chat", autoscroll=True, feedback_options=None,
                     buttons=[],  # copy buttons would copy the HTML the replies are rendered with
+                    # Messages are ready HTML (app.text): no Markdown or LaTeX pass in the browser at every update.
+                    render_markdown=False, latex_delimiters=[],
                 )
                 with gr.Row():
                     message = gr.Textbox(
@@ -146,9 +153,13 @@ def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
             highlight=highlight,
         )
         assert tuple(controls) == CONTROL_NAMES
-        out = list(outputs.values())
 
-        def with_controls(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def event(handler: Callable[..., Any]) -> tuple[Callable[..., Any], list[Any]]:
+            """``handler`` adapted to Gradio, and the components it may update (``handlers.OUTPUTS``)."""
+            targets = {n: outputs[n] for n in handlers.OUTPUTS[_name(handler)]}
+            return _named(handler, targets), list(targets.values())
+
+        def with_controls(fn: Callable[..., Any]) -> tuple[Callable[..., Any], list[Any]]:
             """``fn(engine, settings, session, controls)`` as a Gradio function of (session, *control values)."""
 
             def run(state: Session, *values: Any) -> Any:
@@ -159,39 +170,38 @@ def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
                 yield from fn(engine, settings, state, Controls(**values_by_name))
 
             run.__name__ = fn.__name__
-            return _named(run, outputs)
+            return event(run)
 
         control_inputs = [session, *controls.values()]
-        reply = with_controls(handlers.respond)
 
-        status = _named(functools.partial(handlers.page_status, engine, settings), outputs)
-        demo.load(status, [session], out, queue=False)
-        timer.tick(status, [session], out, queue=False)
+        status_fn, status_out = event(functools.partial(handlers.page_status, engine, settings))
+        demo.load(status_fn, [session], status_out, **QUICK)
+        timer.tick(status_fn, [session], status_out, **QUICK)
 
-        sent = gr.on(
-            [message.submit, send.click],
-            _named(functools.partial(handlers.add_user, engine), outputs),
-            [session, message, highlight], out, queue=False,
+        add_fn, add_out = event(functools.partial(handlers.add_user, engine))
+        reply_fn, reply_out = with_controls(handlers.respond)
+        sent = gr.on([message.submit, send.click], add_fn, [session, message, highlight], add_out, **QUICK)
+        replying = sent.then(reply_fn, control_inputs, reply_out, **MODEL_QUEUE)
+        regenerate_fn, regenerate_out = event(functools.partial(handlers.regenerate, engine))
+        regenerating = regenerate.click(regenerate_fn, [session, highlight], regenerate_out, **QUICK).then(
+            reply_fn, control_inputs, reply_out, **MODEL_QUEUE
         )
-        replying = sent.then(reply, control_inputs, out, **MODEL_QUEUE)
-        regenerating = regenerate.click(
-            _named(functools.partial(handlers.regenerate, engine), outputs), [session, highlight], out, queue=False
-        ).then(reply, control_inputs, out, **MODEL_QUEUE)
-        comparing = compare.click(with_controls(handlers.compare), control_inputs, out, **MODEL_QUEUE)
+        compare_fn, compare_out = with_controls(handlers.compare)
+        comparing = compare.click(compare_fn, control_inputs, compare_out, **MODEL_QUEUE)
         running = [replying, regenerating, comparing]
-        stop.click(_named(functools.partial(handlers.stop, engine), outputs), [session, highlight], out, cancels=running, queue=False)
-        clearing = _named(functools.partial(handlers.clear, engine), outputs)
-        clear.click(clearing, [session], out, cancels=running, queue=False)
-        chatbot.clear(clearing, [session], out, cancels=running, queue=False)  # the chat's own trash icon
+        stop_fn, stop_out = event(functools.partial(handlers.stop, engine))
+        stop.click(stop_fn, [session, highlight], stop_out, cancels=running, **QUICK)
+        clear_fn, clear_out = event(functools.partial(handlers.clear, engine))
+        clear.click(clear_fn, [session], clear_out, cancels=running, **QUICK)
+        chatbot.clear(clear_fn, [session], clear_out, cancels=running, **QUICK)  # the chat's own trash icon
 
-        highlight.change(_named(handlers.rerender_chat, outputs), [session, highlight], out, queue=False)
-        step_slider.release(_named(functools.partial(handlers.show_step, engine), outputs), [session, step_slider], out, queue=False)
-        tree.change(lambda t: gr.Textbox(visible=t == CUSTOM_TREE), [tree], [custom_tree], queue=False)
-        gr.on(
-            [tree.change, custom_tree.blur, custom_tree.submit],
-            _named(functools.partial(handlers.check_tree, engine), outputs), [tree, custom_tree], out, queue=False,
-        )
-        export.click(_named(functools.partial(handlers.export_csv, settings), outputs), [session], out, queue=False).then(
-            None, [csv_file], None, js=DOWNLOAD_JS
-        )
+        rerender_fn, rerender_out = event(handlers.rerender_chat)
+        highlight.change(rerender_fn, [session, highlight], rerender_out, **QUICK)
+        step_fn, step_out = event(functools.partial(handlers.show_step, engine))
+        step_slider.release(step_fn, [session, step_slider], step_out, **QUICK)
+        tree.change(lambda t: gr.Textbox(visible=t == CUSTOM_TREE), [tree], [custom_tree], **QUICK)
+        check_fn, check_out = event(functools.partial(handlers.check_tree, engine))
+        gr.on([tree.change, custom_tree.blur, custom_tree.submit], check_fn, [tree, custom_tree], check_out, **QUICK)
+        export_fn, export_out = event(functools.partial(handlers.export_csv, settings))
+        export.click(export_fn, [session], export_out, **QUICK).then(None, [csv_file], None, js=DOWNLOAD_JS)
     return demo

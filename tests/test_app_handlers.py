@@ -382,3 +382,33 @@ def test_the_status_line_follows_the_latest_reply(engine, settings, controls):
     list(stream)
     shown = handlers.stop(engine, session, False)["reply_status"]
     assert shown.endswith("(Medusa off) · stopped")
+
+
+def test_every_handler_returns_only_the_outputs_its_event_declares(engine, settings, controls):
+    session = Session()
+    returned: dict[str, set[str]] = {}
+
+    def note(name, updates):
+        returned.setdefault(name, set()).update(updates)
+
+    note("page_status", handlers.page_status(engine, settings, session))
+    note("add_user", handlers.add_user(engine, session, "def add", False))
+    for u in handlers.respond(engine, settings, session, controls):
+        note("respond", u)
+    note("regenerate", handlers.regenerate(engine, session, False))
+    for u in handlers.respond(engine, settings, session, dataclasses.replace(controls, tree=CUSTOM_TREE, custom_tree="[[")):
+        note("respond", u)
+    handlers.regenerate(engine, session, False)
+    for u in handlers.respond(engine, settings, session, controls):
+        note("respond", u)
+    for u in handlers.compare(engine, settings, session, controls):
+        note("compare", u)
+    note("stop", handlers.stop(engine, session, False))
+    note("rerender_chat", handlers.rerender_chat(session, True))
+    note("show_step", handlers.show_step(engine, session, 0))
+    note("check_tree", handlers.check_tree(engine, CUSTOM_TREE, "[[0]]"))
+    note("export_csv", handlers.export_csv(settings, session))
+    note("clear", handlers.clear(engine, session))
+    assert set(returned) == set(handlers.OUTPUTS)
+    for name, keys in returned.items():
+        assert keys <= set(handlers.OUTPUTS[name]), name

@@ -94,43 +94,50 @@ def chromium() -> Iterator[object]:
 
 
 # Records the length of the last bot message at every change of the chat's DOM (every render).
+# textContent, not innerText: it needs no layout, so watching adds little work to the page.
 WATCH_REPLY_JS = """
 () => {
   window.__replyLengths = [];
   const chat = document.querySelector('#chat');
   const record = () => {
     const bots = chat.querySelectorAll('[data-testid=bot]');
-    if (bots.length) window.__replyLengths.push([bots.length, bots[bots.length - 1].innerText.length]);
+    if (bots.length) window.__replyLengths.push([bots.length, bots[bots.length - 1].textContent.length]);
   };
   if (window.__replyObserver) window.__replyObserver.disconnect();
   window.__replyObserver = new MutationObserver(record);
   window.__replyObserver.observe(chat, {subtree: true, childList: true, characterData: true});
 }
 """
+# The reply has ended: its bot message exists and the status line reports it ("Waiting…"/"Generating…" before).
+REPLY_DONE_JS = """
+(expected) => document.querySelectorAll('#chat [data-testid=bot]').length === expected
+  && document.querySelector('#reply-status').textContent.trim().startsWith('Latest reply')
+"""
 
 
-def send(page, text: str, timeout_s: float = 60.0, screenshot: Path | None = None) -> list[int]:
-    """Send ``text`` and wait until its reply has ended; returns the reply's text length at every
-    render of the chat, in order (a streamed reply shows several partial lengths).
+def send(page, text: str, timeout_s: float = 60.0, screenshot: Path | None = None, watch: bool = True) -> list[int]:
+    """Send ``text`` and wait until its reply has ended, checking twice a second (polling faster
+    would load the browser that renders the reply).
 
-    The reply has ended once the new bot message exists and the status line under the chat
-    reports the latest reply (it says "Waiting…" / "Generating…" before).
+    With ``watch``, returns the reply's text length at every render of the chat, in order (a
+    streamed reply shows several partial lengths); else returns [].
     """
-    bots = page.locator("#chat [data-testid=bot]")
-    expected = bots.count() + 1
-    page.evaluate(WATCH_REPLY_JS)
+    expected = page.locator("#chat [data-testid=bot]").count() + 1
+    if watch:
+        page.evaluate(WATCH_REPLY_JS)
     page.locator("#message textarea").fill(text)
     page.locator("#message textarea").press("Enter")
-    status = page.locator("#reply-status")
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if bots.count() == expected and status.inner_text().startswith("Latest reply"):
-            seen = page.evaluate("() => window.__replyLengths")
-            return [length for count, length in seen if count == expected]
-        page.wait_for_timeout(50)
-    if screenshot is not None:
-        page.screenshot(path=str(screenshot), full_page=True)
-    raise AssertionError(f"the reply did not finish in {timeout_s} s; status: {status.inner_text()!r}")
+    try:
+        page.wait_for_function(REPLY_DONE_JS, arg=expected, polling=500, timeout=timeout_s * 1000)
+    except Exception:
+        if screenshot is not None:
+            page.screenshot(path=str(screenshot), full_page=True)
+        status = page.locator("#reply-status").inner_text()
+        raise AssertionError(f"the reply did not finish in {timeout_s} s; status: {status!r}") from None
+    if not watch:
+        return []
+    seen = page.evaluate("() => window.__replyLengths")
+    return [length for count, length in seen if count == expected]
 
 
 def download_csv(page, target: Path) -> list[dict[str, str]]:

@@ -88,14 +88,14 @@ def main() -> int:
         page = browser.new_page(viewport={"width": 1440, "height": 1300}, accept_downloads=True)
         page.goto(url)
         page.locator("#tree input").wait_for()
-        page.wait_for_function("() => /nodes/.test(document.querySelector('#tree input').value)", timeout=60_000)
+        page.wait_for_function("() => /nodes/.test(document.querySelector('#tree input')?.value)", timeout=60_000)
         engine_run(model, system_prompt, prompts[0], 8)  # warm-up, both sides
-        send(page, prompts[0])
+        send(page, prompts[0], watch=False)
         page.locator("#clear").click()
         for _ in range(args.rounds):
             for prompt in prompts:
                 engine.append(engine_run(model, system_prompt, prompt, args.max_new_tokens))
-                send(page, prompt)
+                send(page, prompt, watch=False)  # the page only renders, as in a user's browser
                 page.locator("#clear").click()  # same prompt as the engine's: no history
                 page.wait_for_timeout(300)
         app = app_runs(download_csv(page, home / "session.csv"))
