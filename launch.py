@@ -23,6 +23,8 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(
         level=logging.DEBUG if settings.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
+    if not settings.verbose:  # its CPU fallback note ("pip install kernels") repeats at every start
+        logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
     import torch
 

@@ -324,7 +324,10 @@ def respond(engine: Engine, settings: AppSettings, session: Session, controls: C
     }
 
 
-def _stream(engine, settings, session, controls, steps, turn) -> Iterator[Updates]:
+def _stream(
+    engine: Engine, settings: AppSettings, session: Session, controls: Controls, steps: Iterator[StepRecord], turn: Turn
+) -> Iterator[Updates]:
+    """Record the reply's steps and yield throttled page updates; failures end up in the chat."""
     last_chat = last_plot = 0.0
     try:
         turn.reply_index = session.new_reply()
