@@ -84,7 +84,9 @@ class ReplyText:
             f'<mark class="medusa-free">{html.escape(t)}</mark>' if free and highlight else html.escape(t)
             for t, free in self.runs
         ]
-        return '<pre class="medusa-reply">' + "".join(parts) + "</pre>"
+        # The newline after <pre> is dropped by HTML, and it stops Gradio's Chatbot (which runs
+        # inspect.cleandoc on every message) from removing the reply's common indentation.
+        return '<pre class="medusa-reply">\n' + "".join(parts) + "</pre>"
 
 
 def token_label(tokenizer: Any, token_id: int) -> str:

@@ -57,7 +57,7 @@ def test_reply_html_escapes_text_and_marks_only_free_runs_when_highlighting():
     reply.append("", free=False)
     assert reply.runs == [("a<b", False), ("&cd", True)]
     assert reply.text == "a<b&cd"
-    assert reply.html(highlight=True) == '<pre class="medusa-reply">a&lt;b<mark class="medusa-free">&amp;cd</mark></pre>'
+    assert reply.html(highlight=True) == '<pre class="medusa-reply">\na&lt;b<mark class="medusa-free">&amp;cd</mark></pre>'
     assert "<mark" not in reply.html(highlight=False)
 
 
@@ -93,3 +93,13 @@ def test_token_labels_show_whitespace():
     tok = tiny_tokenizer()
     (space_id,) = tok(" ", add_special_tokens=False).input_ids
     assert token_label(tok, space_id) == "␣"
+
+
+def test_reply_html_keeps_its_indentation_through_the_gradio_chatbot():
+    import gradio as gr
+
+    reply = ReplyText()
+    reply.append("def f():\n    return 1\n", False)
+    shown = gr.Chatbot(render_markdown=False).postprocess([{"role": "assistant", "content": reply.html(False)}])
+    text = shown.model_dump()[0]["content"][0]["text"]
+    assert "\ndef f():\n    return 1\n" in text
