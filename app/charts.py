@@ -181,7 +181,7 @@ def speed_figure(rows: Sequence[StepRow], height: int = 420) -> Figure:
             ),
             dict(
                 type="scatter", x=line_x[:-1], y=tokens_y[:-1], mode="lines", name=f"{mode} tokens/step",
-                line=dict(color=colour, width=1, shape="hv"), fill="tozeroy", showlegend=False, xaxis="x2", yaxis="y2",
+                line=dict(color=colour, width=1.5, shape="hv"), showlegend=False, xaxis="x2", yaxis="y2",
             ),
         ]
     return Figure(

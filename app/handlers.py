@@ -99,12 +99,12 @@ def chat_view(session: Session, highlight: bool) -> list[dict[str, str]]:
     """The Chatbot's messages. Text is shown preformatted (code stays code), free tokens optionally marked."""
     messages = []
     for turn in session.turns:
-        messages.append({"role": "user", "content": f'<pre class="medusa-user">{html.escape(turn.user)}</pre>'})
+        messages.append({"role": "user", "content": f'<pre class="medusa-user">\n{html.escape(turn.user)}</pre>'})
         if turn.state == "pending" and not turn.error:
             continue
         content = turn.reply.html(highlight) if turn.reply.runs else ""
         if turn.state == "stopped":
-            content += '<p class="medusa-note">⏹ stopped</p>'
+            content += '<p class="medusa-note">(stopped)</p>'
         if turn.error:
             content += f'<p class="medusa-error">⚠ {html.escape(turn.error)}</p>'
         if turn.note:
@@ -127,9 +127,9 @@ def reply_status(session: Session) -> str:
         return ""
     turn = session.turns[-1]
     if turn.state == "pending":
-        return "⏳ Waiting for the model…"
+        return "Waiting for the model…"
     if turn.state == "streaming":
-        return "⏳ Generating…"
+        return "Generating…"
     rows = session.reply_rows(turn.reply_index) if turn.reply_index is not None else []
     if not rows:
         return "Latest reply: not generated (see the chat)." if turn.state == "error" else "Latest reply: stopped before it started."
@@ -539,7 +539,7 @@ def page_status(engine: Engine, settings: AppSettings, session: Session) -> Upda
     """What the page shows about the model: while loading the status line only; once ready (or
     failed) also the tree choices and the model panel, and the polling timer switches off."""
     if engine.model is None and engine.error is None:
-        return {"banner": f"⏳ {engine.status()}"}
+        return {"banner": engine.status()}
     updates: Updates = {"banner": "" if engine.ready else f"⚠ {engine.status()}", "timer": gr.Timer(active=False)}
     if engine.ready:
         model = engine.model

@@ -301,7 +301,7 @@ def test_while_the_model_loads_messages_wait_and_the_page_shows_progress(setting
     session = Session()
     assert handlers.add_user(loading, session, "hi", False) == {} and session.turns == []
     assert "Loading demo (nf4)" in warnings[0]
-    assert handlers.page_status(loading, settings, session)["banner"].startswith("⏳ Loading demo (nf4)")
+    assert handlers.page_status(loading, settings, session)["banner"].startswith("Loading demo (nf4)")
     with pytest.raises(ValueError):
         loading.load(lambda: (_ for _ in ()).throw(ValueError("no such folder")))
     failed = handlers.page_status(loading, settings, session)
@@ -367,9 +367,9 @@ def test_a_stop_pressed_after_a_reply_ended_does_not_stop_the_next_one(engine, s
 
 def test_the_status_line_follows_the_latest_reply(engine, settings, controls):
     session = Session()
-    assert handlers.add_user(engine, session, "def add", False)["reply_status"] == "⏳ Waiting for the model…"
+    assert handlers.add_user(engine, session, "def add", False)["reply_status"] == "Waiting for the model…"
     stream = handlers.respond(engine, settings, session, controls)
-    assert next(stream)["reply_status"] == "⏳ Generating…"
+    assert next(stream)["reply_status"] == "Generating…"
     final = list(stream)[-1]["reply_status"]
     tokens = sum(r.accepted_tokens for r in session.rows)
     assert final.startswith(f"Latest reply: {tokens} tokens in ") and "(Medusa, sparse_16)" in final
