@@ -493,7 +493,7 @@ def compare(engine: Engine, settings: AppSettings, session: Session, controls: C
 
 
 def _compare_table(results: dict[str, list[StepRecord]], running: str | None) -> str:
-    lines = ["| | tokens | steps | tokens/step | seconds | tokens/s |", "|---|---|---|---|---|---|"]
+    lines = ["| | tokens | steps | tok/step | time (s) | tok/s |", "|---|---|---|---|---|---|"]
     speed: dict[str, float] = {}
     for mode, records in results.items():
         tokens = sum(len(r.token_ids) for r in records)
