@@ -36,11 +36,13 @@ class StepRecord:
     Attributes:
         step: 0-based step index within the reply.
         mode: ``"medusa"`` or ``"baseline"`` (plain decoding, one token per step).
-        tree_name: name of the tree used (``"baseline"`` in baseline mode).
+        tree_name: name of the tree used; ``"baseline"`` for a root-only step (baseline mode, or a
+            Medusa reply's last step when one token remains or the context is nearly full).
         tree_nodes: N, nodes of the tree verified this step, root included.
         node_token_ids: token id of every node.
         node_parents: parent node index of every node (-1 for the root).
-        node_heads: Medusa head that proposed every node (-1 for the root, the backbone's token).
+        node_heads: 0-based Medusa head that proposed every node (head k guesses k+2 tokens ahead;
+            -1 for the root, the backbone's own token).
         node_ranks: rank of every node's token in its head's top-k (0 for the root).
         accepted_nodes: node indices of the accepted path, root first.
         token_ids: tokens added to the reply this step (after cutting at EOS / the token limit).
