@@ -533,6 +533,15 @@ def choose_tree_size(predicted: Mapping[int, float], tolerance: float = 0.0) -> 
     return min(n for n, s in predicted.items() if s >= best * (1.0 - tolerance))
 
 
+def confirm_choice(pick: int, measured_tok_s: Mapping[int, float], tolerance: float = 0.0) -> int:
+    """The tree size to keep after the confirming benchmark: the predicted ``pick``, unless another
+    confirmed size ran more than ``tolerance`` (relative) faster, in which case the fastest."""
+    fastest = max(measured_tok_s, key=measured_tok_s.get)
+    if pick not in measured_tok_s or measured_tok_s[fastest] > measured_tok_s[pick] * (1.0 + tolerance):
+        return fastest
+    return pick
+
+
 def measure_step_latency(
     model: Any, prompt_ids: Sequence[torch.Tensor], trees: Mapping[int, Sequence[Sequence[int]]],
     *, max_new_tokens: int = 64, progress: bool = True,
@@ -801,9 +810,10 @@ def build_parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("--confirm-top", type=int, default=3, help="predicted-best sizes confirmed by a benchmark (default 3)")
         p.add_argument("--confirm-prompts", type=int, default=16, help="prompts of the confirming benchmark (default 16)")
         p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per confirming run (default 128)")
-        p.add_argument("--repeats", type=int, default=1, help="repeats of the confirming benchmark (default 1)")
+        p.add_argument("--repeats", type=int, default=2, help="repeats of the confirming benchmark (default 2)")
         p.add_argument("--tolerance", type=float, default=0.02,
-                       help="prefer a smaller tree whose predicted speedup is within this fraction of the best (default 0.02)")
+                       help="prefer a smaller tree whose predicted speedup is within this fraction of the best, and "
+                            "keep the predicted pick unless a confirmed size ran more than this fraction faster (default 0.02)")
         p.add_argument("--rank-accuracy", type=Path, default=None,
                        help="JSON file with 'rank_accuracy' [K][ranks] (default: the model's medusa_calibration.json)")
         p.add_argument("--tuned-file", type=Path, default=None,
@@ -886,7 +896,7 @@ def cmd_tune(args: argparse.Namespace, command: str) -> int:
     overall = {s.method: s for s in summarise(runs) if s.category == ALL}
     base_tok_s = overall["baseline"].tok_s
     measured = {n: overall[f"medusa:optimal_{n}"] for n in ranked}
-    best = max(ranked, key=lambda n: measured[n].tok_s)
+    best = confirm_choice(pick, {n: measured[n].tok_s for n in ranked}, args.tolerance)
     if measured[best].tok_s < base_tok_s:
         notes.append(f"no tree beat plain decoding here: the best, {best} paths, ran at "
                      f"{_ratio(measured[best].tok_s, base_tok_s):.2f}× the plain loop's tokens/s")

@@ -17,6 +17,7 @@ from medusa_core.bench import (
     ALL,
     Run,
     choose_tree_size,
+    confirm_choice,
     find_divergences,
     first_difference,
     load_prompts,
@@ -158,6 +159,12 @@ def test_tuner_picks_the_largest_tree_when_step_cost_is_flat_like_a_gpu():
 def test_tuner_tolerance_prefers_the_smaller_of_two_near_ties():
     assert choose_tree_size({4: 2.00, 8: 2.08, 16: 1.69}, tolerance=0.05) == 4
     assert choose_tree_size({4: 2.00, 8: 2.08, 16: 1.69}, tolerance=0.0) == 8
+
+
+def test_confirmation_overrules_the_prediction_only_by_more_than_the_tolerance():
+    assert confirm_choice(4, {4: 100.0, 8: 101.0, 16: 90.0}, tolerance=0.02) == 4  # within noise: keep the pick
+    assert confirm_choice(4, {4: 100.0, 8: 105.0, 16: 90.0}, tolerance=0.02) == 8
+    assert confirm_choice(4, {4: 100.0, 8: 101.0}, tolerance=0.0) == 8
 
 
 def test_tuner_on_the_feasibility_runs_cpu_forward_costs_picks_the_8_token_tree():
