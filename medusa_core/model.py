@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -84,9 +84,9 @@ class _Tree:
     bias: torch.Tensor  # [N, N] additive tree-attention mask in the model's dtype
     path_nodes: torch.Tensor  # [P, D] index into the N-1 non-root nodes (padding clamped to 0)
     path_valid: torch.Tensor  # [P, D] bool
-    node_parents: tuple[int, ...] = field(default=())
-    node_heads: tuple[int, ...] = field(default=())
-    node_ranks: tuple[int, ...] = field(default=())
+    node_parents: tuple[int, ...]
+    node_heads: tuple[int, ...]
+    node_ranks: tuple[int, ...]
 
 
 class MedusaModel:

@@ -387,9 +387,9 @@ def _distill_figures() -> dict:
     from medusa_core.train import read_distilled
 
     out = {}
+    end_id = load_tokenizer().convert_tokens_to_ids("<|end|>")
     for split in ("train", "heldout"):
         rows = read_distilled(WORK / f"distill_{split}.jsonl")
-        end_id = load_tokenizer().convert_tokens_to_ids("<|end|>")
         ended = sum(1 for r in rows if end_id in r["reply_ids"])
         out[split] = {
             "prompts": len(rows),
