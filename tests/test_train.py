@@ -17,6 +17,7 @@ from medusa_core.train import (
     main,
     rank_accuracy,
     read_distilled,
+    MODEL_TURN,
     read_prompts,
     train_heads,
 )
@@ -42,6 +43,24 @@ def test_distill_writes_greedy_replies_that_equal_generate_and_resumes(tmp_path)
     distill(backbone, tok, chats, tmp_path / "d.jsonl", max_new_tokens=24, batch_size=5)
     ids = [r["id"] for r in read_distilled(tmp_path / "d.jsonl")]
     assert sorted(ids) == list(range(8)) and len(ids) == 8
+
+
+def test_distill_answers_follow_up_turns_after_the_models_own_reply_and_resumes(tmp_path):
+    tok = tiny_tokenizer()
+    backbone = tiny_backbone(eos_token_id=tok.convert_tokens_to_ids("<|end|>"))
+    chats = [[{"role": "user", "content": "def add a"}, dict(MODEL_TURN), {"role": "user", "content": "def sub b"}],
+             [{"role": "user", "content": "def mul c"}]]
+    out = distill(backbone, tok, chats, tmp_path / "d.jsonl", max_new_tokens=12, batch_size=2)
+    rows = {r["id"]: r for r in read_distilled(out)}
+    assert set(rows) == {0, 1, "0.1"}
+    first = tok.decode(rows[0]["reply_ids"], skip_special_tokens=True)
+    assert rows["0.1"]["messages"][1] == {"role": "assistant", "content": first}
+    assert rows["0.1"]["messages"][2]["content"] == "def sub b"
+    expected = backbone.generate(torch.tensor([rows["0.1"]["prompt_ids"]]), max_new_tokens=12, do_sample=False)
+    assert rows["0.1"]["reply_ids"] == expected[0, len(rows["0.1"]["prompt_ids"]) :].tolist()[: len(rows["0.1"]["reply_ids"])]
+    # a second run writes nothing new
+    distill(backbone, tok, chats, out, max_new_tokens=12, batch_size=2)
+    assert len(read_distilled(out)) == 3
 
 
 def test_collect_positions_labels_are_the_reply_tokens_k_plus_2_ahead(tmp_path):
@@ -147,11 +166,13 @@ def test_cli_distill_heads_and_vllm_export_run_end_to_end(tmp_path):
 def test_read_prompts_accepts_chats_prompts_and_text(tmp_path):
     (tmp_path / "p.txt").write_text("one\n\ntwo\n")
     assert read_prompts(tmp_path / "p.txt") == [[{"role": "user", "content": "one"}], [{"role": "user", "content": "two"}]]
-    rows = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}, {"prompt": "p", "system": "s"}]
+    rows = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}, {"prompt": "p", "system": "s"},
+            {"prompt": "p", "followup": "f"}]
     (tmp_path / "p.jsonl").write_text("\n".join(map(json.dumps, rows)))
     chats = read_prompts(tmp_path / "p.jsonl")
     assert chats[0] == [{"role": "user", "content": "q"}]
     assert chats[1] == [{"role": "system", "content": "s"}, {"role": "user", "content": "p"}]
+    assert chats[2] == [{"role": "user", "content": "p"}, MODEL_TURN, {"role": "user", "content": "f"}]
 
 
 def test_version_2_heads_train_only_their_blocks_and_save_without_projections(tmp_path):
