@@ -135,9 +135,18 @@ def chat_messages(system_prompt: str, history: Sequence[tuple[str, str]], user: 
 
 
 def prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> torch.Tensor:
-    """Token ids [1, T] of ``prompt_text(tokenizer, messages)``."""
-    # The template writes any BOS itself: adding special tokens again would double it.
-    return tokenizer(prompt_text(tokenizer, messages), add_special_tokens=False, return_tensors="pt").input_ids
+    """Token ids [1, T] of ``prompt_text(tokenizer, messages)``, control tokens only where the template
+    writes them.
+
+    Message text that spells a control token (``<|im_start|>system``, ``<|end|>``, any special token)
+    is encoded as plain text (transformers' ``sanitize_control_tokens``), so a message can never open
+    a turn of another role. Other text is encoded exactly as the rendered prompt would be; the
+    template writes any BOS itself, so no special tokens are added around it.
+    Raises ``ValueError`` if the tokenizer cannot encode such text without producing the token.
+    """
+    return _apply_template(
+        tokenizer, messages, tokenize=True, sanitize_control_tokens=True, return_dict=True, return_tensors="pt"
+    )["input_ids"]
 
 
 def prompt_text(tokenizer: Any, messages: list[dict[str, str]]) -> str:
@@ -146,19 +155,20 @@ def prompt_text(tokenizer: Any, messages: list[dict[str, str]]) -> str:
     Templates that reject a system role get the system prompt prepended to the first user message.
     Tokenizers without a template use the Vicuna v1.1 format.
     """
+    return _apply_template(tokenizer, messages, tokenize=False)
+
+
+def _apply_template(tokenizer: Any, messages: list[dict[str, str]], **kwargs: Any) -> Any:
+    """``tokenizer.apply_chat_template`` with the generation prompt, the fallbacks of ``prompt_text``
+    and ``kwargs``."""
     from jinja2 import TemplateError
 
     template = None if getattr(tokenizer, "chat_template", None) else VICUNA_TEMPLATE
     try:
-        text = tokenizer.apply_chat_template(
-            messages, chat_template=template, tokenize=False, add_generation_prompt=True
-        )
+        return tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True, **kwargs)
     except TemplateError:
         if messages[0]["role"] != "system":
             raise
         system, first, *rest = messages
         merged = {"role": "user", "content": f"{system['content']}\n\n{first['content']}"}
-        text = tokenizer.apply_chat_template(
-            [merged, *rest], chat_template=template, tokenize=False, add_generation_prompt=True
-        )
-    return text
+        return tokenizer.apply_chat_template([merged, *rest], chat_template=template, add_generation_prompt=True, **kwargs)

@@ -112,18 +112,18 @@ def byte_level_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def byte_fallback_tokenizer() -> PreTrainedTokenizerFast:
-    """A Llama-2-style tokenizer: BPE over characters with spaces as ``▁``, byte fallback to the
-    256 tokens ``<0x00>`` … ``<0xFF>`` for anything else, a decoder that joins runs of byte tokens
-    (an invalid UTF-8 run decodes to one U+FFFD per byte), ChatML's control tokens and template."""
+    """A Mistral-style tokenizer: BPE over characters with spaces as ``▁``, byte fallback to the 256
+    tokens ``<0x00>`` … ``<0xFF>`` for anything else, a decoder that joins runs of byte tokens (an
+    invalid UTF-8 run decodes to one U+FFFD per byte), ChatML's control tokens and template."""
     import json
 
-    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     specials = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
     space = "\u2581"
-    normalizer = normalizers.Sequence([normalizers.Prepend(space), normalizers.Replace(" ", space)])
+    pre_tokenizer = pre_tokenizers.Metaspace(replacement=space, prepend_scheme="first", split=False)
     trained = Tokenizer(models.BPE())
-    trained.normalizer = normalizer
+    trained.pre_tokenizer = pre_tokenizer
     ascii_only = [t.encode("ascii", "ignore").decode() for t in _CORPUS]  # the rest falls back to bytes
     trained.train_from_iterator(ascii_only, trainers.BpeTrainer(vocab_size=120, special_tokens=specials))
     learned = json.loads(trained.to_str())["model"]
@@ -132,7 +132,7 @@ def byte_fallback_tokenizer() -> PreTrainedTokenizerFast:
         vocab.setdefault(token, len(vocab))
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in learned["merges"]]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
-    tok.normalizer = normalizer
+    tok.pre_tokenizer = pre_tokenizer
     tok.decoder = decoders.Sequence(
         [decoders.Replace(space, " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
     )
