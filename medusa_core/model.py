@@ -105,7 +105,8 @@ class MedusaModel:
         default_tree: name of the tree used when ``generate(tree=None)``.
         rank_accuracy: the heads' calibrated rank accuracies ``[K][ranks]``, if known.
 
-    Raises ``ValueError`` when the heads do not match the backbone's hidden size.
+    Raises ``ValueError`` when the heads do not match the backbone's hidden size, or when one of
+    ``trees`` or ``default_tree`` does not fit the model (see ``resolve_tree``).
     """
 
     def __init__(
@@ -142,6 +143,11 @@ class MedusaModel:
         self._head_dtype = next(heads.parameters(), backbone.get_input_embeddings().weight).dtype
         self._trees: dict[str, _Tree] = {}
         self._default_tree = default_tree
+        for tree in [*self.trees, *([default_tree] if default_tree else [])]:
+            try:
+                self.resolve_tree(tree)
+            except ValueError as e:
+                raise ValueError(f"the model's tree {tree!r} does not fit: {e}") from None
 
     # ----------------------------------------------------------------------------------- properties
     @property
