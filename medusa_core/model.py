@@ -445,10 +445,13 @@ def _check_generate_args(
         raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
     for name, symbol, value in (("posterior_threshold", "ε", posterior_threshold), ("posterior_alpha", "δ", posterior_alpha)):
         if not _is_real(value) or not 0 < value <= 1:
-            raise ValueError(
-                f"{name} ({symbol}) must be in (0, 1], got {value!r}: typical acceptance takes a candidate "
-                f"when p > min(ε, δ·exp(-entropy)), so 0 would accept every candidate, whatever its probability"
+            why = (
+                ": typical acceptance takes a candidate when p > min(ε, δ·exp(-entropy)), "
+                "so 0 would accept every candidate, whatever its probability"
+                if _is_real(value) and value <= 0
+                else ""
             )
+            raise ValueError(f"{name} ({symbol}) must be in (0, 1], got {value!r}{why}")
     if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**63):
         raise ValueError(f"seed must be an integer in [0, 2**63) or None (a fresh seed), got {seed!r}")
 
