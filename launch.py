@@ -7,8 +7,10 @@ prints the loader's message and exits with status 1.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import socket
 import sys
 import time
 import webbrowser
@@ -19,7 +21,15 @@ def main(argv: list[str]) -> int:
 
     from app.settings import AppSettings
 
-    settings = AppSettings.from_cli(argv)
+    try:
+        settings = AppSettings.from_cli(argv)
+    except ValueError as e:  # one line per bad value, naming it and what is allowed
+        print("\n".join(f"error: {line}" for line in str(e).splitlines()), file=sys.stderr)
+        return 2
+    problem = address_problem(settings.host, settings.port)
+    if problem:
+        print(f"error: cannot serve on {settings.host}:{settings.port}: {problem}", file=sys.stderr)
+        return 1
     logging.basicConfig(
         level=logging.DEBUG if settings.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
@@ -89,6 +99,30 @@ def main(argv: list[str]) -> int:
     finally:
         demo.close()
     return 0
+
+
+def address_problem(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be served (by binding it once), or None.
+
+    Gradio reports every bind failure as a port in use; this tells a busy port from an address the
+    machine does not have, a host name that does not resolve and a port that needs privileges.
+    """
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        return f"the host name {host} does not resolve ({e.strerror})"
+    with socket.socket(family, kind, proto) as s:
+        try:
+            s.bind(address)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return "the port is in use: pass --port with a free one"
+            if e.errno == errno.EADDRNOTAVAIL:
+                return f"{host} is not an address of this machine: use 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)"
+            if e.errno == errno.EACCES:
+                return f"no permission to use port {port} (ports below 1024 need administrator rights)"
+            return e.strerror or str(e)
+    return None
 
 
 if __name__ == "__main__":

@@ -7,18 +7,38 @@ CLI flags, ``MEDUSA_CHAT_*`` environment variables, a ``.env`` file in the worki
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Annotated, Literal, Sequence
 
-from pydantic import Field
+from pydantic import AfterValidator, Field, ValidationError
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
+    SettingsError,
     TomlConfigSettingsSource,
 )
 
 from . import paths
+
+_HOST_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+
+
+def _host(value: str) -> str:
+    """``value`` if it is an IP address or a host name (RFC 1123; the last label not all digits)."""
+    try:
+        ipaddress.ip_address(value)
+        return value
+    except ValueError:
+        labels = value.removesuffix(".").split(".")
+        if len(value) <= 253 and all(_HOST_LABEL.fullmatch(label) for label in labels) and not labels[-1].isdigit():
+            return value
+    raise ValueError(
+        "it is neither an IP address nor a host name: use e.g. 127.0.0.1 (this machine only), "
+        "0.0.0.0 (every interface), ::1 or localhost"
+    )
 
 
 class AppSettings(BaseSettings):
@@ -49,19 +69,19 @@ class AppSettings(BaseSettings):
     device: str = Field("auto", description="'auto' (CUDA when present, else CPU), 'cpu', 'cuda', 'cuda:1', ...")
     threads: int = Field(1, ge=1, description="CPU threads for torch; small models decode fastest on one, and more stall when the CPU is shared (e.g. with the browser)")
     # ---- server
-    host: str = Field("127.0.0.1", description="address to bind; the default serves this machine only")
-    port: int = Field(7860, description="port to serve on")
+    host: Annotated[str, AfterValidator(_host)] = Field("127.0.0.1", description="address to bind; the default serves this machine only")
+    port: int = Field(7860, ge=1, le=65535, description="port to serve on")
     open: bool = Field(False, description="open the page in a browser once serving")
     # ---- defaults of the page's controls (each reply can change them)
     system_prompt: str = Field("You are a helpful Python coding assistant.", description="initial system prompt")
     max_new_tokens: int = Field(256, ge=1, description="initial limit on tokens per reply")
-    temperature: float = Field(0.0, ge=0.0, description="initial temperature (0 = greedy)")
-    posterior_threshold: float = Field(0.09, gt=0.0, description="initial epsilon of typical acceptance (paper 2.3.1)")
-    posterior_alpha: float = Field(0.3, ge=0.0, description="initial delta of typical acceptance (paper 2.3.1)")
+    temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False, description="initial temperature (0 = greedy)")
+    posterior_threshold: float = Field(0.09, gt=0.0, le=1.0, allow_inf_nan=False, description="initial epsilon of typical acceptance, in (0, 1] (paper 2.3.1)")
+    posterior_alpha: float = Field(0.3, gt=0.0, le=1.0, allow_inf_nan=False, description="initial delta of typical acceptance, in (0, 1] (paper 2.3.1)")
     tree: str | None = Field(None, description="initial tree name; default: the model's own default tree")
     # ---- live view and files
-    redraw_interval_s: float = Field(0.25, ge=0.0, description="seconds between redraws of the plots while a reply streams")
-    stream_interval_s: float = Field(0.05, ge=0.0, description="seconds between chat updates while a reply streams")
+    redraw_interval_s: float = Field(0.25, ge=0.0, allow_inf_nan=False, description="seconds between redraws of the plots while a reply streams")
+    stream_interval_s: float = Field(0.05, ge=0.0, allow_inf_nan=False, description="seconds between chat updates while a reply streams")
     data_dir: Path = Field(paths.user_data_dir(), description="folder for CSV exports (under exports/)")
     verbose: bool = Field(False, description="print tracebacks and debug logs")
 
@@ -75,15 +95,36 @@ class AppSettings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # The CLI source (when parsing args) is put in front of these by pydantic-settings.
-        toml = TomlConfigSettingsSource(settings_cls, toml_file=paths.settings_file())
+        try:
+            toml = TomlConfigSettingsSource(settings_cls, toml_file=paths.settings_file())
+        except ValueError as e:  # tomllib.TOMLDecodeError
+            raise ValueError(f"{paths.settings_file()} is not valid TOML: {e}") from None
         return init_settings, env_settings, dotenv_settings, toml
 
     @classmethod
     def from_cli(cls, argv: Sequence[str]) -> "AppSettings":
-        """Settings with ``argv`` (without the program name) as the highest-priority source."""
-        return cls(_cli_parse_args=list(argv))
+        """Settings with ``argv`` (without the program name) as the highest-priority source.
+
+        Raises ``ValueError`` with one line per bad value, naming the setting, the value, what is
+        allowed and where it can be set; an unknown flag exits with argparse's usage message.
+        """
+        try:
+            return cls(_cli_parse_args=list(argv))
+        except ValidationError as e:
+            raise ValueError("\n".join(_describe(error) for error in e.errors())) from None
+        except SettingsError as e:  # a value no source could parse, e.g. malformed JSON
+            raise ValueError(str(e)) from None
 
     @property
     def exports_dir(self) -> Path:
         """Where CSV exports are saved."""
         return self.data_dir / "exports"
+
+
+def _describe(error: dict) -> str:
+    """One line for one pydantic error: the setting, its value, what is allowed and where it is set."""
+    name = ".".join(map(str, error["loc"]))
+    reason = str(error["ctx"]["error"]) if error["type"] == "value_error" else error["msg"]
+    reason = reason[:1].lower() + reason[1:]
+    where = f"--{name.replace('_', '-')}, MEDUSA_CHAT_{name.upper()}, .env or {paths.settings_file()}"
+    return f"setting {name!r}: {error['input']!r} is not allowed: {reason} (set by {where})"

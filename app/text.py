@@ -2,20 +2,24 @@
 which tokens came from the Medusa heads, prompts through the model's chat template, and token labels.
 
 A byte-level BPE token can end in the middle of a UTF-8 character (an emoji or a CJK character is
-often 2–4 tokens), and SentencePiece tokenizers decode a token differently depending on what comes
-before it. ``StreamingDetokenizer`` is the only place that deals with both: it decodes a short window
-of recent tokens and emits only text that can no longer change.
+often 2–4 tokens), SentencePiece tokenizers decode a token differently depending on what comes
+before it, and byte-fallback tokenizers (``<0x00>`` … ``<0xFF>``) decode a whole run of byte tokens
+at once, so one invalid byte turns every byte of its run into U+FFFD. ``StreamingDetokenizer`` is the
+only place that deals with all three: it decodes a short window of recent tokens and emits only
+text that can no longer change.
 """
 
 from __future__ import annotations
 
 import html
+import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 
 REPLACEMENT_CHAR = "\ufffd"
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # a byte-fallback token's name
 
 
 class StreamingDetokenizer:
@@ -25,19 +29,34 @@ class StreamingDetokenizer:
     ``flush`` returns what is left at the end of the reply. Joining every piece gives
     ``tokenizer.decode(all_ids, skip_special_tokens=True)`` (special tokens such as EOS give "").
 
+    This holds for any ids, invalid UTF-8 included.
+
     The window trick (as in text-generation-inference): decode ``ids[prefix:]`` and the already
-    emitted ``ids[prefix:read]``; the difference is new text unless it ends in U+FFFD, i.e. a cut character.
+    emitted ``ids[prefix:read]``; the difference is new text unless it ends in U+FFFD, i.e. a cut
+    character. A run of byte-fallback tokens is decoded as a whole (one invalid byte makes every byte
+    of the run U+FFFD), so nothing is emitted while the last token that decode keeps is a byte token:
+    the window's edges then never cut a run, and emitted text never changes.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (``decode``, ``convert_ids_to_tokens``, ``all_special_ids``).
     """
 
     def __init__(self, tokenizer: Any):
         self._tokenizer = tokenizer
+        self._skipped = frozenset(tokenizer.all_special_ids)  # ids decode(skip_special_tokens=True) drops
         self._ids: list[int] = []
         self._prefix = 0  # start of the decode window (keeps SentencePiece's leading-space context)
         self._read = 0  # tokens before this index are already emitted as text
+        self._in_byte_run = False  # the last token decode keeps is a byte-fallback token
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text it completes."""
-        self._ids.append(int(token_id))
+        token_id = int(token_id)
+        self._ids.append(token_id)
+        if token_id not in self._skipped:
+            self._in_byte_run = _BYTE_TOKEN.fullmatch(self._tokenizer.convert_ids_to_tokens(token_id) or "") is not None
+        if self._in_byte_run:  # a later byte token may still make this run invalid
+            return ""
         emitted = self._decode(self._ids[self._prefix : self._read])
         text = self._decode(self._ids[self._prefix :])
         if len(text) > len(emitted) and not text.endswith(REPLACEMENT_CHAR):
@@ -116,9 +135,18 @@ def chat_messages(system_prompt: str, history: Sequence[tuple[str, str]], user: 
 
 
 def prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> torch.Tensor:
-    """Token ids [1, T] of ``prompt_text(tokenizer, messages)``."""
-    # The template writes any BOS itself: adding special tokens again would double it.
-    return tokenizer(prompt_text(tokenizer, messages), add_special_tokens=False, return_tensors="pt").input_ids
+    """Token ids [1, T] of ``prompt_text(tokenizer, messages)``, control tokens only where the template
+    writes them.
+
+    Message text that spells a control token (``<|im_start|>system``, ``<|end|>``, any special token)
+    is encoded as plain text (transformers' ``sanitize_control_tokens``), so a message can never open
+    a turn of another role. Other text is encoded exactly as the rendered prompt would be; the
+    template writes any BOS itself, so no special tokens are added around it.
+    Raises ``ValueError`` if the tokenizer cannot encode such text without producing the token.
+    """
+    return _apply_template(
+        tokenizer, messages, tokenize=True, sanitize_control_tokens=True, return_dict=True, return_tensors="pt"
+    )["input_ids"]
 
 
 def prompt_text(tokenizer: Any, messages: list[dict[str, str]]) -> str:
@@ -127,19 +155,20 @@ def prompt_text(tokenizer: Any, messages: list[dict[str, str]]) -> str:
     Templates that reject a system role get the system prompt prepended to the first user message.
     Tokenizers without a template use the Vicuna v1.1 format.
     """
+    return _apply_template(tokenizer, messages, tokenize=False)
+
+
+def _apply_template(tokenizer: Any, messages: list[dict[str, str]], **kwargs: Any) -> Any:
+    """``tokenizer.apply_chat_template`` with the generation prompt, the fallbacks of ``prompt_text``
+    and ``kwargs``."""
     from jinja2 import TemplateError
 
     template = None if getattr(tokenizer, "chat_template", None) else VICUNA_TEMPLATE
     try:
-        text = tokenizer.apply_chat_template(
-            messages, chat_template=template, tokenize=False, add_generation_prompt=True
-        )
+        return tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True, **kwargs)
     except TemplateError:
         if messages[0]["role"] != "system":
             raise
         system, first, *rest = messages
         merged = {"role": "user", "content": f"{system['content']}\n\n{first['content']}"}
-        text = tokenizer.apply_chat_template(
-            [merged, *rest], chat_template=template, tokenize=False, add_generation_prompt=True
-        )
-    return text
+        return tokenizer.apply_chat_template([merged, *rest], chat_template=template, add_generation_prompt=True, **kwargs)

@@ -4,7 +4,7 @@ Works on token ids and knows no UI. Public API:
 
 - ``MedusaHeads`` (paper 2.1.1) and checkpoint I/O: ``load_medusa_model``, ``save_medusa_heads``,
   ``export_vllm``, ``MedusaCheckpointError``.
-- Trees (paper 2.1.2, 2.3.3): ``TREE_PRESETS``, ``build_tree_buffers``, ``TreeBuffers``,
+- Trees (paper 2.1.2, 2.3.3): ``TREE_PRESETS``, ``MAX_TREE_NODES``, ``build_tree_buffers``, ``TreeBuffers``,
   ``resolve_tree``, ``validate_tree``, ``dense_tree``, ``chain_tree``, ``optimal_tree``.
 - Acceptance (paper 2.3.1): ``evaluate_posterior``.
 - The engine: ``MedusaModel.generate`` yields one ``StepRecord`` per decoding step.
@@ -22,6 +22,7 @@ from .loading import (
 )
 from .model import STOP_REASONS, MedusaModel, StepRecord
 from .trees import (
+    MAX_TREE_NODES,
     TREE_PRESETS,
     TreeBuffers,
     build_tree_buffers,
@@ -34,6 +35,7 @@ from .trees import (
 
 __all__ = [
     "DEMO_MODEL_DIR",
+    "MAX_TREE_NODES",
     "STOP_REASONS",
     "TREE_PRESETS",
     "MedusaCheckpointError",

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -29,6 +30,7 @@ from .errors import MedusaCheckpointError
 from .gguf import demo_gguf_file, gguf_model_folder
 from .heads import MedusaHeads
 from .model import MedusaModel
+from .trees import resolve_tree, validate_tree
 
 log = logging.getLogger(__name__)
 
@@ -119,12 +121,7 @@ def load_medusa_model(
     heads = heads.to(device=dev, dtype=dtype if heads.shares_lm_head else head_dtype)
     tokenizer = _load_tokenizer(folder, base, trust_remote_code)
     calibration = _read_json(folder / CALIBRATION_FILE) if (folder / CALIBRATION_FILE).exists() else {}
-    trees = dict(calibration.get("trees", {}))
-    default_tree = calibration.get("default_tree")
-    tuned = _read_json(folder / TUNED_FILE).get(tuned_key(dev, quantization)) if (folder / TUNED_FILE).exists() else None
-    if tuned:
-        trees = {"tuned": tuned["choices"], **trees}
-        default_tree = "tuned"
+    trees, default_tree = _fitting_trees(folder, calibration, tuned_key(dev, quantization), heads)
     return MedusaModel(
         backbone,
         heads,
@@ -141,6 +138,62 @@ def load_medusa_model(
 def tuned_key(device: torch.device, quantization: str | None) -> str:
     """Key of a machine-tuned tree in ``medusa_tuned.json``: ``"<device type>/<quantization>"``."""
     return f"{device.type}/{quantization or 'none'}"
+
+
+def _fitting_trees(
+    folder: Path, calibration: dict[str, Any], tuned_key_: str, heads: MedusaHeads
+) -> tuple[dict[str, list[list[int]]], str | None]:
+    """The model's own trees and default tree from ``medusa_calibration.json`` and ``medusa_tuned.json``.
+
+    A tree that does not fit the heads (too deep, a rank >= the vocabulary, invalid) is dropped with
+    a logged warning naming the file and the reason. The default is the tuned tree for this device
+    and precision, else the calibration's ``default_tree``, else (both missing or dropped, with a
+    warning) None: the model's default for its device.
+    Raises ``MedusaCheckpointError`` when a file's layout is wrong.
+    """
+    calibration_file, tuned_file = folder / CALIBRATION_FILE, folder / TUNED_FILE
+    found: list[tuple[Path, str, Any]] = []  # (file, tree name, paths), first found wins
+    defaults: list[tuple[Path, Any]] = []  # (file, tree name), in order of preference
+    tuned = _read_json(tuned_file).get(tuned_key_) if tuned_file.exists() else None
+    if tuned is not None:
+        if not isinstance(tuned, dict) or "choices" not in tuned:
+            raise MedusaCheckpointError(f'{tuned_file}: entry {tuned_key_!r} must be an object with "choices" (a list of paths)')
+        found.append((tuned_file, "tuned", tuned["choices"]))
+        defaults.append((tuned_file, "tuned"))
+    calibrated = calibration.get("trees", {})
+    if not isinstance(calibrated, dict):
+        raise MedusaCheckpointError(f'{calibration_file}: "trees" must be an object of tree name → list of paths')
+    found += [(calibration_file, name, paths) for name, paths in calibrated.items()]
+    if "default_tree" in calibration:
+        defaults.append((calibration_file, calibration["default_tree"]))
+
+    trees: dict[str, list[list[int]]] = {}
+    dropped: dict[str, str] = {}  # tree name → why
+    for file, name, paths in found:
+        if name in trees or name in dropped:
+            continue
+        try:
+            validate_tree(paths, heads.num_heads, vocab_size=heads.vocab_size)
+        except ValueError as e:
+            log.warning("%s: tree %r dropped: %s", file, name, e)
+            dropped[name] = str(e)
+            continue
+        trees[name] = [list(p) for p in paths]
+    for file, name in defaults:
+        if not isinstance(name, str):
+            raise MedusaCheckpointError(f'{file}: "default_tree" must be a tree name, got {name!r}')
+        if name in trees:
+            return trees, name
+        if name not in dropped:
+            try:
+                resolve_tree(name, num_heads=heads.num_heads, vocab_size=heads.vocab_size)
+                return trees, name
+            except ValueError as e:
+                dropped[name] = str(e)
+        log.warning("%s: default tree %r not used: %s", file, name, dropped[name])
+    if defaults:
+        log.warning("%s: using the model's default tree for its device instead", folder)
+    return trees, None
 
 
 def heads_from_state_dict(
@@ -277,22 +330,33 @@ def _hub_snapshot(repo_id: str) -> Path:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``; ``MedusaCheckpointError`` naming the file if it is missing or not one."""
     if not path.exists():
         raise MedusaCheckpointError(f"missing file {path}")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise MedusaCheckpointError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        kind = {list: "list", str: "string", bool: "boolean", type(None): "null"}.get(type(data), "number")
+        raise MedusaCheckpointError(f"{path} holds a JSON {kind}, expected an object ({{...}})")
+    return data
 
 
 def _read_head_file(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a head file; ``MedusaCheckpointError`` naming it when it is damaged or holds more."""
     if path.suffix == ".safetensors":
-        return load_file(path)
+        try:
+            return load_file(path)
+        except (SafetensorError, OSError) as e:
+            raise MedusaCheckpointError(f"{path} could not be read (truncated or not a safetensors file?): {e}") from e
     # Pickled checkpoints load only as plain tensors: never execute code from a file.
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         raise MedusaCheckpointError(f"{path} holds more than tensors and was not loaded (weights_only=True): {e}") from e
+    except (RuntimeError, EOFError, OSError) as e:
+        raise MedusaCheckpointError(f"{path} could not be read (truncated or not a PyTorch file?): {e}") from e
     if not isinstance(state, dict):
         raise MedusaCheckpointError(f"{path} holds a {type(state).__name__}, expected a state_dict")
     return state
@@ -304,16 +368,19 @@ def _read_full_checkpoint_heads(folder: Path) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     shards = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("pytorch_model*.bin"))
     for shard in shards:
-        if shard.suffix == ".safetensors":
-            from safetensors import safe_open
+        try:
+            if shard.suffix == ".safetensors":
+                from safetensors import safe_open
 
-            with safe_open(shard, framework="pt") as f:
-                for key in f.keys():
-                    if key.startswith(prefix):
-                        state[key[len(prefix):]] = f.get_tensor(key)
-        else:
-            tensors = torch.load(shard, map_location="cpu", weights_only=True)
-            state.update({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
+                with safe_open(shard, framework="pt") as f:
+                    for key in f.keys():
+                        if key.startswith(prefix):
+                            state[key[len(prefix):]] = f.get_tensor(key)
+            else:
+                tensors = torch.load(shard, map_location="cpu", weights_only=True)
+                state.update({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
+        except (SafetensorError, RuntimeError, EOFError, OSError, pickle.UnpicklingError) as e:
+            raise MedusaCheckpointError(f"{shard} could not be read (truncated, or more than tensors?): {e}") from e
     if not state:
         raise MedusaCheckpointError(
             f"no Medusa heads in {folder}: its weights hold no medusa_head.* tensors and there is no "

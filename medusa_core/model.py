@@ -11,6 +11,8 @@ Tree attention goes only through the model's public inputs: a 4-D additive atten
 
 from __future__ import annotations
 
+import math
+import numbers
 import random
 import time
 from dataclasses import dataclass
@@ -103,7 +105,8 @@ class MedusaModel:
         default_tree: name of the tree used when ``generate(tree=None)``.
         rank_accuracy: the heads' calibrated rank accuracies ``[K][ranks]``, if known.
 
-    Raises ``ValueError`` when the heads do not match the backbone's hidden size.
+    Raises ``ValueError`` when the heads do not match the backbone's hidden size, or when one of
+    ``trees`` or ``default_tree`` does not fit the model (see ``resolve_tree``).
     """
 
     def __init__(
@@ -140,6 +143,11 @@ class MedusaModel:
         self._head_dtype = next(heads.parameters(), backbone.get_input_embeddings().weight).dtype
         self._trees: dict[str, _Tree] = {}
         self._default_tree = default_tree
+        for tree in [*self.trees, *([default_tree] if default_tree else [])]:
+            try:
+                self.resolve_tree(tree)
+            except ValueError as e:
+                raise ValueError(f"the model's tree {tree!r} does not fit: {e}") from None
 
     # ----------------------------------------------------------------------------------- properties
     @property
@@ -156,6 +164,11 @@ class MedusaModel:
     def num_heads(self) -> int:
         """K, the number of Medusa heads."""
         return self.heads.num_heads
+
+    @property
+    def vocab_size(self) -> int:
+        """V, the tokens each head ranks (the backbone's LM-head width)."""
+        return self._lm_head.out_features
 
     @property
     def max_context(self) -> int:
@@ -207,10 +220,12 @@ class MedusaModel:
 
         Returns an iterator; stopping the iteration early releases the KV cache.
 
-        Raises ``ValueError`` (before any work) for an empty or too-long prompt, a batch size other
-        than 1, ``max_new_tokens < 1``, a negative temperature, or an invalid tree / one deeper
-        than the heads.
+        Raises ``ValueError`` (before any work) naming the value and what is allowed, for: an empty
+        or too-long prompt, a batch size other than 1, ``max_new_tokens`` not an integer >= 1, a
+        temperature that is not a finite number >= 0, ε or δ outside (0, 1], a seed outside
+        [0, 2**63), or a tree that ``resolve_tree`` refuses.
         """
+        _check_generate_args(max_new_tokens, temperature, posterior_threshold, posterior_alpha, seed)
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"input_ids must have shape [1, T], got {list(input_ids.shape)}")
         prompt_len = input_ids.shape[1]
@@ -220,10 +235,6 @@ class MedusaModel:
             raise ValueError(
                 f"the prompt has {prompt_len} tokens; the model's context window is {self.max_context} tokens"
             )
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
         full = self._tree(tree if tree is not None else self.default_tree) if medusa else None
         if seed is None:
             seed = random.SystemRandom().randrange(2**63)
@@ -368,13 +379,20 @@ class MedusaModel:
     def resolve_tree(self, tree: str | Sequence[Sequence[int]]) -> tuple[str, list[list[int]]]:
         """``(name, medusa_choices)`` of a tree given by name (model's own first) or as paths.
 
-        Raises ``ValueError`` for an unknown name, an invalid tree, or one deeper than the heads.
+        Raises ``ValueError`` for an unknown name, an invalid tree, one deeper than the heads, a
+        rank >= the vocabulary size, more than ``MAX_TREE_NODES`` nodes, or more nodes than fit in
+        the context window beside a one-token prompt.
         """
         if isinstance(tree, str) and tree in self.trees:
-            name, choices = tree, self.trees[tree]
+            name, choices = tree, [list(p) for p in self.trees[tree]]
+            validate_tree(choices, self.num_heads, vocab_size=self.vocab_size)
         else:
-            name, choices = resolve_tree(tree)
-        validate_tree(choices, self.num_heads)
+            name, choices = resolve_tree(tree, num_heads=self.num_heads, vocab_size=self.vocab_size)
+        if len(choices) + 1 >= self.max_context:
+            raise ValueError(
+                f"tree {name!r} has {len(choices) + 1} nodes (root included) but the model's context window is "
+                f"{self.max_context} tokens: use a tree of at most {self.max_context - 1} nodes"
+            )
         return name, choices
 
     def _tree(self, tree: str | Sequence[Sequence[int]]) -> _Tree:
@@ -415,6 +433,35 @@ class MedusaModel:
             "max_context": self.max_context,
             "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
         }
+
+
+def _check_generate_args(
+    max_new_tokens: Any, temperature: Any, posterior_threshold: Any, posterior_alpha: Any, seed: Any
+) -> None:
+    """Raise ``ValueError`` naming the first bad sampling argument of ``generate`` and what is allowed."""
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if not _is_real(temperature) or not 0 <= temperature < math.inf:
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    for name, symbol, value in (("posterior_threshold", "ε", posterior_threshold), ("posterior_alpha", "δ", posterior_alpha)):
+        if not _is_real(value) or not 0 < value <= 1:
+            why = (
+                ": typical acceptance takes a candidate when p > min(ε, δ·exp(-entropy)), "
+                "so 0 would accept every candidate, whatever its probability"
+                if _is_real(value) and value <= 0
+                else ""
+            )
+            raise ValueError(f"{name} ({symbol}) must be in (0, 1], got {value!r}{why}")
+    if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**63):
+        raise ValueError(f"seed must be an integer in [0, 2**63) or None (a fresh seed), got {seed!r}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _compact_cache(cache: DynamicCache, start: int, nodes: list[int], appended: int) -> None:

@@ -21,6 +21,10 @@ import torch
 
 Path_ = tuple[int, ...]
 
+#: Largest tree accepted, root included: the published trees have 64 nodes, and one verification
+#: pass over N nodes needs an [N, N] mask and N positions of the context window.
+MAX_TREE_NODES = 1024
+
 #: Top-k taken from every head: the flat candidate vector is ``[root, head0 top-k, head1 top-k, ...]``
 #: (reference layout, so ``tree_indices`` can be cross-checked against it).
 REFERENCE_TOPK = 10
@@ -114,42 +118,95 @@ _CHAIN = re.compile(r"^chain_(\d+)$")
 _DENSE = re.compile(r"^dense_(\d+(?:x\d+)*)$")
 
 
-def resolve_tree(tree: str | Sequence[Sequence[int]]) -> tuple[str, list[list[int]]]:
-    """Turn a tree given by name or as paths into ``(name, medusa_choices)``.
+def resolve_tree(
+    tree: str | Sequence[Sequence[int]],
+    *,
+    num_heads: int | None = None,
+    vocab_size: int | None = None,
+    max_nodes: int = MAX_TREE_NODES,
+) -> tuple[str, list[list[int]]]:
+    """Turn a tree given by name or as paths into ``(name, medusa_choices)``, checked by ``validate_tree``.
 
     Names: a key of ``TREE_PRESETS``, ``chain_D`` (top-1 chain of depth D) or ``dense_3x2x2``
     (Cartesian tree of top-3, top-2, top-2). A list of paths is named ``custom_<N>``.
-    Raises ``ValueError`` for an unknown name or an invalid tree (see ``validate_tree``).
+    A named tree's depth and node count are checked before it is built.
+    Raises ``ValueError`` for an unknown name or a tree that ``validate_tree`` rejects.
     """
-    if isinstance(tree, str):
-        if tree in TREE_PRESETS:
-            return tree, [list(p) for p in TREE_PRESETS[tree]]
-        if m := _CHAIN.match(tree):
-            return tree, chain_tree(int(m.group(1)))
-        if m := _DENSE.match(tree):
-            return tree, dense_tree([int(s) for s in m.group(1).split("x")])
+    limits = dict(num_heads=num_heads, vocab_size=vocab_size, max_nodes=max_nodes)
+    if not isinstance(tree, str):
+        validate_tree(tree, **limits)
+        choices = [list(p) for p in tree]
+        return f"custom_{len(choices)}", choices
+    if tree in TREE_PRESETS:
+        choices = [list(p) for p in TREE_PRESETS[tree]]
+    elif m := _CHAIN.match(tree):
+        depth = int(m.group(1))
+        _check_named_size(tree, depth, depth + 1, num_heads, max_nodes)
+        choices = chain_tree(depth)
+    elif m := _DENSE.match(tree):
+        sizes = [int(s) for s in m.group(1).split("x")]
+        _check_named_size(tree, len(sizes), _dense_nodes(sizes), num_heads, max_nodes)
+        choices = dense_tree(sizes)
+    else:
         raise ValueError(
             f"unknown tree {tree!r}: use one of {sorted(TREE_PRESETS)}, 'chain_D', 'dense_AxBxC' or a list of paths"
         )
-    choices = [list(p) for p in tree]
-    validate_tree(choices)
-    return f"custom_{len(choices)}", choices
+    validate_tree(choices, **limits)
+    return tree, choices
 
 
-def validate_tree(choices: Sequence[Sequence[int]], num_heads: int | None = None) -> None:
-    """Check ``medusa_choices``: non-empty, unique, prefix-closed paths of integer ranks >= 0.
+def _check_named_size(name: str, depth: int, nodes: int, num_heads: int | None, max_nodes: int) -> None:
+    """Refuse a ``chain_D`` / ``dense_AxB`` tree of too many heads or nodes (root included) before it is built."""
+    if num_heads is not None and depth > num_heads:
+        raise ValueError(f"tree {name!r} has depth {depth} but the model has only {num_heads} Medusa heads")
+    if nodes > max_nodes:
+        raise ValueError(f"tree {name!r} has {nodes} nodes (root included); at most {max_nodes} are allowed")
 
-    ``num_heads``, when given, bounds the depth. Raises ``ValueError`` naming the offending path.
+
+def _dense_nodes(sizes: Sequence[int]) -> int:
+    """Nodes of ``dense_tree(sizes)``, root included: 1 + Σ_k Π_{i≤k} s_i."""
+    nodes = width = 1
+    for s in sizes:
+        width *= s
+        nodes += width
+    return nodes
+
+
+def validate_tree(
+    choices: Sequence[Sequence[int]],
+    num_heads: int | None = None,
+    *,
+    vocab_size: int | None = None,
+    max_nodes: int = MAX_TREE_NODES,
+) -> None:
+    """Check ``medusa_choices``: a non-empty list of unique, prefix-closed paths of integer ranks >= 0.
+
+    Args:
+        choices: the paths (the root is implicit).
+        num_heads: K, when given: no path may be deeper.
+        vocab_size: V, when given: every rank must be < V (a head ranks V tokens).
+        max_nodes: most nodes allowed, root included (default ``MAX_TREE_NODES``).
+
+    Raises ``ValueError`` naming the offending path, or the tree's size and the limit.
     """
-    if not choices:
-        raise ValueError("a tree needs at least one path")
+    if isinstance(choices, (str, bytes)) or not isinstance(choices, Sequence) or not choices:
+        raise ValueError(f"a tree is a non-empty list of paths such as [[0], [1], [0, 0]], got {choices!r:.80}")
+    if len(choices) + 1 > max_nodes:
+        raise ValueError(f"the tree has {len(choices) + 1} nodes (root included); at most {max_nodes} are allowed")
     seen: set[Path_] = set()
     for path in choices:
+        if isinstance(path, (str, bytes)) or not isinstance(path, Sequence):
+            raise ValueError(f"path {path!r:.80} is not a list of ranks such as [0, 1]")
         p = tuple(path)
         if not p:
             raise ValueError("empty path [] in tree: the root is implicit")
         if any(not isinstance(r, int) or isinstance(r, bool) or r < 0 for r in p):
             raise ValueError(f"path {list(p)}: ranks must be integers >= 0")
+        if vocab_size is not None and max(p) >= vocab_size:
+            raise ValueError(
+                f"path {list(p)}: rank {max(p)} is not below the vocabulary size {vocab_size} "
+                f"(ranks must be 0..{vocab_size - 1})"
+            )
         if p in seen:
             raise ValueError(f"path {list(p)} appears twice")
         seen.add(p)

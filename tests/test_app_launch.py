@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from app.settings import AppSettings
 
@@ -39,6 +42,63 @@ def test_defaults_serve_the_demo_model_in_nf4_on_localhost(monkeypatch, tmp_path
     assert (s.posterior_threshold, s.posterior_alpha) == (0.09, 0.3)
 
 
+@pytest.fixture
+def clean_settings(tmp_path, monkeypatch) -> Path:
+    """No settings but the test's own: an empty config folder and working folder, no MEDUSA_CHAT_*.
+    Returns the folder that holds ``medusa-chat/settings.toml``."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    for key in list(os.environ):
+        if key.startswith("MEDUSA_CHAT_"):
+            monkeypatch.delenv(key)
+    (tmp_path / "config" / "medusa-chat").mkdir(parents=True)
+    return tmp_path / "config" / "medusa-chat"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--port", "99999"], "setting 'port': '99999' is not allowed: input should be less than or equal to 65535"),
+        (["--port", "abc"], "setting 'port': 'abc' is not allowed: input should be a valid integer"),
+        (["--host", "999.1.1.1"], "setting 'host': '999.1.1.1' is not allowed: it is neither an IP address nor a host name"),
+        (["--temperature", "nan"], "setting 'temperature': 'nan' is not allowed: input should be a finite number"),
+        (["--posterior-threshold", "0"], "setting 'posterior_threshold': '0' is not allowed: input should be greater than 0"),
+        (["--posterior-alpha", "1.5"], "setting 'posterior_alpha': '1.5' is not allowed: input should be less than or equal to 1"),
+        (["--max-new-tokens", "2.5"], "setting 'max_new_tokens': '2.5' is not allowed: input should be a valid integer"),
+        (["--quantization", "q4"], "setting 'quantization': 'q4' is not allowed: input should be 'nf4', 'int8' or 'none'"),
+    ],
+    ids=["port_too_large", "port_not_a_number", "host", "nan_temperature", "zero_epsilon", "delta_above_one",
+         "fractional_max_new_tokens", "quantization"],
+)
+def test_a_bad_flag_raises_one_line_naming_the_setting_the_value_and_what_is_allowed(argv, message, clean_settings):
+    with pytest.raises(ValueError, match=re.escape(message)) as err:
+        AppSettings.from_cli(argv)
+    assert "\n" not in str(err.value) and "MEDUSA_CHAT_" in str(err.value)
+
+
+def test_bad_values_in_the_environment_dotenv_and_settings_file_are_named_one_line_each(clean_settings, monkeypatch):
+    monkeypatch.setenv("MEDUSA_CHAT_THREADS", "0")
+    (Path.cwd() / ".env").write_text("MEDUSA_CHAT_STREAM_INTERVAL_S=inf\n")
+    (clean_settings / "settings.toml").write_text('port = -1\nhost = "999.1.1.1"\n')
+    with pytest.raises(ValueError) as err:
+        AppSettings.from_cli([])
+    lines = str(err.value).splitlines()
+    assert len(lines) == 4
+    for name, value in [("host", "'999.1.1.1'"), ("port", "-1"), ("threads", "'0'"), ("stream_interval_s", "'inf'")]:
+        assert any(line.startswith(f"setting {name!r}: {value} is not allowed: ") for line in lines), (name, lines)
+
+
+def test_a_settings_file_that_is_not_valid_toml_is_named_in_the_error(clean_settings):
+    (clean_settings / "settings.toml").write_text("port = = 1\n")
+    with pytest.raises(ValueError, match=re.escape(f"{clean_settings / 'settings.toml'} is not valid TOML")):
+        AppSettings.from_cli([])
+
+
+def test_host_names_and_ip_addresses_are_accepted(clean_settings):
+    for host in ("127.0.0.1", "0.0.0.0", "::1", "::", "localhost", "my-box.local"):
+        assert AppSettings.from_cli(["--host", host]).host == host
+
+
 def run_launch(*args: str, env: dict[str, str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "launch.py", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout,
@@ -66,4 +126,34 @@ def test_a_model_that_fails_to_load_prints_the_loaders_message_and_exits_non_zer
     out = run_launch("--model", str(tmp_path / "missing"), "--port", str(port), env={"XDG_DATA_HOME": str(tmp_path)})
     assert out.returncode == 1
     assert f"could not load {tmp_path / 'missing'}: {tmp_path / 'missing'}: no such folder" in out.stderr
+    assert "Traceback" not in out.stderr + out.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--port", "99999"], "error: setting 'port': '99999' is not allowed: input should be less than or equal to 65535"),
+        (["--host", "999.1.1.1"], "error: setting 'host': '999.1.1.1' is not allowed: it is neither an IP address nor a host name"),
+    ],
+    ids=["port", "host"],
+)
+def test_launch_with_a_bad_setting_prints_one_line_and_exits_with_status_2(args, message, tmp_path):
+    out = run_launch(*args, env={"XDG_CONFIG_HOME": str(tmp_path)})
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()] and out.stderr.startswith(message)
+    assert "Traceback" not in out.stderr + out.stdout
+
+
+def test_launch_names_a_port_in_use_and_an_address_this_machine_does_not_have(tmp_path):
+    env = {"XDG_CONFIG_HOME": str(tmp_path), "XDG_DATA_HOME": str(tmp_path)}
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = run_launch("--port", str(port), env=env)
+    assert out.returncode == 1
+    assert out.stderr.strip() == f"error: cannot serve on 127.0.0.1:{port}: the port is in use: pass --port with a free one"
+    out = run_launch("--host", "192.0.2.1", env=env)  # TEST-NET-1: never a local address
+    assert out.returncode == 1
+    assert out.stderr.strip().startswith("error: cannot serve on 192.0.2.1:7860: 192.0.2.1 is not an address of this machine")
     assert "Traceback" not in out.stderr + out.stdout

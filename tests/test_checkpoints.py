@@ -201,6 +201,68 @@ def test_a_hub_id_not_in_the_cache_while_offline_raises_a_clear_error(monkeypatc
         load_medusa_model("nobody/not-a-model", quantization=None, device="cpu")
 
 
+@pytest.mark.parametrize("file", ["medusa_lm_head.safetensors", "medusa_lm_head.pt"])
+def test_a_truncated_head_file_raises_a_checkpoint_error_naming_the_file(file, base, tmp_path):
+    folder, backbone = base
+    heads = random_heads(backbone, HEADS)
+    save_medusa_heads(heads, tmp_path, base_model_name_or_path=str(folder))
+    if file.endswith(".pt"):
+        torch.save(heads.state_dict(), tmp_path / file)
+        (tmp_path / "medusa_lm_head.safetensors").unlink()
+    data = (tmp_path / file).read_bytes()
+    (tmp_path / file).write_bytes(data[: len(data) // 2])
+    with pytest.raises(MedusaCheckpointError, match=re.escape(f"{tmp_path / file} could not be read")):
+        load(tmp_path)
+
+
+@pytest.mark.parametrize("file", ["config.json", "medusa_calibration.json"])
+def test_a_json_file_that_is_not_an_object_raises_a_checkpoint_error_naming_the_file(file, base, tmp_path):
+    folder, backbone = base
+    save_medusa_heads(random_heads(backbone, HEADS), tmp_path, base_model_name_or_path=str(folder))
+    (tmp_path / file).write_text('["a", "list"]')
+    with pytest.raises(MedusaCheckpointError, match=re.escape(f"{tmp_path / file} holds a JSON list, expected an object")):
+        load(tmp_path)
+
+
+def test_calibrated_and_tuned_trees_deeper_than_the_heads_are_dropped_with_a_warning_and_the_default_falls_back(
+    base, tmp_path, caplog
+):
+    # A calibration written for 4 heads next to 2 heads: its default tree cannot run here. Before,
+    # the model kept it as its default, and the app's tree dropdown stayed empty.
+    folder, backbone = base
+    calibration = {"trees": {"deep": [[0], [0, 0], [0, 0, 0]], "fits": [[0], [1], [0, 0]]}, "default_tree": "deep"}
+    save_medusa_heads(random_heads(backbone, 2), tmp_path, base_model_name_or_path=str(folder), calibration=calibration)
+    (tmp_path / "medusa_tuned.json").write_text(json.dumps({"cpu/none": {"choices": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]}}))
+    with caplog.at_level("WARNING", logger="medusa_core.loading"):
+        model = load(tmp_path)
+    assert list(model.trees) == ["fits"]
+    assert model.default_tree == "chain_2"  # the device's default for 2 heads
+    assert model.resolve_tree(model.default_tree)[1] == [[0], [0, 0]]
+    log = caplog.text
+    assert "medusa_tuned.json: tree 'tuned' dropped: path [0, 0, 0, 0] has depth 4 but the model has only 2 Medusa heads" in log
+    assert "medusa_calibration.json: tree 'deep' dropped: path [0, 0, 0] has depth 3" in log
+    assert "default tree 'deep' not used" in log
+
+
+def test_a_calibration_default_tree_that_fits_is_kept_when_the_tuned_tree_is_dropped(base, tmp_path, caplog):
+    folder, backbone = base
+    calibration = {"trees": {"fits": [[0], [1]]}, "default_tree": "fits"}
+    save_medusa_heads(random_heads(backbone, 2), tmp_path, base_model_name_or_path=str(folder), calibration=calibration)
+    (tmp_path / "medusa_tuned.json").write_text(json.dumps({"cpu/none": {"choices": [[0], [0, 0], [0, 0, 0]]}}))
+    with caplog.at_level("WARNING", logger="medusa_core.loading"):
+        model = load(tmp_path)
+    assert (list(model.trees), model.default_tree) == (["fits"], "fits")
+    assert "default tree 'tuned' not used" in caplog.text
+
+
+def test_a_model_given_a_tree_that_does_not_fit_its_heads_raises_naming_the_tree(base):
+    _, backbone = base
+    with pytest.raises(ValueError, match=re.escape("the model's tree 'deep' does not fit: path [0, 0, 0] has depth 3")):
+        MedusaModel(backbone, random_heads(backbone, 2), trees={"deep": [[0], [0, 0], [0, 0, 0]]})
+    with pytest.raises(ValueError, match=re.escape("the model's tree 'chain_3' does not fit")):
+        MedusaModel(backbone, random_heads(backbone, 2), default_tree="chain_3")
+
+
 _UNPICKLED: list[str] = []
 
 

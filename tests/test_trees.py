@@ -7,6 +7,7 @@ import re
 import pytest
 import torch
 
+import medusa_core.trees
 from medusa_core import (
     TREE_PRESETS,
     build_tree_buffers,
@@ -170,3 +171,39 @@ def test_resolve_tree_rejects_an_unknown_name_and_an_invalid_list():
         resolve_tree("no_such_tree")
     with pytest.raises(ValueError, match=re.escape("path [2, 0] has no parent [2]")):
         resolve_tree([[0], [2, 0]])
+
+
+def test_a_chain_or_dense_name_too_deep_or_too_large_is_refused_before_the_tree_is_built(monkeypatch):
+    # Building chain_99999999 first took ~22 GB before the depth check could refuse it.
+    monkeypatch.setattr(medusa_core.trees, "chain_tree", lambda depth: pytest.fail(f"built a chain of depth {depth}"))
+    monkeypatch.setattr(medusa_core.trees, "dense_tree", lambda sizes: pytest.fail(f"built a dense tree {sizes}"))
+    with pytest.raises(ValueError, match=re.escape("tree 'chain_99999999' has depth 99999999 but the model has only 4")):
+        resolve_tree("chain_99999999", num_heads=4)
+    with pytest.raises(ValueError, match=re.escape("tree 'chain_99999999' has 100000000 nodes (root included); at most 1024")):
+        resolve_tree("chain_99999999")
+    with pytest.raises(ValueError, match=re.escape("tree 'dense_1000x1000' has 1001001 nodes (root included); at most 64")):
+        resolve_tree("dense_1000x1000", max_nodes=64)
+
+
+def test_a_list_of_paths_larger_than_the_node_limit_is_refused_with_its_size():
+    with pytest.raises(ValueError, match=re.escape("the tree has 11 nodes (root included); at most 10 are allowed")):
+        resolve_tree(chain_tree(10), max_nodes=10)
+    assert resolve_tree(chain_tree(9), max_nodes=10)[0] == "custom_9"
+
+
+def test_a_rank_outside_the_vocabulary_is_refused_naming_the_path_and_the_vocabulary_size():
+    validate_tree([[0], [0, 95]], vocab_size=96)
+    with pytest.raises(ValueError, match=re.escape("path [0, 96]: rank 96 is not below the vocabulary size 96")):
+        validate_tree([[0], [0, 96]], vocab_size=96)
+    with pytest.raises(ValueError, match=re.escape("rank 100 is not below the vocabulary size 96")):
+        resolve_tree([[100]], vocab_size=96)
+
+
+@pytest.mark.parametrize(
+    "choices, message",
+    [([0, 1], "path 0 is not a list of ranks"), ("[[0]]", "a tree is a non-empty list of paths"), ([], "non-empty")],
+    ids=["flat_list", "string", "empty"],
+)
+def test_a_tree_that_is_not_a_list_of_paths_is_refused_with_a_value_error(choices, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        validate_tree(choices)

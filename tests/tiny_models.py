@@ -86,6 +86,64 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_CORPUS = ["def add(a, b):\n    return a + b\n", "héllo wörld, the café ☕ 世界 😀\n"] * 20
+
+
+def byte_level_tokenizer() -> PreTrainedTokenizerFast:
+    """A GPT-2-style byte-level BPE tokenizer (any text encodes; all 256 bytes are tokens) with
+    ChatML's control tokens ``<|im_start|>``, ``<|im_end|>`` (EOS) and ``CHATML_TEMPLATE``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(_CORPUS, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+def byte_fallback_tokenizer() -> PreTrainedTokenizerFast:
+    """A Mistral-style tokenizer: BPE over characters with spaces as ``▁``, byte fallback to the 256
+    tokens ``<0x00>`` … ``<0xFF>`` for anything else, a decoder that joins runs of byte tokens (an
+    invalid UTF-8 run decodes to one U+FFFD per byte), ChatML's control tokens and template."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    specials = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+    space = "\u2581"
+    pre_tokenizer = pre_tokenizers.Metaspace(replacement=space, prepend_scheme="first", split=False)
+    trained = Tokenizer(models.BPE())
+    trained.pre_tokenizer = pre_tokenizer
+    ascii_only = [t.encode("ascii", "ignore").decode() for t in _CORPUS]  # the rest falls back to bytes
+    trained.train_from_iterator(ascii_only, trainers.BpeTrainer(vocab_size=120, special_tokens=specials))
+    learned = json.loads(trained.to_str())["model"]
+    vocab = {t: i for i, t in enumerate(specials + [f"<0x{b:02X}>" for b in range(256)])}
+    for token in sorted(learned["vocab"], key=learned["vocab"].get):
+        vocab.setdefault(token, len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in learned["merges"]]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizer
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace(space, " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="<|im_end|>",
+        additional_special_tokens=specials[2:4],
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
 def write_tiny_medusa(folder: Path, arch: str = "llama", num_heads: int = 4) -> Path:
     """A head-only Medusa checkpoint in ``folder/heads`` whose backbone (with tokenizer) is ``folder/base``.
 
