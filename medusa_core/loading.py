@@ -247,7 +247,11 @@ def save_medusa_heads(
     """Write a head-only checkpoint in the reference layout (layout 1, or 2 for shared-LM-head heads).
 
     Files: ``config.json`` and ``medusa_lm_head.safetensors`` (fp16), plus ``medusa_calibration.json``
-    when ``calibration`` is given. Loadable by this project, text-generation-inference and TensorRT-LLM.
+    when ``calibration`` is given. Who reads them (README, "Serving engines"; checked by
+    ``tests/test_serving_layouts.py``): this project and text-generation-inference read both layouts
+    (TGI version 2 only with one block per head); TensorRT-LLM reads layout 1 only, as its loader needs
+    a projection ``{i}.{L}.weight`` per head, which version 2 heads do not have; vLLM reads neither
+    (use ``export_vllm``); the reference code reads only ``medusa_lm_head.pt``.
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -270,7 +274,8 @@ def export_vllm(heads: MedusaHeads, folder: str | Path) -> Path:
     """Write vLLM's Medusa layout: ``config.json`` (model_type "medusa") and ``model.safetensors``.
 
     Keys: ``blocks.{i}.layers.{j}.weight/.bias`` and ``lm_heads.{i}.weight`` (for shared-LM-head heads,
-    a copy of the backbone's LM head per head, which vLLM expects).
+    a copy of the backbone's LM head per head, which vLLM expects). The only layout of the three
+    that vLLM reads, and the only way version 2 heads reach it.
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,9 @@ Command line (``python -m medusa_core.train --help``):
     python -m medusa_core.train calibrate --heads HEADS_DIR --data heldout.jsonl
 
 The heads folder is a reference head-only checkpoint (``config.json`` + ``medusa_lm_head.safetensors``)
-that ``load_medusa_model``, text-generation-inference and TensorRT-LLM read.
+that ``load_medusa_model`` and text-generation-inference read; TensorRT-LLM reads it only for heads
+with their own projections (not ``--share-lm-head``), vLLM only through ``--export vllm`` (README,
+"Serving engines").
 """
 
 from __future__ import annotations
