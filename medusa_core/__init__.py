@@ -11,15 +11,9 @@ Works on token ids and knows no UI. Public API:
 """
 
 from .acceptance import evaluate_posterior
+from .export import export_vllm, save_medusa_heads
 from .heads import MedusaHeads
-from .loading import (
-    DEMO_MODEL_DIR,
-    MedusaCheckpointError,
-    export_vllm,
-    heads_from_state_dict,
-    load_medusa_model,
-    save_medusa_heads,
-)
+from .loading import DEMO_MODEL_DIR, MedusaCheckpointError, heads_from_state_dict, load_medusa_model
 from .model import STOP_REASONS, MedusaModel, StepRecord
 from .trees import (
     MAX_TREE_NODES,

@@ -99,7 +99,7 @@ def test_training_lowers_the_loss_and_writes_a_folder_that_loads_back_identicall
 
 
 def test_an_interrupted_training_resumes_from_its_checkpoint_to_the_same_heads(tmp_path, monkeypatch):
-    import medusa_core.train as train
+    import medusa_core.train.heads as train  # where train_heads looks _checkpoint up
 
     backbone, _, rows = _distilled_rows(tmp_path, n=6)
     hidden, labels = collect_positions(backbone, rows, num_heads=2)

@@ -1,0 +1,132 @@
+"""Self-distillation (paper 2.3.2): the backbone's own greedy replies to seed prompts, as JSONL.
+
+Heads trained on these replies learn the backbone's distribution, not a dataset's.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+#: An assistant turn whose content is None in a seed chat: the backbone writes it during distillation.
+MODEL_TURN = {"role": "assistant", "content": None}
+
+
+def read_prompts(path: str | Path) -> list[list[dict]]:
+    """Seed conversations from a ``.txt`` (one prompt per line) or ``.jsonl`` file.
+
+    A JSONL row holds ``messages`` (a chat; trailing assistant turns are dropped so the model answers
+    the last user turn) or ``prompt`` with an optional ``system``, and optionally ``followup``: a
+    further user turn asked after the model's own reply (the chat then holds ``MODEL_TURN`` between
+    the two user turns). Returns a list of message lists.
+    Raises ``ValueError`` for a row with neither ``messages`` nor ``prompt``.
+    """
+    path = Path(path)
+    if path.suffix == ".txt":
+        return [[{"role": "user", "content": line.strip()}] for line in path.read_text().splitlines() if line.strip()]
+    chats = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if "messages" in row:
+            messages = list(row["messages"])
+            while messages and messages[-1]["role"] == "assistant":
+                messages.pop()
+        elif "prompt" in row:
+            messages = ([{"role": "system", "content": row["system"]}] if row.get("system") else [])
+            messages.append({"role": "user", "content": row["prompt"]})
+        else:
+            raise ValueError(f"{path}:{n}: a row needs 'messages' or 'prompt'")
+        if row.get("followup"):
+            messages += [dict(MODEL_TURN), {"role": "user", "content": row["followup"]}]
+        chats.append(messages)
+    return chats
+
+
+def distill(
+    backbone,
+    tokenizer,
+    chats: list[list[dict]],
+    out: str | Path,
+    *,
+    max_new_tokens: int = 256,
+    batch_size: int = 32,
+    bf16: bool = False,
+) -> Path:
+    """Write the backbone's greedy replies to ``chats`` as JSONL (paper 2.3.2, self-distillation).
+
+    Each row: ``id``, ``messages``, ``prompt_ids``, ``reply_ids`` (cut after the first EOS), ``reply``.
+    A chat holding ``MODEL_TURN`` placeholders is answered turn by turn: the model's reply fills the
+    first placeholder, then the conversation goes on with that reply. The first reply of chat ``i``
+    has id ``i``, its later replies ``"i.1"``, ``"i.2"``, ... Resumable: ids already in ``out`` are
+    skipped (their replies are read back for the next turn). Prompts are batched by length with
+    left padding. ``bf16`` runs under bfloat16 autocast (CPU/CUDA); plain bf16 weights
+    (``backbone.to(torch.bfloat16)``) are faster on CPU.
+    """
+    out = Path(out)
+    done = {row["id"]: row for row in read_distilled(out)} if out.exists() else {}
+    eos = backbone.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+    tokenizer.padding_side = "left"
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos_ids))
+    device = next(backbone.parameters()).device
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
+    pending = list(enumerate(chats))  # (chat index, messages) still holding turns to write
+    turn = 0
+    with open(out, "a", encoding="utf-8") as f:
+        while pending:
+            todo, ready = [], []
+            for i, messages in pending:
+                cut = next((n for n, m in enumerate(messages) if m == MODEL_TURN), len(messages))
+                key = i if turn == 0 else f"{i}.{turn}"
+                (ready if key in done else todo).append((key, i, messages[:cut], messages[cut + 1 :]))
+            todo = [(k, i, m, rest, _chat_ids(tokenizer, m)) for k, i, m, rest in todo]
+            todo.sort(key=lambda r: len(r[4]))
+            replies = {k: done[k]["reply_ids"] for k, *_ in ready}
+            for start in tqdm(range(0, len(todo), batch_size), desc=f"distill turn {turn + 1}", unit="batch"):
+                batch = todo[start : start + batch_size]
+                width = max(len(r[4]) for r in batch)
+                input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+                mask = torch.zeros_like(input_ids)
+                for row, ids in enumerate(r[4] for r in batch):
+                    input_ids[row, width - len(ids) :] = torch.tensor(ids)
+                    mask[row, width - len(ids) :] = 1
+                with torch.inference_mode(), autocast:
+                    generated = backbone.generate(
+                        input_ids=input_ids.to(device),
+                        attention_mask=mask.to(device),
+                        max_new_tokens=max_new_tokens,
+                        do_sample=False,
+                        pad_token_id=pad_id,
+                    )[:, width:].tolist()
+                for (key, _, messages, _, ids), reply in zip(batch, generated):
+                    reply = reply[: next((n + 1 for n, t in enumerate(reply) if t in eos_ids), len(reply))]
+                    replies[key] = reply
+                    row = {"id": key, "messages": messages, "prompt_ids": ids, "reply_ids": reply,
+                           "reply": tokenizer.decode(reply, skip_special_tokens=True)}
+                    f.write(json.dumps(row) + "\n")
+                f.flush()
+            turn += 1
+            pending = [
+                (i, messages + [{"role": "assistant", "content": tokenizer.decode(replies[key], skip_special_tokens=True)}] + rest)
+                for key, i, messages, rest, *_ in ready + todo
+                if rest
+            ]
+    return out
+
+
+def _chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a chat with the generation prompt appended."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def read_distilled(path: str | Path) -> list[dict]:
+    """Rows written by ``distill``."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]

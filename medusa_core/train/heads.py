@@ -1,0 +1,148 @@
+"""Medusa-1 head training on a frozen backbone (paper 2.2.1): loss, schedule and a resumable loop.
+
+Loss Σ_k λ_k · CE(head k, token t+k+2) with λ_k = 0.8^k; AdamW with linear warm-up and cosine decay.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..export import save_medusa_heads
+from ..heads import MedusaHeads
+
+#: Loss weight of head k is LOSS_DECAY ** k (paper 2.2.1, λ_k = 0.8^k).
+LOSS_DECAY = 0.8
+TRAINER_STATE = "trainer_state.pt"
+
+
+@dataclass(frozen=True)
+class HeadTrainingConfig:
+    """Medusa-1 head training hyper-parameters (paper 2.2.1; reference recipe lr 1e-3, cosine, warm-up)."""
+
+    num_heads: int = 4  # K
+    num_layers: int = 1  # residual blocks per head
+    share_lm_head: bool = False  # "version 2" heads: residual blocks only, the backbone's LM head projects
+    epochs: float = 2.0  # passes over the reply positions
+    batch_size: int = 2048  # positions per optimizer step (after accumulation)
+    grad_accum: int = 1  # micro-batches per optimizer step
+    lr: float = 1e-3  # peak learning rate
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 50
+    weight_decay: float = 0.0
+    seed: int = 0
+    bf16: bool = True  # bfloat16 autocast for the head matmuls
+    checkpoint_every: int = 200  # optimizer steps between checkpoints (0: only at the end)
+
+
+def head_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Σ_k 0.8^k · CE(head k) and each head's top-1 accuracy.
+
+    Args: logits [K, B, V]; labels [B, K] (-100 = ignored). Returns (loss [], top1 [K]).
+    """
+    loss = logits.new_zeros((), dtype=torch.float32)
+    top1 = []
+    for k in range(logits.shape[0]):
+        target = labels[:, k]
+        valid = target != -100
+        if valid.any():
+            loss = loss + LOSS_DECAY**k * torch.nn.functional.cross_entropy(logits[k].float(), target, ignore_index=-100)
+            top1.append((logits[k].argmax(-1) == target)[valid].float().mean())
+        else:
+            top1.append(logits.new_zeros((), dtype=torch.float32))
+    return loss, torch.stack(top1)
+
+
+def lr_at(step: int, total: int, cfg: HeadTrainingConfig) -> float:
+    """Linear warm-up then cosine decay to ``lr * min_lr_ratio``."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train_heads(
+    backbone,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    out: str | Path,
+    cfg: HeadTrainingConfig,
+    *,
+    base_model_name_or_path: str,
+    resume: bool = True,
+) -> tuple[MedusaHeads, dict]:
+    """Train K Medusa-1 heads on precomputed positions of a frozen backbone (paper 2.2.1).
+
+    Args:
+        hidden: [M, H] final-norm hidden states; labels: [M, K] targets (``collect_positions``).
+        out: heads folder; checkpoints (heads + ``trainer_state.pt``) go there every
+            ``cfg.checkpoint_every`` steps and training resumes from them when ``resume``.
+
+    Returns (heads, stats) with the final loss and per-head training top-1 accuracy.
+    """
+    out = Path(out)
+    torch.manual_seed(cfg.seed)
+    if cfg.share_lm_head:
+        lm_head = backbone.get_output_embeddings()
+        heads = MedusaHeads(lm_head.in_features, lm_head.out_features, cfg.num_heads, cfg.num_layers, shared_lm_head=lm_head)
+    else:
+        heads = MedusaHeads.from_backbone(backbone, cfg.num_heads, cfg.num_layers)
+    heads = heads.float().cpu().train()
+    opt = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    micro = cfg.batch_size // cfg.grad_accum
+    total_steps = max(1, int(cfg.epochs * len(hidden) / cfg.batch_size))
+    step = resumed_from = 0
+    state_file = out / TRAINER_STATE
+    if resume and state_file.exists():
+        state = torch.load(state_file, map_location="cpu", weights_only=True)
+        heads.load_state_dict(state["heads"])
+        opt.load_state_dict(state["optimizer"])
+        step = resumed_from = int(state["step"])
+        tqdm.write(f"resuming head training at step {step}/{total_steps}")
+    generator = torch.Generator().manual_seed(cfg.seed)
+    order = torch.cat([torch.randperm(len(hidden), generator=generator) for _ in range(math.ceil(cfg.epochs) + 1)])
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if cfg.bf16 else nullcontext()
+    bar = tqdm(range(step, total_steps), desc="heads", unit="step", initial=step, total=total_steps)
+    loss_value, top1 = float("nan"), torch.zeros(cfg.num_heads)
+    t0 = time.time()
+    for step in bar:
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, total_steps, cfg)
+        for a in range(cfg.grad_accum):
+            start = (step * cfg.grad_accum + a) * micro
+            idx = order[start : start + micro]
+            with autocast:
+                logits = heads(hidden[idx].float())  # [K, B, V]
+            loss, top1 = head_loss(logits, labels[idx])
+            (loss / cfg.grad_accum).backward()
+        torch.nn.utils.clip_grad_norm_(heads.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss_value = loss.item()
+        bar.set_postfix(loss=f"{loss_value:.3f}", top1="/".join(f"{a:.2f}" for a in top1.tolist()))
+        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < total_steps:
+            _checkpoint(heads, opt, step + 1, out, base_model_name_or_path)
+    heads.eval()
+    save_medusa_heads(heads, out, base_model_name_or_path=base_model_name_or_path)
+    state_file.unlink(missing_ok=True)
+    stats = {
+        "steps": total_steps,
+        "resumed_from": resumed_from,
+        "positions": len(hidden),
+        "final_loss": round(loss_value, 4),
+        "train_top1_last_batch": [round(a, 4) for a in top1.tolist()],
+        "seconds": round(time.time() - t0, 1),
+        "config": asdict(cfg),
+    }
+    return heads, stats
+
+
+def _checkpoint(heads, opt, step, out, base) -> None:
+    save_medusa_heads(heads, out, base_model_name_or_path=base)
+    torch.save({"heads": heads.state_dict(), "optimizer": opt.state_dict(), "step": step}, out / TRAINER_STATE)
