@@ -23,7 +23,7 @@ def record(step=0, accepted=(0, 1, 3), mode="medusa", latency=0.010, prefill=0.0
     return StepRecord(
         step=step, mode=mode, tree_name="hand" if mode == "medusa" else "baseline", tree_nodes=nodes,
         node_token_ids=tuple(range(10, 10 + nodes)), node_parents=PARENTS[:nodes], node_heads=HEADS[:nodes],
-        node_ranks=RANKS[:nodes], accepted_nodes=accepted, token_ids=tuple(10 + i for i in accepted),
+        node_ranks=RANKS[:nodes], accepted_nodes=accepted, sampling="greedy", token_ids=tuple(10 + i for i in accepted),
         accept_length=len(accepted) - 1, latency_s=latency, total_tokens=len(accepted), prefill_s=prefill, stop_reason=stop,
     )
 
