@@ -70,11 +70,11 @@ def select_path(
     lengths = prefix.sum(dim=1)  # [P]
     if temperature <= 0:
         best = torch.argmax(lengths)  # argmax returns the first maximum
-        return best, lengths[best]
-    score = torch.where(prefix.bool(), log_prob, torch.zeros_like(log_prob)).sum(dim=1)  # [P]
-    score = torch.where(lengths == lengths.max(), score, torch.full_like(score, float("-inf")))
-    best = torch.argmax(score)
-    return best, lengths[best]
+    else:
+        score = torch.where(prefix.bool(), log_prob, torch.zeros_like(log_prob)).sum(dim=1)  # [P]
+        score = torch.where(lengths == lengths.max(), score, torch.full_like(score, float("-inf")))
+        best = torch.argmax(score)
+    return best, lengths.gather(0, best.view(1))[0]  # gather: indexing by a 0-dim tensor would sync
 
 
 def evaluate_posterior(
@@ -139,11 +139,11 @@ def try_children(
         [C] bool: True for the one candidate each parent accepts (at most one per parent).
     """
     c = torch.arange(tokens.shape[0], device=tokens.device)
-    earlier = (parent_rows[:, None] == parent_rows[None, :]) & (c[None, :] < c[:, None])  # [C, C] sibling s before c
+    earlier = ((parent_rows[:, None] == parent_rows[None, :]) & (c[None, :] < c[:, None])).to(probs.dtype)  # [C, C]
     p = probs[parent_rows, tokens]  # [C] p(x_c) under the parent's distribution
-    mass_left = (1 - (earlier.to(p.dtype) @ p)).clamp(min=0)  # [C] mass not yet rejected
+    mass_left = (1 - earlier @ p).clamp(min=0)  # [C] mass not yet rejected
     passes = uniforms * mass_left < p  # [C] accepted if tried
-    return passes & ~((earlier.to(torch.int32) @ passes.to(torch.int32)) > 0)
+    return passes & ~(earlier @ passes.to(probs.dtype) > 0)  # float matmul: CUDA has no integer one
 
 
 def residual_distributions(probs: torch.Tensor, parent_rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

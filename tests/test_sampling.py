@@ -18,7 +18,7 @@ from conftest import PROMPT  # plain data, shared with the fixtures
 from torch import nn
 from tiny_models import random_heads, tiny_backbone
 
-from medusa_core import MedusaModel, node_status, residual_distributions, try_children
+from medusa_core import NODE_STATUSES, SAMPLING_RULES, MedusaModel, node_status, residual_distributions, try_children
 
 # ------------------------------------------------------------------------------- the per-node rule
 P = torch.tensor([[0.4, 0.3, 0.2, 0.1]])  # [1, V] one parent's distribution
@@ -274,7 +274,8 @@ def test_exact_sampling_repeats_with_a_seed_and_records_its_rule_and_every_nodes
     assert [r.token_ids for r in model.generate(PROMPT, seed=4, **kwargs)] == [r.token_ids for r in first]
     assert [r.token_ids for r in model.generate(PROMPT, seed=5, **kwargs)] != [r.token_ids for r in first]
     for r in first:
-        assert r.sampling == "exact" and len(r.node_status) == r.tree_nodes
+        assert r.sampling == "exact" and r.sampling in SAMPLING_RULES
+        assert len(r.node_status) == r.tree_nodes and set(r.node_status) <= set(NODE_STATUSES)
         assert [n for n, s in enumerate(r.node_status) if s == "accepted"] == sorted(r.accepted_nodes)
         assert r.node_status == node_status(r.node_parents, r.accepted_nodes)
     assert any("rejected" in r.node_status for r in first)
@@ -318,4 +319,4 @@ def test_plain_sampling_draws_each_token_from_the_softmax_with_the_seeded_genera
     for sampling in ("typical", "exact"):
         records = list(model.generate(PROMPT, max_new_tokens=12, temperature=0.8, medusa=False, seed=11, sampling=sampling))
         assert [t for r in records for t in r.token_ids] == expected
-        assert all(r.sampling == "sample" for r in records)
+        assert all(r.sampling == "sample" for r in records) and "sample" in SAMPLING_RULES
