@@ -84,7 +84,7 @@ TEMPERATURE = 0.7
 RUNS = 2000  # seeded replies per case
 TYPICAL_RUNS = 500  # typical acceptance is far off: a quarter of the runs rejects it by many orders of magnitude
 ALPHA = 1e-3  # significance of each chi-square test (joint law and the 3 positions' laws)
-MIN_EXPECTED = 5  # cells expected fewer times are pooled into one (the usual validity rule)
+MIN_EXPECTED = 5  # cells expected fewer times are pooled by shared prefix (the usual validity rule)
 # Wide at both depths (6 x 3): candidates hold much of p's mass, so a wrong residual shows.
 TREE = [[i] for i in range(6)] + [[i, j] for i in range(6) for j in range(3)]
 STAT_PROMPT = torch.tensor([[3, 1, 4, 1, 5]])  # [1, T]
