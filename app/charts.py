@@ -82,13 +82,15 @@ def tree_layout(parents: Sequence[int]) -> tuple[list[int], list[float]]:
 
 def tree_figure(record: StepRecord, labels: Sequence[str], height: int = 420) -> Figure:
     """One step's candidate tree: nodes by depth with their token text, coloured by head (paler for
-    lower-ranked candidates), the accepted path in red; hover shows token id, head and rank.
+    lower-ranked candidates), the accepted path in red; hover shows token id, head, rank and status.
+    Exact sampling steps also mark the candidates tried and rejected with an ✕ (``record.node_status``).
 
     ``labels`` [N] is the display text of every node's token.
     """
     parents = record.node_parents
     x, y = tree_layout(parents)
     accepted = set(record.accepted_nodes)
+    status = record.node_status or tuple("accepted" if i in accepted else "not accepted" for i in range(record.tree_nodes))
     edge_x: list[float | None] = []
     edge_y: list[float | None] = []
     for i in range(1, record.tree_nodes):
@@ -112,6 +114,7 @@ def tree_figure(record: StepRecord, labels: Sequence[str], height: int = 420) ->
                 textposition="middle right",
                 textfont=dict(size=11, color=[ACCEPTED if i in accepted else "#333333" for i in nodes]),
                 marker=dict(
+                    symbol=["x" if status[i] == "rejected" else "circle" for i in nodes],
                     size=[14 if i in accepted else 10 for i in nodes],
                     color=BACKBONE if head < 0 else HEAD_COLOURS[head % len(HEAD_COLOURS)],
                     opacity=[1.0 if i in accepted else max(0.3, 0.9 - 0.15 * record.node_ranks[i]) for i in nodes],
@@ -121,17 +124,17 @@ def tree_figure(record: StepRecord, labels: Sequence[str], height: int = 420) ->
                     ),
                 ),
                 customdata=[
-                    [record.node_token_ids[i], "backbone" if head < 0 else head + 1, record.node_ranks[i], "yes" if i in accepted else "no"]
+                    [record.node_token_ids[i], "backbone" if head < 0 else head + 1, record.node_ranks[i], status[i]]
                     for i in nodes
                 ],
                 hovertemplate="token %{text} (id %{customdata[0]})<br>head %{customdata[1]}, rank %{customdata[2]}"
-                "<br>accepted: %{customdata[3]}<extra></extra>",
+                "<br>%{customdata[3]}<extra></extra>",
             )
         )
     added = len(record.token_ids)
     title = (
         f"step {record.step} · {record.tree_name} ({record.tree_nodes} nodes) · "
-        f"+{added} token{'' if added == 1 else 's'} ({record.accept_length} from heads)"
+        f"+{added} token{'' if added == 1 else 's'} ({record.accept_length} from heads) · {record.sampling}"
     )
     return Figure(
         data=data,

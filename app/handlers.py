@@ -48,6 +48,7 @@ class Controls:
 
     medusa: bool
     temperature: float
+    sampling: str  # "typical" or "exact" (medusa_core.SAMPLING_MODES); matters when temperature > 0
     posterior_threshold: float  # ε
     posterior_alpha: float  # δ
     tree: str | None  # a tree name, CUSTOM_TREE, or None for the model's default tree
@@ -63,6 +64,7 @@ class Controls:
         return cls(
             medusa=True,
             temperature=settings.temperature,
+            sampling=settings.sampling,
             posterior_threshold=settings.posterior_threshold,
             posterior_alpha=settings.posterior_alpha,
             tree=settings.tree,
@@ -301,6 +303,7 @@ def respond(engine: Engine, settings: AppSettings, session: Session, controls: C
             posterior_alpha=controls.posterior_alpha,
             medusa=controls.medusa,
             seed=controls.seed,
+            sampling=controls.sampling,
         )
     except (ValueError, TemplateError) as e:  # too-long prompt, invalid tree, bad control value, template error
         turn.state, turn.error = "error", f"Not sent: {e}"

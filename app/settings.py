@@ -78,6 +78,9 @@ class AppSettings(BaseSettings):
     temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False, description="initial temperature (0 = greedy)")
     posterior_threshold: float = Field(0.09, gt=0.0, le=1.0, allow_inf_nan=False, description="initial epsilon of typical acceptance, in (0, 1] (paper 2.3.1)")
     posterior_alpha: float = Field(0.3, gt=0.0, le=1.0, allow_inf_nan=False, description="initial delta of typical acceptance, in (0, 1] (paper 2.3.1)")
+    sampling: Literal["typical", "exact"] = Field(
+        "typical", description="initial verification at temperature > 0: typical acceptance (paper 2.3.1) or exact rejection sampling"
+    )
     tree: str | None = Field(None, description="initial tree name; default: the model's own default tree")
     # ---- live view and files
     redraw_interval_s: float = Field(0.25, ge=0.0, allow_inf_nan=False, description="seconds between redraws of the plots while a reply streams")

@@ -7,7 +7,9 @@ Pure functions over ``StepRow`` lists. Definitions (Medusa paper, section 3):
   the prompt's prefill, so short and long prompts compare fairly;
 - *speedup*: Medusa tokens/s over the tokens/s of the session's baseline (Medusa off) steps;
 - *acceptance rate of head k*: the share of Medusa steps whose accepted path reached depth k,
-  i.e. that kept a token proposed by head k.
+  i.e. that kept a token proposed by head k;
+- per *sampling rule* (``StepRecord.sampling``: greedy, typical, exact): the acceleration rate of the
+  Medusa steps that used it, so typical and exact acceptance compare side by side.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class StepRow:
     temperature: float
     posterior_threshold: float  # ε
     posterior_alpha: float  # δ
+    sampling: str  # the step's rule (medusa_core.SAMPLING_RULES): greedy, sample (baseline), typical or exact
     accepted_tokens: int  # tokens added to the reply this step (the backbone's own + those from heads)
     head_tokens: int  # of which proposed by the heads (the step's accept length)
     step_latency_ms: float  # includes the prefill on step 0
@@ -69,6 +72,7 @@ class StepRow:
             temperature=temperature,
             posterior_threshold=posterior_threshold,
             posterior_alpha=posterior_alpha,
+            sampling=record.sampling,
             accepted_tokens=len(record.token_ids),
             head_tokens=record.accept_length,
             step_latency_ms=round(record.latency_s * 1e3, 4),
@@ -123,6 +127,7 @@ class Summary:
     baseline_tokens_per_s: float | None
     speedup: float | None  # medusa / baseline tokens per second
     head_acceptance: tuple[float, ...]  # rate for heads 1..K (empty without Medusa steps)
+    acceleration_by_sampling: tuple[tuple[str, int, float], ...]  # (rule, Medusa steps, tokens / step), first use first
 
 
 def summarize(rows: Sequence[StepRow], num_heads: int) -> Summary:
@@ -144,7 +149,15 @@ def summarize(rows: Sequence[StepRow], num_heads: int) -> Summary:
         )
         if medusa
         else (),
+        acceleration_by_sampling=_acceleration_by_sampling(medusa),
     )
+
+
+def _acceleration_by_sampling(medusa: Sequence[StepRow]) -> tuple[tuple[str, int, float], ...]:
+    groups: dict[str, list[StepRow]] = {}
+    for r in medusa:
+        groups.setdefault(r.sampling, []).append(r)
+    return tuple((rule, len(g), sum(r.accepted_tokens for r in g) / len(g)) for rule, g in groups.items())
 
 
 def _mean_step_ms(rows: Sequence[StepRow]) -> float | None:
@@ -175,5 +188,11 @@ def summary_markdown(summary: Summary) -> str:
             "| head | " + " | ".join(str(k) for k in range(1, len(s.head_acceptance) + 1)) + " |",
             "|---|" + "---|" * len(s.head_acceptance),
             "| acceptance rate | " + " | ".join(f"{a:.0%}" for a in s.head_acceptance) + " |",
+        ]
+    if s.acceleration_by_sampling:
+        lines += [
+            "",
+            "Tokens / step by sampling rule: "
+            + " · ".join(f"**{rule}** {rate:.2f} ({n} steps)" for rule, n, rate in s.acceleration_by_sampling),
         ]
     return "\n".join(lines)

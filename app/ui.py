@@ -15,6 +15,8 @@ from typing import Any, Callable
 
 import gradio as gr
 
+from medusa_core import SAMPLING_MODES
+
 from . import handlers
 from .charts import empty_figure, speed_figure
 from .engine import Engine
@@ -114,10 +116,18 @@ def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
                     )
                     tree_status = gr.Markdown(elem_id="tree-status")
                     temperature = gr.Slider(0.0, 2.0, defaults.temperature, step=0.05, label="Temperature (0 = greedy)", elem_id="temperature")
-                    posterior_threshold = gr.Slider(
-                        0.0, 0.5, defaults.posterior_threshold, step=0.01, label="ε posterior threshold (typical acceptance)", elem_id="epsilon"
+                    sampling = gr.Radio(
+                        list(SAMPLING_MODES), value=defaults.sampling, label="Sampling (temperature > 0)",
+                        info="typical: paper's typical acceptance, fast, drifts from the model's distribution (uses ε, δ); "
+                        "exact: rejection sampling, replies follow the model's own sampling distribution (ε, δ unused)",
+                        elem_id="sampling",
                     )
-                    posterior_alpha = gr.Slider(0.0, 1.0, defaults.posterior_alpha, step=0.01, label="δ posterior alpha: threshold min(ε, δ·exp(−entropy))", elem_id="delta")
+                    posterior_threshold = gr.Slider(
+                        0.0, 0.5, defaults.posterior_threshold, step=0.01, label="ε posterior threshold (typical sampling only)", elem_id="epsilon"
+                    )
+                    posterior_alpha = gr.Slider(
+                        0.0, 1.0, defaults.posterior_alpha, step=0.01, label="δ posterior alpha: threshold min(ε, δ·exp(−entropy)) (typical only)", elem_id="delta"
+                    )
                     max_new_tokens = gr.Slider(1, 2048, defaults.max_new_tokens, step=1, label="Max new tokens", elem_id="max-new-tokens")
                     seed = gr.Number(
                         -1 if defaults.seed is None else defaults.seed, label="Seed (−1 = a fresh one per reply; matters when temperature > 0)",
@@ -148,7 +158,7 @@ def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
             tree_plot=tree_plot, step_slider=step_slider, speed_plot=speed_plot, summary=summary, reply_status=status_line,
         )
         controls = dict(
-            medusa=medusa, temperature=temperature, posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha,
+            medusa=medusa, temperature=temperature, sampling=sampling, posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha,
             tree=tree, custom_tree=custom_tree, max_new_tokens=max_new_tokens, seed=seed, system_prompt=system_prompt,
             highlight=highlight,
         )

@@ -6,15 +6,17 @@ Works on token ids and knows no UI. Public API:
   ``export_vllm``, ``MedusaCheckpointError``.
 - Trees (paper 2.1.2, 2.3.3): ``TREE_PRESETS``, ``MAX_TREE_NODES``, ``build_tree_buffers``, ``TreeBuffers``,
   ``resolve_tree``, ``validate_tree``, ``dense_tree``, ``chain_tree``, ``optimal_tree``.
-- Acceptance (paper 2.3.1): ``evaluate_posterior``.
-- The engine: ``MedusaModel.generate`` yields one ``StepRecord`` per decoding step.
+- Acceptance (paper 2.3.1): ``evaluate_posterior``; exact rejection sampling over the tree (Leviathan
+  et al. 2023, Chen et al. 2023): ``try_children``, ``residual_distributions``, ``node_status``.
+- The engine: ``MedusaModel.generate`` yields one ``StepRecord`` per decoding step; ``SAMPLING_MODES``
+  (its ``sampling=`` argument), ``SAMPLING_RULES`` and ``NODE_STATUSES`` (fields of the record).
 """
 
-from .acceptance import evaluate_posterior
+from .acceptance import NODE_STATUSES, evaluate_posterior, node_status, residual_distributions, try_children
 from .export import export_vllm, save_medusa_heads
 from .heads import MedusaHeads
 from .loading import DEMO_MODEL_DIR, MedusaCheckpointError, heads_from_state_dict, load_medusa_model
-from .model import STOP_REASONS, MedusaModel, StepRecord
+from .model import SAMPLING_MODES, SAMPLING_RULES, STOP_REASONS, MedusaModel, StepRecord
 from .trees import (
     MAX_TREE_NODES,
     TREE_PRESETS,
@@ -30,6 +32,9 @@ from .trees import (
 __all__ = [
     "DEMO_MODEL_DIR",
     "MAX_TREE_NODES",
+    "NODE_STATUSES",
+    "SAMPLING_MODES",
+    "SAMPLING_RULES",
     "STOP_REASONS",
     "TREE_PRESETS",
     "MedusaCheckpointError",
@@ -44,8 +49,11 @@ __all__ = [
     "export_vllm",
     "heads_from_state_dict",
     "load_medusa_model",
+    "node_status",
     "optimal_tree",
+    "residual_distributions",
     "resolve_tree",
     "save_medusa_heads",
+    "try_children",
     "validate_tree",
 ]

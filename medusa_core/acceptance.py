@@ -1,11 +1,16 @@
-"""Verification of candidate paths: greedy exact match and typical acceptance (paper 2.3.1).
+"""Verification of candidate paths: greedy exact match, typical acceptance (paper 2.3.1) and exact
+rejection sampling over the tree (Leviathan et al. 2023; Chen et al. 2023; SpecInfer, Miao et al. 2024).
 
 Pure functions on tensors. ``evaluate_posterior`` takes the per-path layout of the reference; the
 decode loop scores each tree node once (``score_children``) and reads paths out of that with
 ``select_path``, which is the same arithmetic without gathering ``[P, D+1, V]`` logits.
+``try_children`` and ``residual_distributions`` are the per-node rule of exact sampling; the engine
+walks the tree with them (``MedusaModel._accept``).
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 
@@ -47,30 +52,29 @@ def score_children(
 
 def select_path(
     accepted: torch.Tensor, log_prob: torch.Tensor, valid: torch.Tensor, temperature: float
-) -> tuple[int, int]:
-    """Pick the path to keep from per-position acceptance.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick the path to keep from per-position acceptance, on the device (no host sync).
 
     Args:
         accepted: [P, D] bool, candidate at depth j+1 of path p accepted.
         log_prob: [P, D] log p of those candidates.
         valid: [P, D] bool, position exists (paths shorter than D are padded).
         temperature: 0 → the first path with the longest accepted prefix; > 0 → among the longest,
-            the largest sum of log p over the accepted prefix; path 0 when nothing is accepted.
+            the largest sum of log p over the accepted prefix; path 0 when nothing is accepted
+            (every path then scores 0 and ``argmax`` returns the first maximum).
 
     Returns:
-        (best_path, accept_length) as Python ints (one host sync).
+        (best_path, accept_length): 0-dim long tensors on ``accepted``'s device.
     """
     prefix = torch.cumprod((accepted & valid).to(torch.int32), dim=1)  # [P, D]
     lengths = prefix.sum(dim=1)  # [P]
     if temperature <= 0:
-        best = int(torch.argmax(lengths))  # argmax returns the first maximum
-        return best, int(lengths[best])
-    max_len = int(lengths.max())
-    if max_len == 0:
-        return 0, 0
-    score = torch.where(prefix.bool(), log_prob, torch.zeros_like(log_prob)).sum(dim=1)
-    score = torch.where(lengths == max_len, score, torch.full_like(score, float("-inf")))
-    return int(torch.argmax(score)), max_len
+        best = torch.argmax(lengths)  # argmax returns the first maximum
+    else:
+        score = torch.where(prefix.bool(), log_prob, torch.zeros_like(log_prob)).sum(dim=1)  # [P]
+        score = torch.where(lengths == lengths.max(), score, torch.full_like(score, float("-inf")))
+        best = torch.argmax(score)
+    return best, lengths.gather(0, best.view(1))[0]  # gather: indexing by a 0-dim tensor would sync
 
 
 def evaluate_posterior(
@@ -109,6 +113,81 @@ def evaluate_posterior(
         valid = torch.ones(num_paths, width - 1, dtype=torch.bool, device=logits.device)
     else:
         valid = torch.arange(1, width, device=logits.device)[None, :] < path_lengths[:, None]
-    return select_path(
-        accepted.view(num_paths, -1), log_prob.view(num_paths, -1), valid, temperature
-    )
+    best, length = select_path(accepted.view(num_paths, -1), log_prob.view(num_paths, -1), valid, temperature)
+    return int(best), int(length)
+
+
+def try_children(
+    probs: torch.Tensor, parent_rows: torch.Tensor, tokens: torch.Tensor, uniforms: torch.Tensor
+) -> torch.Tensor:
+    """Recursive rejection sampling of point-mass drafts: which candidate each parent accepts.
+
+    The candidates of one parent are tried in the order they are listed (the tree's rank order).
+    Candidate x is accepted with probability ``p_res(x)``, p_res being the parent's distribution with
+    the earlier, rejected siblings' tokens set to 0 and renormalised; the first accepted sibling wins.
+    Drawing every candidate's uniform up front (used or not) gives the same law as trying them one by
+    one, and needs no loop: candidate c is accepted *if tried* when
+    ``u_c · (1 − Σ_{earlier siblings s} p(x_s)) < p(x_c)``, and tried when no earlier sibling was.
+
+    Args:
+        probs: [M, V] target distributions p = softmax(logits / T) (rows sum to 1).
+        parent_rows: [C] row of ``probs`` at each candidate's parent.
+        tokens: [C] candidate token ids; siblings hold distinct tokens (distinct ranks of one top-k).
+        uniforms: [C] independent U[0, 1) draws, one per candidate.
+
+    Returns:
+        [C] bool: True for the one candidate each parent accepts (at most one per parent).
+    """
+    c = torch.arange(tokens.shape[0], device=tokens.device)
+    earlier = ((parent_rows[:, None] == parent_rows[None, :]) & (c[None, :] < c[:, None])).to(probs.dtype)  # [C, C]
+    p = probs[parent_rows, tokens]  # [C] p(x_c) under the parent's distribution
+    mass_left = (1 - earlier @ p).clamp(min=0)  # [C] mass not yet rejected
+    passes = uniforms * mass_left < p  # [C] accepted if tried
+    return passes & ~(earlier @ passes.to(probs.dtype) > 0)  # float matmul: CUDA has no integer one
+
+
+def residual_distributions(probs: torch.Tensor, parent_rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Each row's distribution with all its candidates' tokens removed (unnormalised).
+
+    After every candidate of a node is rejected (or at a leaf, which has none), the step's last token
+    is drawn from this residual: together with the accepted candidates it makes the token at that
+    position distributed exactly as p (see ``MedusaModel.generate``).
+
+    Args:
+        probs: [M, V] target distributions.
+        parent_rows: [C] row of each candidate's parent.
+        tokens: [C] candidate token ids.
+
+    Returns:
+        [M, V] float: ``probs`` with ``[parent_rows[c], tokens[c]]`` set to 0; ``torch.multinomial``
+        normalises it. A row is all zero only if its candidates held all of p's mass.
+    """
+    return probs.index_put((parent_rows, tokens), torch.zeros((), dtype=probs.dtype, device=probs.device))
+
+
+#: Status of a tree node after exact sampling (``StepRecord.node_status``).
+NODE_STATUSES = ("accepted", "rejected", "untried")
+
+
+def node_status(parents: Sequence[int], nodes: Sequence[int]) -> tuple[str, ...]:
+    """Each node's fate in one exact-sampling walk, from the tree and the accepted path.
+
+    Args:
+        parents: [N] parent node index of every node (-1 for the root); siblings appear in the
+            order they were tried (rank order).
+        nodes: node indices of the accepted path, root first.
+
+    Returns:
+        [N] ``"accepted"`` (on the path, the root included), ``"rejected"`` (tried and rejected: the
+        siblings before an accepted node, and every child of the path's last node) or ``"untried"``.
+    """
+    status = ["untried"] * len(parents)
+    next_on_path = dict(zip(nodes, list(nodes[1:]) + [None]))  # path node -> its accepted child
+    for n in nodes:
+        status[n] = "accepted"
+    for c, a in enumerate(parents):
+        if a in next_on_path and status[c] != "accepted":
+            taken = next_on_path[a]
+            if taken is None or c < taken:
+                status[c] = "rejected"
+    return tuple(status)

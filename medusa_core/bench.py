@@ -1,6 +1,7 @@
 """Speed, measured: the benchmark program and the hardware-aware tree tuner (paper appendix B.1, 2.3.3).
 
     python -m medusa_core.bench [options]           # Medusa vs HF generate, HF prompt lookup, plain loop
+    python -m medusa_core.bench --temperature 0.7 --sampling exact   # the same, sampled (typical or exact)
     python -m medusa_core.bench tune [options]      # pick the tree size that suits this device/precision
     python -m medusa_core.bench profile [options]   # where a Medusa step spends its time
 
@@ -13,7 +14,10 @@ Terms (paper appendix B.1, ``MEDUSA_FACTS.md``):
 
 Every method runs on the same loaded weights, in one process, after a warm-up, interleaved prompt by
 prompt (with the method order rotated) so that machine drift hits all of them alike. Greedy outputs are
-compared token for token with HF ``generate``; every divergence is listed in the report.
+compared token for token with HF ``generate``; every divergence is listed in the report. At temperature > 0
+every method samples from softmax(logits / T) (HF with ``top_k=0``), seeded per (prompt, repeat) so typical
+and exact runs see the same prompts and seeds; outputs are then not compared (exactness of the distribution
+is a statistical property, tested in ``tests/test_sampling.py``).
 
 The accounting (``summarise``, ``find_divergences``, ``predict_speedups``, ``choose_tree_size``) is
 pure: it sees only token counts, step counts and latencies, and is tested on synthetic runs. Tree
@@ -43,6 +47,8 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
+
+from .model import SAMPLING_MODES
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +189,9 @@ class Run:
         step_time_s: time of the ``timed_steps`` decoding steps, prefill excluded.
         timed_steps: steps that ``step_time_s`` covers.
         tree_nodes: N verified per Medusa step (1 for other methods).
-        output: the new token ids (compared with the reference method's).
+        output: the new token ids (compared with the reference method's when greedy).
+        sampling: the rule the tokens were chosen by: ``StepRecord.sampling`` for this project's loop
+            (greedy, sample, typical, exact); greedy or sample for HF methods.
         cpu_s: CPU time this process used during the call (all threads); well below
             ``wall_s × threads`` when other processes took the cores.
     """
@@ -201,6 +209,7 @@ class Run:
     tree_nodes: int = 1
     output: tuple[int, ...] = field(default=(), repr=False)
     cpu_s: float = 0.0
+    sampling: str = "greedy"
 
 
 class _HFClock:
@@ -237,11 +246,14 @@ def _sync(device: torch.device) -> None:
 
 def run_once(
     model: Any, method: Method, input_ids: torch.Tensor, *, max_new_tokens: int, pld_tokens: int = 10,
-    prompt: int = 0, category: str = "", repeat: int = 0,
+    prompt: int = 0, category: str = "", repeat: int = 0, temperature: float = 0.0, sampling: str = "typical",
 ) -> Run:
-    """Generate one greedy reply to ``input_ids`` [1, T] with ``method`` and time it."""
+    """Generate one reply to ``input_ids`` [1, T] with ``method`` and time it: greedy at temperature 0,
+    else sampled (Medusa verifies by ``sampling``, see ``MedusaModel.generate``) with seed
+    ``1000 * repeat + prompt``."""
     input_ids = input_ids.to(model.device)
     prompt_len = input_ids.shape[1]
+    seed = 1000 * repeat + prompt
     meta = dict(method=method.name, prompt=prompt, category=category, repeat=repeat, tree_nodes=method.tree_nodes)
     if method.kind in ("hf", "hf_pld"):
         eos = sorted(model.eos_token_ids)
@@ -254,6 +266,9 @@ def run_once(
         )
         if method.kind == "hf_pld":
             kwargs["prompt_lookup_num_tokens"] = pld_tokens
+        if temperature > 0:  # plain softmax sampling, as the engine does: no top-k
+            kwargs.update(do_sample=True, temperature=temperature, top_k=0)
+            torch.manual_seed(seed)  # HF samples from the global generator
         _sync(model.device)
         cpu0 = time.process_time()
         clock = _HFClock(model.backbone, model.device)
@@ -269,7 +284,7 @@ def run_once(
         return Run(
             **meta, tokens=len(output), steps=clock.forwards, wall_s=end - clock.start, ttft_s=ttft,
             step_time_s=end - clock.start - ttft, timed_steps=max(clock.forwards - 1, 0), output=output,
-            cpu_s=time.process_time() - cpu0,
+            cpu_s=time.process_time() - cpu0, sampling="sample" if temperature > 0 else "greedy",
         )
     if method.kind not in ("baseline", "medusa"):
         raise ValueError(f"unknown method kind {method.kind!r}")
@@ -281,6 +296,7 @@ def run_once(
     for record in model.generate(
         input_ids, max_new_tokens=max_new_tokens, medusa=method.kind == "medusa",
         tree=[list(p) for p in method.choices] if method.kind == "medusa" else None,
+        temperature=temperature, sampling=sampling, seed=seed,
     ):
         first_at = first_at or time.perf_counter()
         records.append(record)
@@ -289,7 +305,7 @@ def run_once(
     return Run(
         **meta, tokens=len(output), steps=len(records), wall_s=end - start, ttft_s=(first_at or end) - start,
         step_time_s=sum(r.latency_s for r in records) - records[0].prefill_s, timed_steps=len(records),
-        output=output, cpu_s=time.process_time() - cpu0,
+        output=output, cpu_s=time.process_time() - cpu0, sampling=records[0].sampling,
     )
 
 
@@ -304,6 +320,8 @@ def run_benchmark(
     warmup_tokens: int = 16,
     system: str | None = None,
     progress: bool = True,
+    temperature: float = 0.0,
+    sampling: str = "typical",
 ) -> tuple[list[Run], list[str]]:
     """Run every method on every prompt ``repeats`` times, interleaved prompt by prompt.
 
@@ -322,7 +340,8 @@ def run_benchmark(
     if not encoded:
         raise ValueError("no prompt fits the context window: lower --max-new-tokens")
     for m in methods:  # warm-up: allocator, kernels, tree buffers
-        run_once(model, m, encoded[0][2], max_new_tokens=min(warmup_tokens, max_new_tokens), pld_tokens=pld_tokens)
+        run_once(model, m, encoded[0][2], max_new_tokens=min(warmup_tokens, max_new_tokens), pld_tokens=pld_tokens,
+                 temperature=temperature, sampling=sampling)
     runs: list[Run] = []
     bar = tqdm(total=repeats * len(encoded) * len(methods), desc="bench", unit="run", disable=not progress)
     for r in range(repeats):
@@ -332,7 +351,7 @@ def run_benchmark(
                 bar.set_postfix_str(m.name, refresh=False)
                 runs.append(run_once(
                     model, m, ids, max_new_tokens=max_new_tokens, pld_tokens=pld_tokens,
-                    prompt=i, category=p.category, repeat=r,
+                    prompt=i, category=p.category, repeat=r, temperature=temperature, sampling=sampling,
                 ))
                 bar.update()
     bar.close()
@@ -407,7 +426,9 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
 
 def find_divergences(runs: Sequence[Run], reference: str = REFERENCE) -> list[Divergence]:
     """Every (method, prompt) whose output differs from the reference's output on the same prompt
-    and repeat (or its first repeat), with the first differing position."""
+    and repeat (or its first repeat), with the first differing position. Greedy runs only: sampled
+    replies are not meant to be equal."""
+    runs = [r for r in runs if r.sampling == "greedy"]
     ref = {}
     for r in runs:
         if r.method == reference:
@@ -440,7 +461,7 @@ def summarise(runs: Sequence[Run], *, reference: str = REFERENCE, baseline: str 
     methods = list(dict.fromkeys(r.method for r in runs))
     categories = sorted({r.category for r in runs}) + [ALL]
     diverged = {(d.method, d.prompt) for d in find_divergences(runs, reference)}
-    ref_prompts = {r.prompt for r in runs if r.method == reference}
+    ref_prompts = {r.prompt for r in runs if r.method == reference and r.sampling == "greedy"}
 
     def pooled(method: str, category: str) -> list[Run]:
         return [r for r in runs if r.method == method and category in (ALL, r.category)]
@@ -629,7 +650,7 @@ def summary_markdown(summaries: Sequence[Summary], category: str = ALL) -> str:
     for s in summaries:
         if s.category != category:
             continue
-        same = "ref." if s.compared == 0 else f"{s.identical}/{s.compared}"
+        same = "ref." if s.method == REFERENCE else "—" if s.compared == 0 else f"{s.identical}/{s.compared}"
         rows.append([
             s.method, s.tree_nodes, f"{s.tok_s:.1f} ({s.tok_s_min:.1f}–{s.tok_s_max:.1f})", _fmt(s.acceleration),
             _fmt(s.step_ms), _fmt(s.overhead), _fmt(s.speedup) + "×", _fmt(s.ttft_ms, 1), same,
@@ -751,7 +772,11 @@ def write_report(
         "## Acceleration rate per category", "", category_matrix(summaries, "acceleration"), "",
         "## Greedy outputs compared with HF generate", "",
     ]
-    if divergences:
+    sampled = sorted({r.sampling for r in runs} - {"greedy"})
+    if sampled:
+        md.append(f"Sampled runs ({', '.join(sampled)}): outputs are not compared, only greedy decoding must equal HF "
+                  "generate token for token.")
+    elif divergences:
         md += [f"{len(divergences)} (method, prompt) pairs diverge:", "", markdown_table(
             [[d.method, d.prompt, d.category, d.position, d.expected, d.got, d.repeats] for d in divergences],
             ["method", "prompt", "category", "first diverging token", "HF token", "method token", "repeats"],
@@ -802,6 +827,10 @@ def build_parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("--max-new-tokens", type=int, default=128)
         p.add_argument("--repeats", type=int, default=3)
         p.add_argument("--pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens of hf_pld (default 10)")
+        p.add_argument("--temperature", type=float, default=0.0,
+                       help="0: greedy, outputs compared with HF generate; > 0: every method samples (default 0)")
+        p.add_argument("--sampling", default="typical", choices=list(SAMPLING_MODES),
+                       help="Medusa's verification at temperature > 0: typical acceptance or exact rejection sampling (default typical)")
     elif command == "tune":
         p.add_argument("--sizes", type=lambda s: [int(x) for x in _csv_list(s)], default=list(TUNE_SIZES),
                        help=f"tree sizes in paths (default {','.join(map(str, TUNE_SIZES))})")
@@ -842,9 +871,11 @@ def cmd_run(args: argparse.Namespace, command: str) -> int:
     methods = build_methods(model, args.methods, args.trees or default_trees(model))
     out = args.out or Path("out") / "bench"
     runs, notes = run_benchmark(model, prompts, methods, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
-                                pld_tokens=args.pld_tokens, system=args.system, progress=not args.no_progress)
+                                pld_tokens=args.pld_tokens, system=args.system, progress=not args.no_progress,
+                                temperature=args.temperature, sampling=args.sampling)
     settings = {"prompts": len({r.prompt for r in runs}), "max_new_tokens": args.max_new_tokens,
-                "repeats": args.repeats, "pld_tokens": args.pld_tokens, "system": args.system or "none"}
+                "repeats": args.repeats, "pld_tokens": args.pld_tokens, "system": args.system or "none",
+                "temperature": args.temperature, "sampling": args.sampling if args.temperature > 0 else "greedy"}
     text, paths = write_report(out, runs, command=command, env=environment(model), settings=settings, notes=notes)
     print(text)
     print("wrote " + ", ".join(map(str, paths)))

@@ -1,7 +1,8 @@
 """The Medusa decoding engine: a Hugging Face causal LM, Medusa heads and tree decoding (paper 2.1, 2.3.1).
 
 One decoding step reads like the paper: candidates from the heads (2.1.1), one tree-attention
-forward pass over all candidates (2.1.2), acceptance (2.3.1), and cache compaction so only the
+forward pass over all candidates (2.1.2), acceptance (2.3.1: greedy, typical, or exact rejection
+sampling after Leviathan et al. 2023 / Chen et al. 2023), and cache compaction so only the
 accepted path's K/V entries stay. Plain autoregressive decoding (``medusa=False``) is the same loop
 with a root-only tree, so both modes share cache, stopping rules and timing.
 
@@ -22,11 +23,15 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from .acceptance import score_children, select_path
+from .acceptance import node_status, residual_distributions, score_children, select_path, try_children
 from .trees import TREE_PRESETS, TreeBuffers, build_tree_buffers, resolve_tree, validate_tree
 
 #: Stop reasons recorded on the last ``StepRecord`` of a reply.
 STOP_REASONS = ("eos", "max_new_tokens", "context")
+#: Values of ``generate(sampling=...)``: how candidates are verified at temperature > 0.
+SAMPLING_MODES = ("typical", "exact")
+#: Values of ``StepRecord.sampling``: the rule a step's tokens were chosen by.
+SAMPLING_RULES = ("greedy", "sample", "typical", "exact")
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,14 @@ class StepRecord:
             -1 for the root, the backbone's own token).
         node_ranks: rank of every node's token in its head's top-k (0 for the root).
         accepted_nodes: node indices of the accepted path, root first.
+        sampling: the rule the step used, one of ``SAMPLING_RULES``: ``"greedy"`` (temperature 0:
+            argmax root, candidates must equal the argmax), ``"sample"`` (baseline mode at
+            temperature > 0: plain sampling from softmax(logits / T)), ``"typical"`` (sampled root,
+            typical acceptance, paper 2.3.1) or ``"exact"`` (rejection sampling over the tree; the
+            reply follows the backbone's sampling distribution exactly).
+        node_status: ``"exact"`` steps only (else empty): every node's fate in the walk, one of
+            ``NODE_STATUSES``: ``"accepted"`` (on the accepted path, root included), ``"rejected"``
+            (tried and rejected) or ``"untried"`` (never reached).
         token_ids: tokens added to the reply this step (after cutting at EOS / the token limit).
         accept_length: candidates accepted from the heads this step (before any cut).
         latency_s: wall-clock seconds of the step (synchronised on CUDA); step 0 includes the prefill.
@@ -64,12 +77,14 @@ class StepRecord:
     node_heads: tuple[int, ...]
     node_ranks: tuple[int, ...]
     accepted_nodes: tuple[int, ...]
+    sampling: str
     token_ids: tuple[int, ...]
     accept_length: int
     latency_s: float
     total_tokens: int
     prefill_s: float = 0.0
     stop_reason: str | None = None
+    node_status: tuple[str, ...] = ()
 
     @property
     def tokens_per_s(self) -> float:
@@ -203,6 +218,7 @@ class MedusaModel:
         posterior_alpha: float = 0.3,
         medusa: bool = True,
         seed: int | None = None,
+        sampling: str = "typical",
     ) -> Iterator[StepRecord]:
         """Decode a reply, yielding one ``StepRecord`` per decoding step (paper 2.1–2.3).
 
@@ -211,19 +227,45 @@ class MedusaModel:
             max_new_tokens: limit in tokens (tokens accepted past it are dropped).
             tree: a tree name (the model's own trees, ``TREE_PRESETS``, ``chain_D``, ``dense_AxB``),
                 a list of paths, or None for ``default_tree``.
-            temperature: 0 → greedy (output equals plain greedy decoding token for token);
-                > 0 → the root is sampled and candidates pass typical acceptance.
-            posterior_threshold: ε of typical acceptance (paper default 0.09).
-            posterior_alpha: δ of typical acceptance (paper default 0.3).
+            temperature: 0 → greedy in every mode (output equals plain greedy decoding token for
+                token); > 0 → sampling from p = softmax(logits / T), verified as ``sampling`` says.
+            posterior_threshold: ε of typical acceptance (paper default 0.09); typical only.
+            posterior_alpha: δ of typical acceptance (paper default 0.3); typical only.
             medusa: False → plain autoregressive decoding through the same loop, one token per step.
-            seed: seeds the sampling generator (temperature > 0); None draws a fresh seed.
+            seed: seeds the sampling generator (temperature > 0); None draws a fresh seed. The same
+                seed repeats a reply in every mode.
+            sampling: how candidates are verified at temperature > 0, one of ``SAMPLING_MODES``:
+                ``"typical"`` (paper 2.3.1): the root is sampled, a candidate x is accepted when
+                ``p(x) > min(ε, δ·exp(−H(p)))``; fast, but the reply no longer follows p.
+                ``"exact"``: recursive rejection sampling over the tree; the reply is distributed
+                exactly as plain sampling (``medusa=False``) from p. See below.
+
+        Exact sampling (Leviathan et al. 2023, "Fast inference from transformers via speculative
+        decoding", and Chen et al. 2023, "Accelerating LLM decoding with speculative sampling", for
+        one draft; SpecInfer, Miao et al. 2024, and multi-draft speculative sampling for a tree).
+        A step starts at the root, a token already drawn from the backbone's distribution (from the
+        prompt's logits, or the previous step's bonus token). At the current node, with target p =
+        softmax(logits / T) of the backbone there, its children x_1, x_2, ... (distinct tokens: ranks
+        of one head's top-k) are tried in rank order. The heads' proposals are deterministic given the
+        prefix, i.e. point-mass drafts q(x_i) = 1, so the speculative-sampling test
+        ``u < min(1, p(x)/q(x))`` becomes ``u < p_res(x_i)``, with p_res the residual: p with the
+        tokens of the already rejected siblings set to 0 and renormalised. On rejection x_i leaves the
+        residual. If a child is accepted the walk moves to it; if every child is rejected (or the node
+        is a leaf) the step's last token, the bonus, is drawn from the residual at that node and
+        becomes the next step's root. Why the token after a node is distributed as p: x_1 comes out
+        with probability p(x_1); x_i with probability Π_{j<i}(1 − p_res,j(x_j)) · p_res,i(x_i) =
+        (1 − Σ_{j<i} p(x_j)) · p(x_i) / (1 − Σ_{j<i} p(x_j)) = p(x_i); and any other y with
+        probability (1 − Σ_j p(x_j)) · p(y) / (1 − Σ_j p(x_j)) = p(y). An accepted child's node holds
+        the backbone's logits given exactly that prefix, so by induction over positions the whole
+        reply follows plain sampling; stopping rules (EOS, token limit) only cut it. The uniforms of
+        all candidates are drawn up front, which leaves the law unchanged (``try_children``).
 
         Returns an iterator; stopping the iteration early releases the KV cache.
 
         Raises ``ValueError`` (before any work) naming the value and what is allowed, for: an empty
         or too-long prompt, a batch size other than 1, ``max_new_tokens`` not an integer >= 1, a
         temperature that is not a finite number >= 0, ε or δ outside (0, 1], a seed outside
-        [0, 2**63), or a tree that ``resolve_tree`` refuses.
+        [0, 2**63), an unknown ``sampling``, or a tree that ``resolve_tree`` refuses.
         """
         _check_generate_args(max_new_tokens, temperature, posterior_threshold, posterior_alpha, seed)
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
@@ -235,14 +277,17 @@ class MedusaModel:
             raise ValueError(
                 f"the prompt has {prompt_len} tokens; the model's context window is {self.max_context} tokens"
             )
+        if sampling not in SAMPLING_MODES:
+            raise ValueError(f"sampling must be one of {', '.join(map(repr, SAMPLING_MODES))}, got {sampling!r}")
         full = self._tree(tree if tree is not None else self.default_tree) if medusa else None
         if seed is None:
             seed = random.SystemRandom().randrange(2**63)
+        rule = "greedy" if temperature <= 0 else sampling if medusa else "sample"
         return self._decode(
-            input_ids.to(self.device), max_new_tokens, full, temperature, posterior_threshold, posterior_alpha, seed
+            input_ids.to(self.device), max_new_tokens, full, temperature, posterior_threshold, posterior_alpha, seed, rule
         )
 
-    def _decode(self, input_ids, max_new_tokens, full, temperature, eps, alpha, seed) -> Iterator[StepRecord]:
+    def _decode(self, input_ids, max_new_tokens, full, temperature, eps, alpha, seed, rule) -> Iterator[StepRecord]:
         root_only = self._tree("baseline")
         generator = torch.Generator(device=self.device).manual_seed(seed)
         cache = self._new_cache()
@@ -262,12 +307,11 @@ class MedusaModel:
             with torch.inference_mode():
                 tokens = self._candidates(tree, hidden, root)  # [N]
                 logits, hidden_all = self._tree_forward(tree, tokens, cur_len, cache)  # [N, V], [N, H]
-                nodes = self._accept(tree, logits, tokens, temperature, eps, alpha)  # list of node indices
+                path, length, root = self._verify(tree, logits, tokens, rule, temperature, eps, alpha, generator)
+                host = torch.cat([length.view(1), path, tokens]).tolist()  # the step's one host sync
+                nodes, token_list = host[1 : host[0] + 2], host[1 + path.shape[0] :]
                 _compact_cache(cache, cur_len, nodes, tree.buffers.num_nodes)
-                last = nodes[-1]
-                hidden = hidden_all[last : last + 1]
-                root = self._choose(logits[last], temperature, generator)
-                token_list = tokens.tolist()  # host sync: ends the step's device work
+                hidden = hidden_all[nodes[-1] : nodes[-1] + 1]
             now = time.perf_counter()
             new_tokens = [token_list[i] for i in nodes]
             cur_len += len(nodes)
@@ -292,6 +336,8 @@ class MedusaModel:
                 node_heads=tree.node_heads,
                 node_ranks=tree.node_ranks,
                 accepted_nodes=tuple(nodes),
+                sampling=rule,
+                node_status=node_status(tree.node_parents, nodes) if rule == "exact" else (),
                 token_ids=tuple(new_tokens),
                 accept_length=len(nodes) - 1,
                 latency_s=now - start,
@@ -340,16 +386,39 @@ class MedusaModel:
         hidden = out.last_hidden_state[0]  # [N, H]
         return self._logits(hidden), hidden
 
-    def _accept(self, tree: _Tree, logits, tokens, temperature, eps, alpha) -> list[int]:
-        """Node indices of the accepted path, root first (paper 2.3.1)."""
+    def _verify(
+        self, tree: _Tree, logits, tokens, rule, temperature, eps, alpha, generator
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Accept a path and choose the next step's root (paper 2.3.1; exact: see ``generate``).
+
+        Args: logits [N, V] and tokens [N] of the tree forward; ``rule`` one of ``SAMPLING_RULES``.
+
+        Returns (path [D+1] node indices of a root-to-leaf path padded with -1, accept_length [] of
+        its accepted candidates, next root []), all on the device: the caller syncs once.
+        """
         b = tree.buffers
-        if b.num_nodes == 1:
-            return [0]
-        accepted, log_prob = score_children(logits, b.parents[1:], tokens[1:], temperature, eps, alpha)  # [N-1]
-        best, length = select_path(
-            accepted[tree.path_nodes], log_prob[tree.path_nodes], tree.path_valid, temperature
-        )
-        return b.retrieve_indices[best, : length + 1].tolist()
+        path0 = b.retrieve_indices[0]  # [D+1]
+        if b.num_nodes == 1:  # root only: the next token is the argmax or a sample of p
+            return path0, path0.new_zeros(()), self._choose(logits[0], temperature, generator)
+        rows, cands = b.parents[1:], tokens[1:]  # [N-1] each candidate's parent and token
+        if rule == "exact":
+            probs = torch.softmax(logits.float() / temperature, dim=-1)  # [N, V]
+            uniforms = torch.rand(cands.shape, generator=generator, device=probs.device)  # [N-1]
+            taken = try_children(probs, rows, cands, uniforms)  # [N-1], at most one child per node
+            walk = taken[tree.path_nodes]  # [P, D]
+            # Every longest accepted prefix is the same walk (one child per node): the first such path will do.
+            best, length = select_path(walk, torch.zeros(walk.shape, device=walk.device), tree.path_valid, 0.0)
+            path = b.retrieve_indices.index_select(0, best.view(1))[0]  # [D+1]
+            last = path.gather(0, length.view(1))  # [1]
+            residual = residual_distributions(probs, rows, cands).index_select(0, last)[0]  # [V]
+            # All zero only if float rounding rejected a child holding all the mass left: fall back to p.
+            residual = torch.where(residual.sum() > 0, residual, probs.index_select(0, last)[0])
+            return path, length, torch.multinomial(residual, 1, generator=generator)[0]
+        accepted, log_prob = score_children(logits, rows, cands, temperature, eps, alpha)  # [N-1]
+        best, length = select_path(accepted[tree.path_nodes], log_prob[tree.path_nodes], tree.path_valid, temperature)
+        path = b.retrieve_indices.index_select(0, best.view(1))[0]  # [D+1]
+        last = path.gather(0, length.view(1))  # [1]
+        return path, length, self._choose(logits.index_select(0, last)[0], temperature, generator)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Backbone logits of final-norm hidden states [..., H] -> [..., V]."""

@@ -144,6 +144,24 @@ def test_sampling_with_a_fixed_seed_repeats_and_different_seeds_vary(engine, set
     assert len({reply(s) for s in (1, 2, 3)}) > 1
 
 
+def test_the_sampling_control_reaches_the_engine_and_the_page_marks_rejected_nodes_and_acceptance_per_mode(
+    engine, settings, controls
+):
+    session = Session()
+    sampled = dataclasses.replace(controls, temperature=1.0, seed=3)
+    send(engine, settings, session, sampled)
+    typical = [r for r in session.last_records if r.tree_nodes > 1]
+    final = send(engine, settings, session, dataclasses.replace(sampled, sampling="exact"))[-1]
+    exact = [r for r in session.last_records if r.tree_nodes > 1]
+    assert {r.sampling for r in typical} == {"typical"} and {r.sampling for r in exact} == {"exact"}
+    assert all(len(r.node_status) == r.tree_nodes for r in exact) and not any(r.node_status for r in typical)
+    assert {r.sampling for r in session.rows} == {"typical", "exact"}  # the CSV's column
+    assert "**typical**" in final["summary"] and "**exact**" in final["summary"]
+    symbols = [s for t in final["tree_plot"].data if t.get("mode") == "markers+text" for s in t["marker"]["symbol"]]
+    assert symbols.count("x") == exact[-1].node_status.count("rejected") > 0  # the last step with a tree
+    assert "exact" in final["tree_plot"].layout["title"]["text"]
+
+
 def test_clear_empties_the_chat_but_keeps_the_statistics(engine, settings, controls):
     session = Session()
     send(engine, settings, session, controls)

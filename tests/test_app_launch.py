@@ -7,11 +7,13 @@ import re
 import socket
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
 
 from app.settings import AppSettings
+from medusa_core import SAMPLING_MODES
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -40,6 +42,8 @@ def test_defaults_serve_the_demo_model_in_nf4_on_localhost(monkeypatch, tmp_path
     s = AppSettings.from_cli([])
     assert (s.model, s.quantization, s.host, s.port, s.open) == ("demo", "nf4", "127.0.0.1", 7860, False)
     assert (s.posterior_threshold, s.posterior_alpha) == (0.09, 0.3)
+    assert s.sampling == "typical"  # the paper's rule; the setting offers exactly the engine's modes
+    assert typing.get_args(AppSettings.model_fields["sampling"].annotation) == SAMPLING_MODES
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import pytest
 
 from app.charts import empty_figure, speed_figure, tree_figure, tree_layout
 from app.stats import CSV_COLUMNS, StepRow, rolling_mean, summarize, summary_markdown, write_csv
-from medusa_core import StepRecord
+from medusa_core import StepRecord, node_status
 
 # A 6-node tree: root 0; head-1 candidates 1 (rank 0) and 2 (rank 1); 3 = [0, 0], 4 = [0, 1], 5 = [0, 0, 0].
 PARENTS = (-1, 0, 0, 1, 1, 3)
@@ -18,12 +18,13 @@ HEADS = (-1, 0, 0, 1, 1, 2)  # 0-based head index, as medusa_core records it
 RANKS = (0, 0, 1, 0, 1, 0)
 
 
-def record(step=0, accepted=(0, 1, 3), mode="medusa", latency=0.010, prefill=0.0, stop=None) -> StepRecord:
+def record(step=0, accepted=(0, 1, 3), mode="medusa", latency=0.010, prefill=0.0, stop=None, sampling="greedy") -> StepRecord:
     nodes = len(PARENTS) if mode == "medusa" else 1
+    status = node_status(PARENTS[:nodes], accepted) if sampling == "exact" else ()
     return StepRecord(
         step=step, mode=mode, tree_name="hand" if mode == "medusa" else "baseline", tree_nodes=nodes,
         node_token_ids=tuple(range(10, 10 + nodes)), node_parents=PARENTS[:nodes], node_heads=HEADS[:nodes],
-        node_ranks=RANKS[:nodes], accepted_nodes=accepted, token_ids=tuple(10 + i for i in accepted),
+        node_ranks=RANKS[:nodes], accepted_nodes=accepted, sampling=sampling, node_status=status, token_ids=tuple(10 + i for i in accepted),
         accept_length=len(accepted) - 1, latency_s=latency, total_tokens=len(accepted), prefill_s=prefill, stop_reason=stop,
     )
 
@@ -101,8 +102,31 @@ def test_tree_figure_is_valid_plotly_and_draws_the_accepted_path_in_red():
     names = [t["name"] for t in fig.data if t.get("mode") == "markers+text"]
     assert names == ["backbone", "head 1", "head 2", "head 3"]  # shown 1-based, as in the paper
     head1 = fig.data[names.index("head 1") + 2]
-    assert head1["text"] == ["a", "b"] and head1["customdata"][1] == [12, 1, 1, "no"]
+    assert head1["text"] == ["a", "b"] and head1["customdata"][1] == [12, 1, 1, "not accepted"]
     assert "step 0" in fig.layout["title"]["text"] and "2 from heads" in fig.layout["title"]["text"]
+    assert set(head1["marker"]["symbol"]) == {"circle"}  # only exact sampling knows what was tried
+
+
+def test_tree_figure_marks_the_candidates_exact_sampling_tried_and_rejected():
+    # The walk took 0 -> 2: node 1 (rank 0) was tried first and rejected; node 2 is a leaf.
+    fig = tree_figure(record(accepted=(0, 2), sampling="exact"), labels=["r", "a", "b", "c", "d", "e"])
+    go.Figure(fig.to_dict())
+    by_name = {t["name"]: t for t in fig.data if t.get("mode") == "markers+text"}
+    assert list(by_name["head 1"]["marker"]["symbol"]) == ["x", "circle"]  # nodes 1 (rejected), 2 (accepted)
+    assert [c[3] for c in by_name["head 1"]["customdata"]] == ["rejected", "accepted"]
+    assert [c[3] for c in by_name["head 2"]["customdata"]] == ["untried", "untried"]  # children of node 1
+    assert "exact" in fig.layout["title"]["text"]
+
+
+def test_summary_shows_tokens_per_step_for_each_sampling_rule_and_the_csv_carries_the_rule(tmp_path):
+    rows = [row(record(0, accepted=(0, 1, 3), sampling="typical")), row(record(1, accepted=(0, 1, 3), sampling="typical")),
+            row(record(0, accepted=(0,), sampling="exact"), reply_index=1), row(record(1, accepted=(0, 2), sampling="exact"), reply_index=1)]
+    s = summarize(rows, num_heads=3)
+    assert s.acceleration_by_sampling == (("typical", 2, 3.0), ("exact", 2, 1.5))
+    assert "**typical** 3.00 (2 steps) · **exact** 1.50 (2 steps)" in summary_markdown(s)
+    lines = write_csv(rows, tmp_path / "s.csv").read_text().splitlines()
+    column = lines[0].split(",").index("sampling")
+    assert [line.split(",")[column] for line in lines[1:]] == ["typical", "typical", "exact", "exact"]
 
 
 def test_speed_figure_separates_modes_and_replies_and_is_valid_plotly():

@@ -248,6 +248,28 @@ def test_benchmark_program_on_a_tiny_model_writes_csv_and_markdown_for_every_met
     assert (out / "speedup_by_tree.html").exists()
 
 
+@pytest.mark.parametrize("sampling", ["typical", "exact"])
+def test_a_sampled_benchmark_records_each_runs_rule_and_compares_no_outputs(sampling, tiny, tmp_path):
+    heads, prompts = tiny
+    out = tmp_path / "out"
+    assert main([
+        "--model", str(heads), "--quantization", "none", "--prompts", str(prompts), "--trees", "chain_2",
+        "--max-new-tokens", "8", "--repeats", "1", "--out", str(out), "--no-progress",
+        "--temperature", "0.7", "--sampling", sampling,
+    ]) == 0
+    with open(out / "runs.csv") as f:
+        rules = {r["method"]: r["sampling"] for r in csv.DictReader(f)}
+    assert rules == {"hf": "sample", "hf_pld": "sample", "baseline": "sample", "medusa:chain_2": sampling}
+    with open(out / "summary.csv") as f:
+        overall = {r["method"]: r for r in csv.DictReader(f) if r["category"] == ALL}
+    assert float(overall["medusa:chain_2"]["acceleration"]) >= 1.0 and float(overall["medusa:chain_2"]["speedup"]) > 0
+    assert all(r["compared"] == "0" for r in overall.values())
+    markdown = (out / "summary.md").read_text()
+    note = next(line for line in markdown.splitlines() if line.startswith("Sampled runs"))
+    assert sampling in note and "sample" in note and "No divergence" not in markdown
+    assert f"temperature: 0.7, sampling: {sampling}" in markdown
+
+
 def test_tune_writes_a_tuned_tree_that_the_loader_makes_the_default(tiny, tmp_path):
     heads, prompts = tiny
     (heads / "medusa_calibration.json").write_text(json.dumps({"rank_accuracy": [list(r) for r in SMALL_MODEL_RANK_ACCURACY]}))

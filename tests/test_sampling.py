@@ -1,0 +1,322 @@
+"""Exact sampling at temperature > 0: recursive rejection sampling over the tree (Leviathan et al. 2023;
+Chen et al. 2023; SpecInfer) beside typical acceptance (paper 2.3.1).
+
+Part 1 checks the per-node rule on hand-built distributions. Part 2 is the proof by statistics: on a
+tiny model with a 16-token vocabulary, the first 3 tokens of thousands of seeded ``"exact"`` replies
+follow plain sampling's distribution (computed from the backbone, and matched by ``medusa=False``
+replies) under a chi-square test, for random heads, oracle heads and heads that never propose the
+argmax; typical acceptance with ε = δ = 1e-6 fails the same test. Part 3 checks the engine's records.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from conftest import PROMPT  # plain data, shared with the fixtures
+from torch import nn
+from tiny_models import random_heads, tiny_backbone
+
+from medusa_core import NODE_STATUSES, SAMPLING_RULES, MedusaModel, node_status, residual_distributions, try_children
+
+# ------------------------------------------------------------------------------- the per-node rule
+P = torch.tensor([[0.4, 0.3, 0.2, 0.1]])  # [1, V] one parent's distribution
+
+
+def taken(children: list[int], uniforms: list[float], probs: torch.Tensor = P) -> list[bool]:
+    """``try_children`` for children of row 0 with the given uniforms, as a list."""
+    n = len(children)
+    return try_children(probs, torch.zeros(n, dtype=torch.long), torch.tensor(children), torch.tensor(uniforms)).tolist()
+
+
+def test_the_first_child_is_accepted_with_its_probability_under_p():
+    # Child token 1 has p = 0.3: accepted exactly when u < 0.3 (point-mass draft: min(1, p/q) = p).
+    assert taken([1], [0.299]) == [True]
+    assert taken([1], [0.301]) == [False]
+    assert taken([3], [0.099]) == [True] and taken([3], [0.101]) == [False]
+
+
+def test_after_one_rejection_the_next_child_is_judged_by_the_renormalised_residual():
+    # Token 0 (p = .4) rejected; the residual is [0, .3, .2, .1] / .6, so token 1 passes when u < .5.
+    assert taken([0, 1], [0.9, 0.499]) == [False, True]
+    assert taken([0, 1], [0.9, 0.501]) == [False, False]
+    residual = residual_distributions(P, torch.tensor([0]), torch.tensor([0]))[0]
+    assert torch.allclose(residual / residual.sum(), torch.tensor([0.0, 0.5, 1 / 3, 1 / 6]))
+
+
+def test_after_two_rejections_the_third_child_is_judged_by_the_residual_without_both():
+    # Tokens 0 and 1 rejected: the residual is [0, 0, .2, .1] / .3, so token 2 passes when u < 2/3.
+    assert taken([0, 1, 2], [0.9, 0.9, 0.666]) == [False, False, True]
+    assert taken([0, 1, 2], [0.9, 0.9, 0.667]) == [False, False, False]
+    residual = residual_distributions(P, torch.tensor([0, 0]), torch.tensor([0, 1]))[0]
+    assert torch.allclose(residual / residual.sum(), torch.tensor([0.0, 0.0, 2 / 3, 1 / 3]))
+
+
+def test_when_every_child_is_rejected_the_last_token_comes_from_what_they_leave():
+    assert taken([0, 1, 2], [0.9, 0.9, 0.9]) == [False, False, False]
+    residual = residual_distributions(P, torch.tensor([0, 0, 0]), torch.tensor([0, 1, 2]))[0]
+    assert torch.allclose(residual / residual.sum(), torch.tensor([0.0, 0.0, 0.0, 1.0]))
+
+
+def test_only_the_first_passing_sibling_is_taken_and_each_parent_judges_its_own_children():
+    # Row 0 is P; row 1 puts all mass on token 2. Children: (row 0: tokens 1, 0), (row 1: tokens 3, 2).
+    probs = torch.cat([P, torch.tensor([[0.0, 0.0, 1.0, 0.0]])])
+    rows, tokens = torch.tensor([0, 0, 1, 1]), torch.tensor([1, 0, 3, 2])
+    # Token 1 passes (u = .1 < .3), so token 0 is never tried although its u would pass too. In row 1,
+    # token 3 has p = 0 and is rejected; token 2 holds all the mass left and is accepted even at u = .99.
+    assert try_children(probs, rows, tokens, torch.tensor([0.1, 0.0, 0.5, 0.99])).tolist() == [True, False, False, True]
+
+
+def test_node_status_marks_the_path_the_rejected_siblings_before_it_and_the_last_nodes_children():
+    # root 0 -> children 1, 2, 3; node 1 -> 4, 5; node 2 -> 6. The walk took 0 -> 2 and stopped there.
+    parents = (-1, 0, 0, 0, 1, 1, 2)
+    assert node_status(parents, [0, 2]) == (
+        "accepted", "rejected", "accepted", "untried", "untried", "untried", "rejected",
+    )
+    # Nothing accepted: every child of the root was tried and rejected.
+    assert node_status(parents, [0]) == ("accepted", "rejected", "rejected", "rejected") + ("untried",) * 3
+
+
+# ------------------------------------------------------------------------------ proof by statistics
+VOCAB = 16
+TEMPERATURE = 0.7
+RUNS = 2000  # seeded replies per case
+TYPICAL_RUNS = 500  # typical acceptance is far off: a quarter of the runs rejects it by many orders of magnitude
+ALPHA = 1e-3  # significance of each chi-square test (joint law and the 3 positions' laws)
+MIN_EXPECTED = 5  # cells expected fewer times are pooled by shared prefix (the usual validity rule)
+# Wide at both depths (6 x 3): candidates hold much of p's mass, so a wrong residual shows.
+TREE = [[i] for i in range(6)] + [[i, j] for i in range(6) for j in range(3)]
+STAT_PROMPT = torch.tensor([[3, 1, 4, 1, 5]])  # [1, T]
+
+
+def tiny_vocab_backbone() -> nn.Module:
+    """A 1-layer Llama with 16 tokens; weights drawn wide enough that p is peaked at T = 0.7."""
+    return tiny_backbone(
+        "llama", seed=0, vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, initializer_range=0.2,
+    )
+
+
+def forward_all(backbone: nn.Module, seqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(final-norm hidden [B, T, H], p = softmax(logits / T) [B, T, V]) of full sequences [B, T]."""
+    with torch.inference_mode():
+        hidden = backbone.get_decoder()(input_ids=seqs).last_hidden_state
+        probs = torch.softmax(backbone.get_output_embeddings()(hidden).double() / TEMPERATURE, dim=-1)
+    return hidden, probs
+
+
+def continuations(length: int) -> torch.Tensor:
+    """Every token sequence of ``length`` after ``STAT_PROMPT``, prompt included: [V^length, T + length]."""
+    tails = list(itertools.product(range(VOCAB), repeat=length))
+    tails = torch.tensor(tails, dtype=torch.long).view(len(tails), length)
+    return torch.cat([STAT_PROMPT.repeat(tails.shape[0], 1), tails], dim=1)
+
+
+def plain_sampling_distribution(backbone: nn.Module) -> torch.Tensor:
+    """Law of the first 3 tokens under plain sampling: p(t1) p(t2 | t1) p(t3 | t1, t2), [V, V, V] float64."""
+    _, probs = forward_all(backbone, continuations(2))  # row (t1, t2)
+    t = STAT_PROMPT.shape[1]
+    p1 = probs[0, t - 1]  # [V]
+    p2 = probs[::VOCAB, t]  # [V, V] rows (t1, 0) hold p(. | t1)
+    p3 = probs[:, t + 1].view(VOCAB, VOCAB, VOCAB)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+class ContextHeads(nn.Module):
+    """Heads that recognise their context by its hidden state and propose fixed tokens for it.
+
+    For every context the first 3 tokens can see (the prompt plus 0, 1 or 2 tokens), head k's "true"
+    token is the greedy continuation's token k+2 positions ahead: ``oracle`` ranks it first,
+    ``misses`` ranks it last (outside the top-10 that trees draw from); the other tokens follow a
+    fixed random order. Lookup is nearest neighbour: the contexts' hidden states lie at least 0.3 apart
+    (checked) and the engine's tree forward reproduces them to ~2e-3, so a distance above 0.05 fails loudly.
+    """
+
+    def __init__(self, backbone: nn.Module, kind: str, num_heads: int = 2):
+        super().__init__()
+        self.num_heads = num_heads
+        self.hidden_size = backbone.config.hidden_size
+        keys, logits = [], []
+        noise = torch.rand(num_heads, VOCAB, generator=torch.Generator().manual_seed(7))  # [K, V] in [0, 1)
+        for length in range(3):
+            seqs = continuations(length)
+            keys.append(forward_all(backbone, seqs)[0][:, -1])  # [C, H] the context's last hidden state
+            for _ in range(num_heads + 1):  # greedy chain: append the argmax num_heads + 1 times
+                _, probs = forward_all(backbone, seqs)
+                seqs = torch.cat([seqs, probs[:, -1].argmax(-1, keepdim=True)], dim=1)
+            truth = seqs[:, -num_heads:]  # [C, K] greedy tokens 2..K+1 ahead
+            table = noise[None].repeat(truth.shape[0], 1, 1)  # [C, K, V]
+            table.scatter_(2, truth[..., None], 10.0 if kind == "oracle" else -10.0)
+            logits.append(table)
+        self.register_buffer("keys", torch.cat(keys))  # [C, H]
+        assert float(torch.pdist(self.keys).min()) > 0.3, "two contexts share a hidden state: the lookup is ambiguous"
+        self.register_buffer("table", torch.cat(logits))  # [C, K, V]
+
+    def forward(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        """[B, H] -> [k, B, V]."""
+        distance, index = torch.cdist(hidden.float(), self.keys).min(dim=-1)  # [B]
+        assert float(distance.max()) < 0.05, f"context not recognised (distance {float(distance.max()):.2g})"
+        return self.table[index, : num_heads or self.num_heads].transpose(0, 1)
+
+
+def heads_of(kind: str, backbone: nn.Module) -> nn.Module:
+    return random_heads(backbone, 2) if kind == "random" else ContextHeads(backbone, kind)
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int, float]:
+    """Pearson's goodness-of-fit test of token-sequence ``counts`` [V, ..., V] against ``probs`` (same shape).
+
+    Cells expected fewer than ``MIN_EXPECTED`` times are pooled by their shared prefix: first into
+    (t1, t2, *), what is still too rare into (t1, *, *), the rest into one cell. Returns (statistic,
+    degrees of freedom, p-value); the p-value is the chi-square survival function Q(dof/2, stat/2),
+    the regularised upper incomplete gamma function.
+    """
+    length, vocab = counts.dim(), counts.shape[0]
+    observed_all, expected_all = counts.flatten().double(), probs.flatten().double() * counts.sum()
+    remaining = torch.ones_like(observed_all, dtype=torch.bool)
+    observed, expected = [], []
+    for level in range(length, -1, -1):  # prefix length shared by a pooled cell
+        group = torch.arange(len(observed_all)) // vocab ** (length - level)  # [cells] pooled cell of each
+        pooled_o = torch.zeros(vocab**level, dtype=torch.float64).index_add(0, group, observed_all * remaining)
+        pooled_e = torch.zeros(vocab**level, dtype=torch.float64).index_add(0, group, expected_all * remaining)
+        keep = pooled_e >= MIN_EXPECTED if level else pooled_e > 0
+        observed.append(pooled_o[keep])
+        expected.append(pooled_e[keep])
+        remaining &= ~keep[group]
+    observed, expected = torch.cat(observed), torch.cat(expected)
+    stat = float(((observed - expected) ** 2 / expected).sum())
+    dof = len(observed) - 1
+    return stat, dof, float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(stat / 2)))
+
+
+def test_the_chi_square_p_value_matches_known_quantiles():
+    # Chi-square quantiles from tables: P(X > 3.841 | dof 1) = .05, P(X > 18.307 | dof 10) = .05,
+    # P(X > 29.588 | dof 10) = .001.
+    def p_value(stat: float, dof: int) -> float:
+        return float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(stat / 2)))
+
+    assert p_value(3.841, 1) == pytest.approx(0.05, abs=1e-4)
+    assert p_value(18.307, 10) == pytest.approx(0.05, abs=1e-4)
+    assert p_value(29.588, 10) == pytest.approx(0.001, abs=1e-5)
+    # A perfect fit has statistic 0 and p-value 1; a fit far off has p-value ~0.
+    counts = torch.tensor([500.0, 300.0, 200.0])
+    assert chi_square(counts, torch.tensor([0.5, 0.3, 0.2])) == pytest.approx((0.0, 2, 1.0), abs=1e-9)
+    assert chi_square(counts, torch.tensor([0.3, 0.3, 0.4]))[2] < 1e-10
+
+
+def test_rare_cells_are_pooled_by_their_shared_prefix():
+    # 100 two-token sequences over 3 tokens. Kept alone: (0, 0) 50, (1, 0) 30. Pooled by prefix:
+    # (0, *) = (0, 1) + (0, 2) = 6 and (2, *) = 10. Still too rare, pooled last: (1, 1) + (1, 2) = 4.
+    probs = torch.tensor([[0.50, 0.03, 0.03], [0.30, 0.02, 0.02], [0.04, 0.03, 0.03]])
+    assert chi_square(probs * 100, probs) == pytest.approx((0.0, 4, 1.0), abs=1e-9)
+    shifted_in_a_pool = torch.tensor([[50.0, 6.0, 0.0], [30.0, 4.0, 0.0], [10.0, 0.0, 0.0]])
+    assert chi_square(shifted_in_a_pool, probs)[0] == pytest.approx(0.0, abs=1e-9)
+    shifted_across = torch.tensor([[56.0, 0.0, 0.0], [30.0, 4.0, 0.0], [10.0, 0.0, 0.0]])
+    assert chi_square(shifted_across, probs)[0] == pytest.approx(36 / 50 + 36 / 6)
+
+
+CASES = [
+    ("plain", None),
+    ("exact", "random"),
+    ("exact", "oracle"),
+    ("exact", "misses"),
+    ("typical", "random"),
+    ("typical", "oracle"),
+    ("typical", "misses"),
+]
+
+
+@pytest.mark.parametrize("sampling, heads", CASES, ids=[f"{s}-{h}" if h else s for s, h in CASES])
+def test_the_first_three_tokens_follow_plain_sampling_in_exact_mode_and_not_in_typical_mode(
+    sampling, heads, record_property
+):
+    backbone = tiny_vocab_backbone()
+    target = plain_sampling_distribution(backbone)  # [V, V, V]
+    model = MedusaModel(backbone, heads_of(heads or "random", backbone))
+    medusa = sampling != "plain"
+    kwargs = dict(max_new_tokens=3, tree=TREE, temperature=TEMPERATURE, medusa=medusa)
+    if medusa:
+        kwargs |= dict(sampling=sampling, posterior_threshold=1e-6, posterior_alpha=1e-6)  # ε, δ: typical only
+    counts = torch.zeros(VOCAB**3)
+    steps = accepted = 0
+    runs = TYPICAL_RUNS if sampling == "typical" else RUNS
+    for seed in range(runs):
+        records = list(model.generate(STAT_PROMPT, seed=seed, **kwargs))
+        t1, t2, t3 = [t for r in records for t in r.token_ids]
+        counts[(t1 * VOCAB + t2) * VOCAB + t3] += 1
+        steps += len(records)
+        accepted += sum(r.accept_length for r in records)
+    # The joint law of (t1, t2, t3), and each position's own law, which shows a shift at one position
+    # with 15 degrees of freedom instead of the joint's ~170.
+    counts = counts.view(VOCAB, VOCAB, VOCAB)
+    tests = {"joint": chi_square(counts, target)}
+    for i, other in enumerate([(1, 2), (0, 2), (0, 1)]):
+        tests[f"t{i + 1}"] = chi_square(counts.sum(other), target.sum(other))
+    summary = f"{sampling}/{heads or '-'} ({runs} runs, {accepted / steps:.2f} candidates accepted per step): " + "; ".join(
+        f"{name} chi2 = {stat:.1f}, dof = {dof}, p = {p:.3g}" for name, (stat, dof, p) in tests.items()
+    )
+    print(summary)
+    record_property("chi_square", summary)
+    if sampling == "typical":  # ε = δ = 1e-6 accepts almost everything: far from p
+        assert tests["joint"][2] < ALPHA, summary
+    else:
+        assert min(p for _, _, p in tests.values()) >= ALPHA, summary
+    if sampling == "exact":  # the walk really went both ways: candidates accepted, and bonus tokens drawn
+        assert 0 < accepted < steps * 2, summary
+
+
+# ----------------------------------------------------------------------------------- engine records
+def test_exact_sampling_repeats_with_a_seed_and_records_its_rule_and_every_nodes_status(backbone_for, random_model):
+    model = random_model(backbone_for("llama"))
+    kwargs = dict(max_new_tokens=24, tree="sparse_16", temperature=0.7, sampling="exact")
+    first = list(model.generate(PROMPT, seed=4, **kwargs))
+    assert [r.token_ids for r in model.generate(PROMPT, seed=4, **kwargs)] == [r.token_ids for r in first]
+    assert [r.token_ids for r in model.generate(PROMPT, seed=5, **kwargs)] != [r.token_ids for r in first]
+    for r in first:
+        assert r.sampling == "exact" and r.sampling in SAMPLING_RULES
+        assert len(r.node_status) == r.tree_nodes and set(r.node_status) <= set(NODE_STATUSES)
+        assert [n for n, s in enumerate(r.node_status) if s == "accepted"] == sorted(r.accepted_nodes)
+        assert r.node_status == node_status(r.node_parents, r.accepted_nodes)
+    assert any("rejected" in r.node_status for r in first)
+
+
+def test_the_bonus_token_is_never_a_candidate_the_last_node_rejected(backbone_for, oracle_model):
+    # The next step's root is drawn from the residual at the last accepted node, which excludes its
+    # rejected children; drawing it from p instead would repeat a rejected token now and then.
+    model = oracle_model(backbone_for("llama"), 60)
+    records = list(model.generate(PROMPT, max_new_tokens=60, tree="sparse_16", temperature=1.0, sampling="exact", seed=0))
+    checked = 0
+    for r, following in zip(records, records[1:]):
+        last = r.accepted_nodes[-1]
+        rejected = {r.node_token_ids[c] for c, a in enumerate(r.node_parents) if a == last}
+        assert all(r.node_status[c] == "rejected" for c, a in enumerate(r.node_parents) if a == last)
+        assert following.token_ids[0] not in rejected
+        checked += bool(rejected)
+    assert checked >= 5
+
+
+@pytest.mark.parametrize("sampling", ["typical", "exact"])
+def test_temperature_zero_is_greedy_in_both_sampling_modes(sampling, backbone_for, reference_for, oracle_model):
+    model = oracle_model(backbone_for("qwen2"), 40)
+    records = list(model.generate(PROMPT, max_new_tokens=40, tree="mc_sim_7b_63", sampling=sampling))
+    assert [t for r in records for t in r.token_ids] == reference_for("qwen2", 40)
+    assert all(r.sampling == "greedy" and r.node_status == () for r in records)
+
+
+def test_plain_sampling_draws_each_token_from_the_softmax_with_the_seeded_generator(backbone_for, random_model):
+    # medusa=False must keep its behaviour: token i = multinomial(softmax(logits_i / T)) with one
+    # torch.Generator seeded once, whatever the sampling mode says.
+    backbone = backbone_for("llama")
+    model = random_model(backbone)
+    generator = torch.Generator().manual_seed(11)
+    expected, seq = [], PROMPT
+    with torch.inference_mode():
+        for _ in range(12):
+            probs = torch.softmax(backbone(seq).logits[0, -1].float() / 0.8, dim=-1)
+            expected.append(int(torch.multinomial(probs, 1, generator=generator)))
+            seq = torch.cat([seq, torch.tensor([[expected[-1]]])], dim=1)
+    for sampling in ("typical", "exact"):
+        records = list(model.generate(PROMPT, max_new_tokens=12, temperature=0.8, medusa=False, seed=11, sampling=sampling))
+        assert [t for r in records for t in r.token_ids] == expected
+        assert all(r.sampling == "sample" for r in records) and "sample" in SAMPLING_RULES
