@@ -323,7 +323,11 @@ def self_instruct_prompts(path: Path | None):
         return
     for line in path.read_text(encoding="utf-8").splitlines():
         row = json.loads(line)
-        yield row["category"], f"si:{row['topic']}", row["question"]
+        question = row["question"]
+        if '"' in question:  # 'A beginner might ask: "How do I ...?' -> the quoted question
+            question = question.split('"', 1)[1].strip()
+        if len(question) >= 15 and not question.lower().startswith(("what would you ask", "what a ")):
+            yield row["category"], f"si:{row['topic']}", question
 
 
 SELF_INSTRUCT_TOPICS = ([("stem", c) for c in STEM_CONCEPTS] + [("humanities", h) for h in HUMANITIES]

