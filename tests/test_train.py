@@ -21,7 +21,7 @@ from medusa_core.train import (
     read_prompts,
     train_heads,
 )
-from tiny_models import tiny_backbone, tiny_tokenizer, write_tiny_medusa
+from tiny_models import HIDDEN, VOCAB, tiny_backbone, tiny_tokenizer, write_tiny_medusa
 
 
 def _distilled_rows(tmp_path, n=12):
@@ -187,3 +187,17 @@ def test_version_2_heads_train_only_their_blocks_and_save_without_projections(tm
         f"{i}.0.linear.{w}" for i in range(2) for w in ("weight", "bias")
     }
     assert any(p.abs().sum() > 0 for p in heads.parameters())  # the zero-initialised blocks moved
+
+
+def test_version_2_heads_trained_on_the_label_vocabulary_learn_and_are_evaluated_on_the_whole_vocabulary(tmp_path):
+    backbone, _, rows = _distilled_rows(tmp_path, n=8)
+    hidden, labels = collect_positions(backbone, rows, num_heads=2)
+    cfg = HeadTrainingConfig(num_heads=2, share_lm_head=True, vocab="data", epochs=30, batch_size=32, warmup_steps=1,
+                             lr=1e-2, checkpoint_every=0, bf16=False)
+    fresh = MedusaHeads(HIDDEN, VOCAB, 2, shared_lm_head=backbone.get_output_embeddings())
+    heads, stats = train_heads(backbone, hidden, labels, tmp_path / "v2", cfg, base_model_name_or_path="base")
+    assert stats["softmax_vocabulary"] == len(labels[labels != -100].unique()) < VOCAB
+    before, after = rank_accuracy(fresh, hidden, labels), rank_accuracy(heads, hidden, labels)  # whole vocabulary
+    assert after[0][0] > before[0][0] + 0.2
+    with pytest.raises(ValueError, match="vocab must be 'full', or 'data' with share_lm_head=True"):
+        train_heads(backbone, hidden, labels, tmp_path / "v1", HeadTrainingConfig(vocab="data"), base_model_name_or_path="b")

@@ -39,6 +39,10 @@ class HeadTrainingConfig:
     seed: int = 0
     bf16: bool = True  # bfloat16 autocast for the head matmuls
     checkpoint_every: int = 200  # optimizer steps between checkpoints (0: only at the end)
+    # softmax over "full" (the whole vocabulary) or "data" (only the tokens that occur as labels;
+    # version-2 heads only: the frozen LM head's rows of the other tokens get no gradient anyway,
+    # and a 49k-token vocabulary costs 3-4x more on a CPU than the ~12k tokens of English replies)
+    vocab: str = "full"
 
 
 def head_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,9 +88,15 @@ def train_heads(
         out: heads folder; checkpoints (heads + ``trainer_state.pt``) go there every
             ``cfg.checkpoint_every`` steps and training resumes from them when ``resume``.
 
+    With ``cfg.vocab == "data"`` the softmax runs over the label vocabulary only (the training
+    replies' tokens); the heads are the same module and are evaluated over the whole vocabulary.
+
     Returns (heads, stats) with the final loss and per-head training top-1 accuracy.
+    Raises ``ValueError`` for ``cfg.vocab`` other than "full", or "data" with own projections.
     """
     out = Path(out)
+    if cfg.vocab not in ("full", "data") or (cfg.vocab == "data" and not cfg.share_lm_head):
+        raise ValueError(f"vocab must be 'full', or 'data' with share_lm_head=True; got {cfg.vocab!r}")
     torch.manual_seed(cfg.seed)
     if cfg.share_lm_head:
         lm_head = backbone.get_output_embeddings()
@@ -94,6 +104,16 @@ def train_heads(
     else:
         heads = MedusaHeads.from_backbone(backbone, cfg.num_heads, cfg.num_layers)
     heads = heads.float().cpu().train()
+    weight = None  # [V', H] rows of the frozen LM head with vocab="data"
+    if cfg.vocab == "data":
+        tokens = labels[labels != -100].unique()  # [V'] the label vocabulary, sorted
+        remap = torch.full((heads.vocab_size,), -100, dtype=torch.long)
+        remap[tokens] = torch.arange(len(tokens))
+        labels = torch.where(labels == -100, labels, remap[labels.clamp(min=0)])
+        weight = lm_head.weight.detach()[tokens].float().cpu()
+
+    def forward(h: torch.Tensor) -> torch.Tensor:  # [B, H] -> [K, B, V] (V' tokens with vocab="data")
+        return heads(h) if weight is None else torch.stack([head(h) for head in heads]) @ weight.T
     opt = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     micro = cfg.batch_size // cfg.grad_accum
     total_steps = max(1, int(cfg.epochs * len(hidden) / cfg.batch_size))
@@ -118,7 +138,7 @@ def train_heads(
             start = (step * cfg.grad_accum + a) * micro
             idx = order[start : start + micro]
             with autocast:
-                logits = heads(hidden[idx].float())  # [K, B, V]
+                logits = forward(hidden[idx].float())  # [K, B, V] (V' tokens with vocab="data")
             loss, top1 = head_loss(logits, labels[idx])
             (loss / cfg.grad_accum).backward()
         torch.nn.utils.clip_grad_norm_(heads.parameters(), 1.0)
@@ -135,6 +155,7 @@ def train_heads(
         "steps": total_steps,
         "resumed_from": resumed_from,
         "positions": len(hidden),
+        "softmax_vocabulary": heads.vocab_size if weight is None else int(weight.shape[0]),
         "final_loss": round(loss_value, 4),
         "train_top1_last_batch": [round(a, 4) for a in top1.tolist()],
         "seconds": round(time.time() - t0, 1),
