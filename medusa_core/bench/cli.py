@@ -11,6 +11,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..cpu import physical_cores
 from ..model import SAMPLING_MODES
 from .methods import METHOD_KINDS, build_methods, default_trees
 from .profiling import cmd_profile
@@ -28,11 +29,12 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default="nf4", choices=["nf4", "int8", "none"], help="backbone precision (default nf4)")
     p.add_argument("--dtype", default=None, help="compute dtype (default float32 on CPU, float16 on CUDA)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ... (default auto)")
-    p.add_argument("--prompts", default=None, help="JSONL with 'prompt' and optional 'category' (default: shipped set)")
+    p.add_argument("--prompts", default=None,
+                   help="JSONL rows with 'prompt' (one user message) or 'messages' (a conversation ending with a user "
+                        "turn; only the last reply is timed) and an optional 'category' (default: the shipped set)")
     p.add_argument("--limit", type=int, default=None, help="use N prompts spread over the set")
     p.add_argument("--system", default=None, help="system message put before every prompt (default: none)")
     p.add_argument("--out", type=Path, default=None, help="output folder")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -40,12 +42,23 @@ def _csv_list(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
+def _positive_int(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive count")
+    return n
+
+
 def build_parser(command: str) -> argparse.ArgumentParser:
     """The argument parser of ``run`` (default), ``tune`` or ``profile``."""
     prog = "python -m medusa_core.bench" + ("" if command == "run" else f" {command}")
     p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION if command == "run" else None)
     _model_args(p)
+    cores = physical_cores()
     if command == "run":
+        p.add_argument("--threads", type=_positive_int, nargs="+", default=[cores], metavar="N",
+                       help="torch CPU threads; several counts (e.g. --threads 1 2) give a row per method and count, "
+                            f"interleaved prompt by prompt (default: {cores}, the physical cores this process may use)")
         p.add_argument("--methods", type=_csv_list, default=list(METHOD_KINDS),
                        help="comma list of hf, hf_pld, baseline, medusa, medusa:<tree> (default: all)")
         p.add_argument("--trees", type=_csv_list, default=None,
@@ -57,7 +70,10 @@ def build_parser(command: str) -> argparse.ArgumentParser:
                        help="0: greedy, outputs compared with HF generate; > 0: every method samples (default 0)")
         p.add_argument("--sampling", default="typical", choices=list(SAMPLING_MODES),
                        help="Medusa's verification at temperature > 0: typical acceptance or exact rejection sampling (default typical)")
-    elif command == "tune":
+    else:
+        p.add_argument("--threads", type=_positive_int, default=cores, metavar="N",
+                       help=f"torch CPU threads (default: {cores}, the physical cores this process may use)")
+    if command == "tune":
         p.add_argument("--sizes", type=lambda s: [int(x) for x in _csv_list(s)], default=list(TUNE_SIZES),
                        help=f"tree sizes in paths (default {','.join(map(str, TUNE_SIZES))})")
         p.add_argument("--latency-prompts", type=int, default=6, help="prompts used to time each size (default 6)")
@@ -82,11 +98,10 @@ def build_parser(command: str) -> argparse.ArgumentParser:
 
 
 def load_model(args: argparse.Namespace) -> Any:
-    """The model named by the model flags, after setting torch's CPU threads."""
+    """The model named by the model flags, after setting torch's CPU threads (the first of several)."""
     from ..loading import load_medusa_model
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads[0] if isinstance(args.threads, list) else args.threads)
     return load_medusa_model(args.model, base_model=args.base_model, quantization=args.quantization,
                              dtype=args.dtype, device=args.device)
 
@@ -98,11 +113,13 @@ def cmd_run(model: Any, args: argparse.Namespace, command: str) -> int:
     out = args.out or Path("out") / "bench"
     runs, notes = run_benchmark(model, prompts, methods, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
                                 pld_tokens=args.pld_tokens, system=args.system, progress=not args.no_progress,
-                                temperature=args.temperature, sampling=args.sampling)
-    settings = {"prompts": len({r.prompt for r in runs}), "max_new_tokens": args.max_new_tokens,
+                                temperature=args.temperature, sampling=args.sampling, threads=args.threads)
+    settings = {"prompts": len({r.prompt for r in runs}), "threads": ", ".join(map(str, dict.fromkeys(args.threads))),
+                "max_new_tokens": args.max_new_tokens,
                 "repeats": args.repeats, "pld_tokens": args.pld_tokens, "system": args.system or "none",
                 "temperature": args.temperature, "sampling": args.sampling if args.temperature > 0 else "greedy"}
-    text, paths = write_report(out, runs, command=command, env=environment(model), settings=settings, notes=notes)
+    env = {k: v for k, v in environment(model).items() if k != "torch_threads"}  # "threads" in settings says it
+    text, paths = write_report(out, runs, command=command, env=env, settings=settings, notes=notes)
     print(text)
     print("wrote " + ", ".join(map(str, paths)))
     return 0
@@ -118,5 +135,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser(command).parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     line = "python -m medusa_core.bench " + shlex.join(([command] if command != "run" else []) + argv)
-    return COMMANDS[command](load_model(args), args, line.strip())
+    torch_threads = torch.get_num_threads()
+    try:
+        return COMMANDS[command](load_model(args), args, line.strip())
+    finally:
+        torch.set_num_threads(torch_threads)  # a caller in the same process keeps its own setting
 

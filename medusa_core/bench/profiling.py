@@ -18,7 +18,7 @@ def cmd_profile(model: Any, args: argparse.Namespace, command: str) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     prompts = load_prompts(args.prompts, args.limit or args.runs)[: args.runs]
-    ids = [encode_prompt(model.tokenizer, p.text, args.system) for p in prompts]
+    ids = [encode_prompt(model.tokenizer, p, args.system) for p in prompts]
     tree = args.tree or model.default_tree
 
     def generate_all() -> tuple[int, int]:

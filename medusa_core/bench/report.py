@@ -14,6 +14,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
+from ..cpu import physical_cores
 from .accounting import ALL, REFERENCE, Summary, find_divergences, summarise
 from .run import Run
 
@@ -34,29 +35,35 @@ def markdown_table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
 
 
 def summary_markdown(summaries: Sequence[Summary], category: str = ALL) -> str:
-    """The main table: one row per method for ``category``."""
+    """The main table: one row per method and thread count for ``category``."""
     rows = []
     for s in summaries:
         if s.category != category:
             continue
         same = "ref." if s.method == REFERENCE else "—" if s.compared == 0 else f"{s.identical}/{s.compared}"
         rows.append([
-            s.method, s.tree_nodes, f"{s.tok_s:.1f} ({s.tok_s_min:.1f}–{s.tok_s_max:.1f})", _fmt(s.acceleration),
+            s.method, s.threads, s.tree_nodes, f"{s.tok_s:.1f} ({s.tok_s_min:.1f}–{s.tok_s_max:.1f})", _fmt(s.acceleration),
             _fmt(s.step_ms), _fmt(s.overhead), _fmt(s.speedup) + "×", _fmt(s.ttft_ms, 1), same,
             _fmt(s.cpu_per_wall),
         ])
-    header = ["method", "tree tokens", "tokens/s median (min–max)", "accel. rate", "step ms", "overhead",
+    header = ["method", "threads", "tree tokens", "tokens/s median (min–max)", "accel. rate", "step ms", "overhead",
               "speedup vs HF", "TTFT ms", "identical to HF", "CPU/wall"]
     return markdown_table(rows, header)
 
 
+def method_label(s: Summary, several_thread_counts: bool) -> str:
+    """``s.method``, with ``@<threads>t`` when the run had several thread counts."""
+    return f"{s.method} @{s.threads}t" if several_thread_counts else s.method
+
+
 def category_matrix(summaries: Sequence[Summary], attr: str, digits: int = 2) -> str:
-    """Categories × methods table of one Summary attribute."""
-    methods = list(dict.fromkeys(s.method for s in summaries))
+    """Categories × methods (× thread counts, when there are several) table of one Summary attribute."""
+    several = len({s.threads for s in summaries}) > 1
+    columns = list(dict.fromkeys(method_label(s, several) for s in summaries))
     categories = list(dict.fromkeys(s.category for s in summaries))
-    by = {(s.category, s.method): getattr(s, attr) for s in summaries}
-    rows = [[c] + [_fmt(by.get((c, m), math.nan), digits) for m in methods] for c in categories]
-    return markdown_table(rows, ["category"] + methods)
+    by = {(s.category, method_label(s, several)): getattr(s, attr) for s in summaries}
+    rows = [[c] + [_fmt(by.get((c, m), math.nan), digits) for m in columns] for c in categories]
+    return markdown_table(rows, ["category"] + columns)
 
 
 def write_csv(path: Path, items: Iterable[Any], exclude: Sequence[str] = ()) -> Path:
@@ -95,16 +102,21 @@ def speedup_figure(summaries: Sequence[Summary], title: str) -> Any:
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    rows = sorted((s for s in summaries if s.category == ALL and s.method.startswith("medusa:")), key=lambda s: s.tree_nodes)
+    counts = sorted({s.threads for s in summaries})
+    several = len(counts) > 1
     fig = make_subplots(specs=[[{"secondary_y": True}]])
-    x = [s.tree_nodes for s in rows]
-    fig.add_trace(go.Scatter(x=x, y=[s.speedup for s in rows], mode="lines+markers+text", name="speedup vs HF",
-                             text=[s.method.split(":", 1)[1] for s in rows], textposition="top center"))
-    fig.add_trace(go.Scatter(x=x, y=[s.acceleration for s in rows], mode="lines+markers", name="acceleration rate",
-                             line=dict(dash="dot")), secondary_y=True)
+    for t in counts:  # one pair of curves per thread count
+        rows = sorted((s for s in summaries if s.category == ALL and s.threads == t and s.method.startswith("medusa:")),
+                      key=lambda s: s.tree_nodes)
+        x, suffix = [s.tree_nodes for s in rows], f", {t} threads" if several else ""
+        fig.add_trace(go.Scatter(x=x, y=[s.speedup for s in rows], mode="lines+markers+text", name="speedup vs HF" + suffix,
+                                 text=[s.method.split(":", 1)[1] for s in rows], textposition="top center"))
+        fig.add_trace(go.Scatter(x=x, y=[s.acceleration for s in rows], mode="lines+markers",
+                                 name="acceleration rate" + suffix, line=dict(dash="dot")), secondary_y=True)
     for s in summaries:
         if s.category == ALL and not s.method.startswith("medusa:") and not math.isnan(s.speedup):
-            fig.add_hline(y=s.speedup, line_dash="dash", annotation_text=s.method, annotation_position="bottom right")
+            fig.add_hline(y=s.speedup, line_dash="dash", annotation_text=method_label(s, several),
+                          annotation_position="bottom right")
     fig.update_xaxes(title_text="tree tokens per step (N, root included)", type="log")
     fig.update_yaxes(title_text="speedup vs HF generate (×)", secondary_y=False)
     fig.update_yaxes(title_text="tokens per step", secondary_y=True)
@@ -128,6 +140,7 @@ def environment(model: Any) -> dict[str, Any]:
         "device": str(dev),
         "device_name": name,
         "cpu_count": os.cpu_count(),
+        "physical_cores": physical_cores(),
         "torch_threads": torch.get_num_threads(),
         "quantization": model.quantization or "none",
         "dtype": str(model.dtype).replace("torch.", ""),
@@ -154,8 +167,9 @@ def write_report(
         summary_markdown(summaries), "",
         "tokens/s: new tokens ÷ wall time of the whole call (prefill included), median over repeats; "
         "accel. rate: tokens per decoding step; overhead: step latency ÷ the `baseline` loop's; "
-        "speedup: tokens/s ÷ HF `generate`'s; TTFT: time to the first new token; CPU/wall: this process's CPU "
-        "time ÷ wall time (about the thread count on a quiet machine; lower means other processes took the cores).", "",
+        "speedup: tokens/s ÷ HF `generate`'s at the same thread count; TTFT: time to the first new token; CPU/wall: this process's CPU "
+        "time ÷ wall time (about the thread count on a quiet machine; lower means other processes took the cores)"
+        + ("; `@Nt` in the tables below: N torch threads." if len({s.threads for s in summaries}) > 1 else "."), "",
         "## Speedup vs HF generate per category", "", category_matrix(summaries, "speedup"), "",
         "## Tokens/s per category (median over repeats)", "", category_matrix(summaries, "tok_s", 1), "",
         "## Acceleration rate per category", "", category_matrix(summaries, "acceleration"), "",
@@ -166,13 +180,15 @@ def write_report(
         md.append(f"Sampled runs ({', '.join(sampled)}): outputs are not compared, only greedy decoding must equal HF "
                   "generate token for token.")
     elif divergences:
-        md += [f"{len(divergences)} (method, prompt) pairs diverge:", "", markdown_table(
-            [[d.method, d.prompt, d.category, d.position, d.expected, d.got, d.repeats] for d in divergences],
-            ["method", "prompt", "category", "first diverging token", "HF token", "method token", "repeats"],
+        md += [f"{len(divergences)} (method, threads, prompt) triples diverge from HF generate at the same thread count:",
+               "", markdown_table(
+            [[d.method, d.threads, d.prompt, d.category, d.position, d.expected, d.got, d.repeats] for d in divergences],
+            ["method", "threads", "prompt", "category", "first diverging token", "HF token", "method token", "repeats"],
         )]
     else:
         compared = sum(s.compared for s in summaries if s.category == ALL)
-        md.append(f"No divergence: all {compared} (method, prompt) outputs are identical to HF generate, token for token.")
+        md.append(f"No divergence: all {compared} (method, threads, prompt) outputs are identical to HF generate "
+                  "at the same thread count, token for token.")
     if notes:
         md += ["", "## Notes", ""] + [f"- {n}" for n in notes]
     text = "\n".join(md) + "\n"

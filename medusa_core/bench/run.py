@@ -1,7 +1,9 @@
 """Running the methods: one timed generation (``run_once``) and the interleaved benchmark (``run_benchmark``).
 
 Every method runs on the same loaded weights, in one process, after a warm-up, interleaved prompt by
-prompt (with the method order rotated) so that machine drift hits all of them alike.
+prompt (with the method order rotated) so that machine drift hits all of them alike. Given several torch
+thread counts, every (thread count, method) pair runs on a prompt before the next prompt, both orders
+rotated, and each ``Run`` records its thread count, so the accounting keeps one row per method and count.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class Run:
             (greedy, sample, typical, exact); greedy or sample for HF methods.
         cpu_s: CPU time this process used during the call (all threads); well below
             ``wall_s × threads`` when other processes took the cores.
+        threads: torch's intra-op CPU threads during the call (``torch.get_num_threads()``).
     """
 
     method: str
@@ -52,6 +55,7 @@ class Run:
     output: tuple[int, ...] = field(default=(), repr=False)
     cpu_s: float = 0.0
     sampling: str = "greedy"
+    threads: int = 1
 
 
 class _HFClock:
@@ -96,7 +100,8 @@ def run_once(
     input_ids = input_ids.to(model.device)
     prompt_len = input_ids.shape[1]
     seed = 1000 * repeat + prompt
-    meta = dict(method=method.name, prompt=prompt, category=category, repeat=repeat, tree_nodes=method.tree_nodes)
+    meta = dict(method=method.name, prompt=prompt, category=category, repeat=repeat, tree_nodes=method.tree_nodes,
+                threads=torch.get_num_threads())
     if method.kind in ("hf", "hf_pld"):
         eos = sorted(model.eos_token_ids)
         kwargs: dict[str, Any] = dict(
@@ -164,8 +169,10 @@ def run_benchmark(
     progress: bool = True,
     temperature: float = 0.0,
     sampling: str = "typical",
+    threads: Sequence[int] = (),
 ) -> tuple[list[Run], list[str]]:
-    """Run every method on every prompt ``repeats`` times, interleaved prompt by prompt.
+    """Run every method on every prompt ``repeats`` times at each torch thread count of ``threads``
+    (none: torch's current setting), interleaved prompt by prompt; torch's setting is restored after.
 
     Prompts that do not leave room for ``max_new_tokens`` in the context window are skipped.
     Returns (runs, notes): notes name each skipped prompt.
@@ -174,28 +181,43 @@ def run_benchmark(
 
     encoded, notes = [], []
     for i, p in enumerate(prompts):
-        ids = encode_prompt(model.tokenizer, p.text, system)
+        ids = encode_prompt(model.tokenizer, p, system)
         if ids.shape[1] + max_new_tokens > model.max_context:
             notes.append(f"prompt {i} skipped: {ids.shape[1]} tokens + {max_new_tokens} new > context {model.max_context}")
             continue
         encoded.append((i, p, ids))
     if not encoded:
         raise ValueError("no prompt fits the context window: lower --max-new-tokens")
-    for m in methods:  # warm-up: allocator, kernels, tree buffers
-        run_once(model, m, encoded[0][2], max_new_tokens=min(warmup_tokens, max_new_tokens), pld_tokens=pld_tokens,
-                 temperature=temperature, sampling=sampling)
+    torch_threads = torch.get_num_threads()
+    counts = list(dict.fromkeys(threads)) or [torch_threads]
     runs: list[Run] = []
-    bar = tqdm(total=repeats * len(encoded) * len(methods), desc="bench", unit="run", disable=not progress)
-    for r in range(repeats):
-        for j, (i, p, ids) in enumerate(encoded):
-            k = (j + r) % len(methods)
-            for m in list(methods[k:]) + list(methods[:k]):
-                bar.set_postfix_str(m.name, refresh=False)
-                runs.append(run_once(
-                    model, m, ids, max_new_tokens=max_new_tokens, pld_tokens=pld_tokens,
-                    prompt=i, category=p.category, repeat=r, temperature=temperature, sampling=sampling,
-                ))
-                bar.update()
-    bar.close()
+    try:
+        for t in counts:
+            torch.set_num_threads(t)
+            for m in methods:  # warm-up: allocator, kernels, tree buffers, this many threads
+                run_once(model, m, encoded[0][2], max_new_tokens=min(warmup_tokens, max_new_tokens),
+                         pld_tokens=pld_tokens, temperature=temperature, sampling=sampling)
+        bar = tqdm(total=repeats * len(encoded) * len(counts) * len(methods), desc="bench", unit="run",
+                   disable=not progress)
+        for r in range(repeats):
+            for j, (i, p, ids) in enumerate(encoded):
+                for t in _rotated(counts, j + r):
+                    torch.set_num_threads(t)
+                    for m in _rotated(methods, j + r):
+                        bar.set_postfix_str(f"{m.name}, {t} threads", refresh=False)
+                        runs.append(run_once(
+                            model, m, ids, max_new_tokens=max_new_tokens, pld_tokens=pld_tokens,
+                            prompt=i, category=p.category, repeat=r, temperature=temperature, sampling=sampling,
+                        ))
+                        bar.update()
+        bar.close()
+    finally:
+        torch.set_num_threads(torch_threads)
     return runs, notes
+
+
+def _rotated(items: Sequence[Any], k: int) -> list[Any]:
+    """``items`` starting at index ``k`` (mod its length), wrapping round."""
+    k %= len(items)
+    return list(items[k:]) + list(items[:k])
 

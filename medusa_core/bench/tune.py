@@ -175,7 +175,7 @@ def cmd_tune(model: Any, args: argparse.Namespace, command: str) -> int:
         paths, e = optimal_tree(rank_accuracy, n)
         if len(paths) == n:  # a budget beyond the calibrated ranks adds nothing
             trees[n], expected[n] = paths, e
-    timing_ids = [encode_prompt(model.tokenizer, p.text, args.system) for p in load_prompts(args.prompts, args.latency_prompts)]
+    timing_ids = [encode_prompt(model.tokenizer, p, args.system) for p in load_prompts(args.prompts, args.latency_prompts)]
     latency, accel = measure_step_latency(model, timing_ids, trees, max_new_tokens=args.latency_tokens,
                                           progress=not args.no_progress)
     fitted = monotone_latency(latency)
