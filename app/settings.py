@@ -41,6 +41,14 @@ def _host(value: str) -> str:
     )
 
 
+def physical_cores() -> int:
+    """The default of ``threads``: ``medusa_core.cpu.physical_cores()``, imported when called so that
+    ``--help`` does not wait for torch to import."""
+    from medusa_core.cpu import physical_cores as count
+
+    return count()
+
+
 class AppSettings(BaseSettings):
     """Serve a local chat UI on a Medusa model: live candidate trees, speed charts, CSV export.
 
@@ -67,7 +75,11 @@ class AppSettings(BaseSettings):
     base_model: str | None = Field(None, description="backbone to use instead of the checkpoint's base_model_name_or_path")
     quantization: Literal["nf4", "int8", "none"] = Field("nf4", description="backbone weights: 4-bit NF4, 8-bit, or none")
     device: str = Field("auto", description="'auto' (CUDA when present, else CPU), 'cpu', 'cuda', 'cuda:1', ...")
-    threads: int = Field(1, ge=1, description="CPU threads for torch; small models decode fastest on one, and more stall when the CPU is shared (e.g. with the browser)")
+    threads: int = Field(
+        default_factory=physical_cores, ge=1,
+        description="CPU threads for torch; default: the physical cores this process may run on (hyper-threads not counted); "
+                    "use 1 when other busy jobs share the CPU, where waiting threads stall each other",
+    )
     # ---- server
     host: Annotated[str, AfterValidator(_host)] = Field("127.0.0.1", description="address to bind; the default serves this machine only")
     port: int = Field(7860, ge=1, le=65535, description="port to serve on")

@@ -10,9 +10,11 @@ Works on token ids and knows no UI. Public API:
   et al. 2023, Chen et al. 2023): ``try_children``, ``residual_distributions``, ``node_status``.
 - The engine: ``MedusaModel.generate`` yields one ``StepRecord`` per decoding step; ``SAMPLING_MODES``
   (its ``sampling=`` argument), ``SAMPLING_RULES`` and ``NODE_STATUSES`` (fields of the record).
+- ``physical_cores``: the default torch thread count of the app and the benchmark.
 """
 
 from .acceptance import NODE_STATUSES, evaluate_posterior, node_status, residual_distributions, try_children
+from .cpu import physical_cores
 from .export import export_vllm, save_medusa_heads
 from .heads import MedusaHeads
 from .loading import DEMO_MODEL_DIR, MedusaCheckpointError, heads_from_state_dict, load_medusa_model
@@ -51,6 +53,7 @@ __all__ = [
     "load_medusa_model",
     "node_status",
     "optimal_tree",
+    "physical_cores",
     "residual_distributions",
     "resolve_tree",
     "save_medusa_heads",

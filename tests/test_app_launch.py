@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from app.settings import AppSettings
-from medusa_core import SAMPLING_MODES
+from medusa_core import SAMPLING_MODES, physical_cores
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -44,6 +44,7 @@ def test_defaults_serve_the_demo_model_in_nf4_on_localhost(monkeypatch, tmp_path
     assert (s.posterior_threshold, s.posterior_alpha) == (0.09, 0.3)
     assert s.sampling == "typical"  # the paper's rule; the setting offers exactly the engine's modes
     assert typing.get_args(AppSettings.model_fields["sampling"].annotation) == SAMPLING_MODES
+    assert s.threads == physical_cores()  # a person's CPU is theirs: every physical core it may use
 
 
 @pytest.fixture
@@ -118,7 +119,8 @@ def test_help_lists_every_setting_with_its_default():
     for name in AppSettings.model_fields:
         flag = "--" + name.replace("_", "-")
         assert flag in options, flag
-    assert options.count("(default:") == len(AppSettings.model_fields)
+    assert options.count("(default:") + options.count("(default factory:") == len(AppSettings.model_fields)
+    assert "(default factory: physical_cores)" in options  # threads: the description says what it counts
     for default in ("demo", "nf4", "127.0.0.1", "7860", "0.09", "0.3", "False"):
         assert f"(default: {default})" in options
 

@@ -1,5 +1,6 @@
 """Tests of the benchmark program (``medusa_core.bench``): its accounting on synthetic runs with known
-numbers, the tree tuner's choice on synthetic latency curves, and smoke runs on a tiny model.
+numbers, the tree tuner's choice on synthetic latency curves, the prompt set and its encoding, and smoke
+runs on a tiny model.
 
 Wall-clock figures are never asserted: only arithmetic on given numbers and the files a run writes.
 """
@@ -9,15 +10,20 @@ from __future__ import annotations
 import csv
 import json
 import math
+from pathlib import Path
 
 import pytest
+import torch
 
-from medusa_core import load_medusa_model, optimal_tree
+from medusa_core import load_medusa_model, optimal_tree, physical_cores
 from medusa_core.bench import (
     ALL,
+    Prompt,
     Run,
+    build_parser,
     choose_tree_size,
     confirm_choice,
+    encode_prompt,
     find_divergences,
     first_difference,
     load_prompts,
@@ -28,24 +34,27 @@ from medusa_core.bench import (
     write_tuned,
 )
 from medusa_core.trees import SMALL_MODEL_RANK_ACCURACY
-from tiny_models import write_tiny_medusa
+from tiny_models import tiny_tokenizer, write_tiny_medusa
 
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+SHIPPED = Path(__file__).resolve().parents[1] / "medusa_core" / "data" / "bench_prompts.jsonl"
+DEMO_PROMPTS = Path(__file__).resolve().parents[1] / "assets" / "demo" / "prompts"
 
 
 def run(method, *, prompt=0, category="code", repeat=0, tokens=100, steps=100, wall=1.0, ttft=0.01,
-        step_time=None, timed_steps=None, nodes=1, output=None, cpu=None):
+        step_time=None, timed_steps=None, nodes=1, output=None, cpu=None, threads=1):
     """A synthetic run; by default its step time is the whole wall time over all steps."""
     return Run(
         method=method, prompt=prompt, category=category, repeat=repeat, tokens=tokens, steps=steps, wall_s=wall,
         ttft_s=ttft, step_time_s=wall if step_time is None else step_time,
         timed_steps=steps if timed_steps is None else timed_steps, tree_nodes=nodes,
         output=tuple(range(tokens)) if output is None else tuple(output), cpu_s=wall if cpu is None else cpu,
+        threads=threads,
     )
 
 
-def by_method(summaries, category=ALL):
-    return {s.method: s for s in summaries if s.category == category}
+def by_method(summaries, category=ALL, threads=1):
+    return {s.method: s for s in summaries if s.category == category and s.threads == threads}
 
 
 # ------------------------------------------------------------------------------------ accounting
@@ -131,6 +140,27 @@ def test_a_diverging_output_is_counted_and_located_never_hidden():
     assert (s["baseline"].identical, s["baseline"].compared) == (0, 1)
 
 
+def test_each_thread_count_gets_its_own_row_measured_against_hf_at_that_count():
+    # 1 thread: HF 100 tokens/s, Medusa 200. 2 threads: HF 160 tokens/s, Medusa 400, and one diverging token
+    # at 2 threads only (a different summation order may flip an argmax; counts are never compared across).
+    runs = []
+    for threads, hf_wall, medusa_wall, medusa_out in [(1, 1.0, 0.5, None), (2, 0.625, 0.25, [0, 1, 9] + list(range(3, 100)))]:
+        runs += [
+            run("hf", threads=threads, wall=hf_wall), run("baseline", threads=threads, wall=hf_wall * 0.8),
+            run("medusa:t", threads=threads, steps=40, wall=medusa_wall, output=medusa_out),
+        ]
+    summaries = summarise(runs)
+    assert [(s.method, s.threads) for s in summaries if s.category == ALL] == [
+        ("hf", 1), ("baseline", 1), ("medusa:t", 1), ("hf", 2), ("baseline", 2), ("medusa:t", 2)]
+    one, two = by_method(summaries, threads=1), by_method(summaries, threads=2)
+    assert one["hf"].tok_s == pytest.approx(100.0) and two["hf"].tok_s == pytest.approx(160.0)
+    assert one["medusa:t"].speedup == pytest.approx(2.0) and two["medusa:t"].speedup == pytest.approx(2.5)
+    assert two["medusa:t"].overhead == pytest.approx((0.25 / 40) / (0.5 / 100))
+    assert (one["medusa:t"].identical, two["medusa:t"].identical, two["medusa:t"].compared) == (1, 0, 1)
+    [d] = find_divergences(runs)
+    assert (d.method, d.threads, d.position, d.expected, d.got) == ("medusa:t", 2, 2, 2, 9)
+
+
 def test_first_difference_finds_changed_tokens_and_unequal_lengths():
     assert first_difference([1, 2, 3], [1, 2, 3]) is None
     assert first_difference([1, 2, 3], [1, 9, 3]) == 1
@@ -193,17 +223,35 @@ def test_write_tuned_merges_a_device_entry_and_keeps_the_others(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------- prompts
-def test_shipped_prompts_cover_mt_bench_categories_and_python_code():
+def test_shipped_prompts_cover_mt_bench_categories_and_multi_turn_conversations():
     prompts = load_prompts()
     categories = {p.category for p in prompts}
-    assert len(prompts) >= 40
-    assert MT_BENCH | {"python"} == categories
-    assert all(sum(p.category == c for p in prompts) >= 5 for c in categories)
-    assert len({p.text for p in prompts}) == len(prompts)
+    assert len(prompts) >= 80
+    assert MT_BENCH | {"multi-turn"} == categories
+    assert all(sum(p.category == c for p in prompts) >= 10 for c in categories)
+    assert len({(p.history, p.text) for p in prompts}) == len(prompts)
+    multi = [p for p in prompts if p.category == "multi-turn"]
+    assert all(len(p.history) == 2 and [role for role, _ in p.history] == ["user", "assistant"] for p in multi)
+    assert not any(p.history for p in prompts if p.category != "multi-turn")
+
+
+def test_shipped_prompts_taken_from_the_demo_are_held_out_and_never_trained_on():
+    if not (DEMO_PROMPTS / "heldout.jsonl").exists():
+        pytest.skip("no demo prompt files in this checkout")
+    def user_texts(name):
+        return {json.loads(line)["messages"][-1]["content"] for line in (DEMO_PROMPTS / name).open(encoding="utf-8")}
+
+    heldout, train = user_texts("heldout.jsonl"), user_texts("train.jsonl")
+    rows = [json.loads(line) for line in SHIPPED.open(encoding="utf-8")]
+    copied = [r["prompt"] for r in rows if r["source"] == "heldout"]
+    assert len(copied) >= 60 and {r["source"] for r in rows} == {"heldout", "written"}
+    assert [t for t in copied if t not in heldout] == []
+    assert [t for r in rows for t in ([r["prompt"]] if "prompt" in r else [m["content"] for m in r["messages"]])
+            if t in train] == []
 
 
 def test_limit_takes_prompts_round_robin_over_the_categories():
-    assert {p.category for p in load_prompts(limit=9)} == MT_BENCH | {"python"}
+    assert {p.category for p in load_prompts(limit=9)} == MT_BENCH | {"multi-turn"}
 
 
 def test_a_prompt_file_without_a_prompt_field_is_named_with_its_line(tmp_path):
@@ -211,6 +259,39 @@ def test_a_prompt_file_without_a_prompt_field_is_named_with_its_line(tmp_path):
     path.write_text('{"prompt": "hi"}\n{"text": "no prompt"}\n')
     with pytest.raises(ValueError, match=r"p\.jsonl:2"):
         load_prompts(path)
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],  # ends with the assistant
+    [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}, {"role": "user", "content": "c"}],
+    [{"role": "system", "content": "s"}],
+    [],
+])
+def test_a_conversation_that_does_not_alternate_and_end_with_the_user_is_named_with_its_line(tmp_path, messages):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "hi"}\n' + json.dumps({"messages": messages}) + "\n")
+    with pytest.raises(ValueError, match=r"p\.jsonl:2: .*(message|turns)"):
+        load_prompts(path)
+
+
+def test_a_messages_row_is_encoded_as_the_whole_conversation_ending_with_the_assistants_turn(tmp_path):
+    path = tmp_path / "p.jsonl"
+    conversation = [{"role": "user", "content": "Name a prime."}, {"role": "assistant", "content": "Seven."},
+                    {"role": "user", "content": "And an even one?"}]
+    path.write_text(json.dumps({"category": "multi-turn", "messages": conversation}) + "\n")
+    [prompt] = load_prompts(path)
+    assert prompt == Prompt("And an even one?", "multi-turn", (("user", "Name a prime."), ("assistant", "Seven.")))
+    tok = tiny_tokenizer()  # its template: <|role|>\ncontent<|end|>\n per message, then <|assistant|>\n
+
+    def ids_of(text):
+        return tok(text, add_special_tokens=False, return_tensors="pt").input_ids.tolist()
+
+    assert encode_prompt(tok, prompt, system="Be brief.").tolist() == ids_of(
+        "<|system|>\nBe brief.<|end|>\n<|user|>\nName a prime.<|end|>\n<|assistant|>\nSeven.<|end|>\n"
+        "<|user|>\nAnd an even one?<|end|>\n<|assistant|>\n"
+    )
+    # a single-turn row (or a plain string) is the last user message alone
+    assert encode_prompt(tok, "And an even one?").tolist() == ids_of("<|user|>\nAnd an even one?<|end|>\n<|assistant|>\n")
 
 
 # -------------------------------------------------------------------------------------- smoke runs
@@ -228,7 +309,7 @@ def test_benchmark_program_on_a_tiny_model_writes_csv_and_markdown_for_every_met
     out = tmp_path / "out"
     assert main([
         "--model", str(heads), "--quantization", "none", "--prompts", str(prompts), "--trees", "chain_2,sparse_8",
-        "--max-new-tokens", "12", "--repeats", "2", "--out", str(out), "--no-progress",
+        "--max-new-tokens", "12", "--repeats", "2", "--out", str(out), "--no-progress", "--threads", "1",
     ]) == 0
     methods = {"hf", "hf_pld", "baseline", "medusa:chain_2", "medusa:sparse_8"}
     with open(out / "summary.csv") as f:
@@ -248,6 +329,43 @@ def test_benchmark_program_on_a_tiny_model_writes_csv_and_markdown_for_every_met
     assert (out / "speedup_by_tree.html").exists()
 
 
+def test_threads_default_to_the_physical_cores_and_take_several_counts_in_a_run_only():
+    assert build_parser("run").parse_args([]).threads == [physical_cores()]
+    assert build_parser("run").parse_args(["--threads", "1", "2"]).threads == [1, 2]
+    assert build_parser("tune").parse_args([]).threads == physical_cores()
+    with pytest.raises(SystemExit):
+        build_parser("profile").parse_args(["--threads", "1", "2"])
+    with pytest.raises(SystemExit):
+        build_parser("run").parse_args(["--threads", "0"])
+
+
+def test_a_run_at_two_thread_counts_reports_a_row_per_method_and_count_and_a_conversation_prompt(tiny, tmp_path):
+    heads, _ = tiny
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def add(a, b):", "category": "python"}) + "\n" + json.dumps({
+        "category": "multi-turn", "messages": [{"role": "user", "content": "def add(a, b):"},
+                                               {"role": "assistant", "content": "return a + b"},
+                                               {"role": "user", "content": "and sub?"}]}) + "\n")
+    out, before = tmp_path / "out", torch.get_num_threads()
+    assert main([
+        "--model", str(heads), "--quantization", "none", "--prompts", str(prompts), "--methods", "hf,baseline,medusa:chain_2",
+        "--max-new-tokens", "6", "--repeats", "1", "--out", str(out), "--no-progress", "--threads", "1", "2",
+    ]) == 0
+    assert torch.get_num_threads() == before  # the caller's setting is restored
+    with open(out / "runs.csv") as f:
+        runs = list(csv.DictReader(f))
+    assert sorted((r["method"], r["threads"], r["category"]) for r in runs) == sorted(
+        (m, t, c) for m in ("hf", "baseline", "medusa:chain_2") for t in ("1", "2") for c in ("python", "multi-turn"))
+    with open(out / "summary.csv") as f:
+        overall = [r for r in csv.DictReader(f) if r["category"] == ALL]
+    assert [(r["method"], r["threads"]) for r in overall] == [
+        ("hf", "1"), ("baseline", "1"), ("medusa:chain_2", "1"), ("hf", "2"), ("baseline", "2"), ("medusa:chain_2", "2")]
+    assert all((r["identical"], r["compared"]) == ("2", "2") for r in overall if r["method"] != "hf")
+    markdown = (out / "summary.md").read_text()
+    assert "| medusa:chain_2 | 1 |" in markdown and "| medusa:chain_2 | 2 |" in markdown
+    assert "medusa:chain_2 @2t" in markdown and "threads: 1, 2" in markdown
+
+
 @pytest.mark.parametrize("sampling", ["typical", "exact"])
 def test_a_sampled_benchmark_records_each_runs_rule_and_compares_no_outputs(sampling, tiny, tmp_path):
     heads, prompts = tiny
@@ -255,7 +373,7 @@ def test_a_sampled_benchmark_records_each_runs_rule_and_compares_no_outputs(samp
     assert main([
         "--model", str(heads), "--quantization", "none", "--prompts", str(prompts), "--trees", "chain_2",
         "--max-new-tokens", "8", "--repeats", "1", "--out", str(out), "--no-progress",
-        "--temperature", "0.7", "--sampling", sampling,
+        "--temperature", "0.7", "--sampling", sampling, "--threads", "1",
     ]) == 0
     with open(out / "runs.csv") as f:
         rules = {r["method"]: r["sampling"] for r in csv.DictReader(f)}
@@ -279,7 +397,7 @@ def test_tune_writes_a_tuned_tree_that_the_loader_makes_the_default(tiny, tmp_pa
         assert main([
             "tune", "--model", str(heads), "--quantization", "none", "--prompts", str(prompts), "--sizes", "2,4",
             "--latency-prompts", "2", "--latency-tokens", "8", "--confirm-top", "2", "--max-new-tokens", "8",
-            "--out", str(tmp_path / "tune"), "--no-progress",
+            "--out", str(tmp_path / "tune"), "--no-progress", "--threads", "1",
         ]) == 0
         data = json.loads(tuned.read_text())
         assert set(data) == {"cuda/nf4", "cpu/none"}

@@ -66,7 +66,7 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=len(PROMPTS))
     parser.add_argument("--rounds", type=int, default=3, help="times each prompt runs on each side")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads on both sides (the app's default is 1)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads on both sides (default 1; the app's default is the physical cores)")
     parser.add_argument("--out", type=Path, default=REPO / "out" / "live_view_cost.csv")
     args = parser.parse_args()
 

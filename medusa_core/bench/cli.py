@@ -1,0 +1,143 @@
+"""The command line: ``python -m medusa_core.bench [run|tune|profile] ...`` (``--help`` lists the flags)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shlex
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from ..cpu import physical_cores
+from ..model import SAMPLING_MODES
+from .methods import METHOD_KINDS, build_methods, default_trees
+from .profiling import cmd_profile
+from .prompts import load_prompts
+from .report import environment, write_report
+from .run import run_benchmark
+from .tune import TUNE_SIZES, cmd_tune
+
+DESCRIPTION = "Speed, measured: the benchmark program and the hardware-aware tree tuner (paper appendix B.1, 2.3.3)."
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="demo", help="'demo', a Medusa checkpoint folder or a Hub id (default: demo)")
+    p.add_argument("--base-model", default=None, help="backbone to use instead of the checkpoint's")
+    p.add_argument("--quantization", default="nf4", choices=["nf4", "int8", "none"], help="backbone precision (default nf4)")
+    p.add_argument("--dtype", default=None, help="compute dtype (default float32 on CPU, float16 on CUDA)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ... (default auto)")
+    p.add_argument("--prompts", default=None,
+                   help="JSONL rows with 'prompt' (one user message) or 'messages' (a conversation ending with a user "
+                        "turn; only the last reply is timed) and an optional 'category' (default: the shipped set)")
+    p.add_argument("--limit", type=int, default=None, help="use N prompts spread over the set")
+    p.add_argument("--system", default=None, help="system message put before every prompt (default: none)")
+    p.add_argument("--out", type=Path, default=None, help="output folder")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _csv_list(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _positive_int(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive count")
+    return n
+
+
+def build_parser(command: str) -> argparse.ArgumentParser:
+    """The argument parser of ``run`` (default), ``tune`` or ``profile``."""
+    prog = "python -m medusa_core.bench" + ("" if command == "run" else f" {command}")
+    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION if command == "run" else None)
+    _model_args(p)
+    cores = physical_cores()
+    if command == "run":
+        p.add_argument("--threads", type=_positive_int, nargs="+", default=[cores], metavar="N",
+                       help="torch CPU threads; several counts (e.g. --threads 1 2) give a row per method and count, "
+                            f"interleaved prompt by prompt (default: {cores}, the physical cores this process may use)")
+        p.add_argument("--methods", type=_csv_list, default=list(METHOD_KINDS),
+                       help="comma list of hf, hf_pld, baseline, medusa, medusa:<tree> (default: all)")
+        p.add_argument("--trees", type=_csv_list, default=None,
+                       help="trees for 'medusa' (default: the model's own trees, else chain_4,sparse_8,sparse_16,sparse_32)")
+        p.add_argument("--max-new-tokens", type=int, default=128)
+        p.add_argument("--repeats", type=int, default=3)
+        p.add_argument("--pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens of hf_pld (default 10)")
+        p.add_argument("--temperature", type=float, default=0.0,
+                       help="0: greedy, outputs compared with HF generate; > 0: every method samples (default 0)")
+        p.add_argument("--sampling", default="typical", choices=list(SAMPLING_MODES),
+                       help="Medusa's verification at temperature > 0: typical acceptance or exact rejection sampling (default typical)")
+    else:
+        p.add_argument("--threads", type=_positive_int, default=cores, metavar="N",
+                       help=f"torch CPU threads (default: {cores}, the physical cores this process may use)")
+    if command == "tune":
+        p.add_argument("--sizes", type=lambda s: [int(x) for x in _csv_list(s)], default=list(TUNE_SIZES),
+                       help=f"tree sizes in paths (default {','.join(map(str, TUNE_SIZES))})")
+        p.add_argument("--latency-prompts", type=int, default=6, help="prompts used to time each size (default 6)")
+        p.add_argument("--latency-tokens", type=int, default=64, help="new tokens per timing run (default 64)")
+        p.add_argument("--confirm-top", type=int, default=3, help="predicted-best sizes confirmed by a benchmark (default 3)")
+        p.add_argument("--confirm-prompts", type=int, default=16, help="prompts of the confirming benchmark (default 16)")
+        p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per confirming run (default 128)")
+        p.add_argument("--repeats", type=int, default=2, help="repeats of the confirming benchmark (default 2)")
+        p.add_argument("--tolerance", type=float, default=0.02,
+                       help="prefer a smaller tree whose predicted speedup is within this fraction of the best, and "
+                            "keep the predicted pick unless a confirmed size ran more than this fraction faster (default 0.02)")
+        p.add_argument("--rank-accuracy", type=Path, default=None,
+                       help="JSON file with 'rank_accuracy' [K][ranks] (default: the model's medusa_calibration.json)")
+        p.add_argument("--tuned-file", type=Path, default=None,
+                       help="where to merge the result (default: medusa_tuned.json next to the model)")
+        p.add_argument("--dry-run", action="store_true", help="do not write the tuned-tree file")
+    elif command == "profile":
+        p.add_argument("--tree", default=None, help="tree to profile (default: the model's default tree)")
+        p.add_argument("--max-new-tokens", type=int, default=64)
+        p.add_argument("--runs", type=int, default=3, help="generations profiled (default 3)")
+    return p
+
+
+def load_model(args: argparse.Namespace) -> Any:
+    """The model named by the model flags, after setting torch's CPU threads (the first of several)."""
+    from ..loading import load_medusa_model
+
+    torch.set_num_threads(args.threads[0] if isinstance(args.threads, list) else args.threads)
+    return load_medusa_model(args.model, base_model=args.base_model, quantization=args.quantization,
+                             dtype=args.dtype, device=args.device)
+
+
+def cmd_run(model: Any, args: argparse.Namespace, command: str) -> int:
+    """The benchmark: print the table, write CSV, markdown and the chart."""
+    prompts = load_prompts(args.prompts, args.limit)
+    methods = build_methods(model, args.methods, args.trees or default_trees(model))
+    out = args.out or Path("out") / "bench"
+    runs, notes = run_benchmark(model, prompts, methods, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+                                pld_tokens=args.pld_tokens, system=args.system, progress=not args.no_progress,
+                                temperature=args.temperature, sampling=args.sampling, threads=args.threads)
+    settings = {"prompts": len({r.prompt for r in runs}), "threads": ", ".join(map(str, dict.fromkeys(args.threads))),
+                "max_new_tokens": args.max_new_tokens,
+                "repeats": args.repeats, "pld_tokens": args.pld_tokens, "system": args.system or "none",
+                "temperature": args.temperature, "sampling": args.sampling if args.temperature > 0 else "greedy"}
+    env = {k: v for k, v in environment(model).items() if k != "torch_threads"}  # "threads" in settings says it
+    text, paths = write_report(out, runs, command=command, env=env, settings=settings, notes=notes)
+    print(text)
+    print("wrote " + ", ".join(map(str, paths)))
+    return 0
+
+
+COMMANDS = {"run": cmd_run, "tune": cmd_tune, "profile": cmd_profile}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m medusa_core.bench [tune|profile] ...``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv.pop(0) if argv and argv[0] in COMMANDS else "run"
+    args = build_parser(command).parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    line = "python -m medusa_core.bench " + shlex.join(([command] if command != "run" else []) + argv)
+    torch_threads = torch.get_num_threads()
+    try:
+        return COMMANDS[command](load_model(args), args, line.strip())
+    finally:
+        torch.set_num_threads(torch_threads)  # a caller in the same process keeps its own setting
+

@@ -1,0 +1,63 @@
+"""Where a Medusa step spends its time: ``python -m medusa_core.bench profile`` (cProfile and torch.profiler)."""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+from pathlib import Path
+from typing import Any
+
+from .prompts import encode_prompt, load_prompts
+from .report import _fmt, markdown_table
+
+
+def cmd_profile(model: Any, args: argparse.Namespace, command: str) -> int:
+    """Profile Medusa generation: Python time per engine function (cProfile) and per torch op."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prompts = load_prompts(args.prompts, args.limit or args.runs)[: args.runs]
+    ids = [encode_prompt(model.tokenizer, p, args.system) for p in prompts]
+    tree = args.tree or model.default_tree
+
+    def generate_all() -> tuple[int, int]:
+        steps = tokens = 0
+        for x in ids:
+            for rec in model.generate(x, max_new_tokens=args.max_new_tokens, tree=tree):
+                steps, tokens = steps + 1, tokens + len(rec.token_ids)
+        return steps, tokens
+
+    generate_all()  # warm-up
+    prof = cProfile.Profile()
+    start = time.perf_counter()
+    prof.enable()
+    steps, tokens = generate_all()
+    prof.disable()
+    elapsed = time.perf_counter() - start
+    out = args.out or Path("out") / "profile"
+    out.mkdir(parents=True, exist_ok=True)
+    stats = pstats.Stats(prof)
+    stages = []
+    for (file, line, func), (_, calls, tottime, cumtime, _) in stats.stats.items():
+        if file.endswith(("medusa_core/model.py", "medusa_core/acceptance.py", "medusa_core/heads.py")):
+            stages.append([f"{Path(file).name}:{func}", calls, _fmt(1e3 * cumtime / steps, 3), _fmt(1e3 * tottime / steps, 3)])
+    stages.sort(key=lambda r: -float(r[2]))
+    lines = [f"# Profile of {tree} on {model.name}", "", f"`{command}`", "",
+             f"{steps} steps, {tokens} tokens, {elapsed:.2f} s under cProfile: {1e3 * elapsed / steps:.2f} ms/step, "
+             f"{tokens / steps:.2f} tokens/step", "", "## medusa_core functions (ms per step)", "",
+             markdown_table(stages, ["function", "calls", "cumulative ms/step", "own ms/step"])]
+    with open(out / "cprofile.txt", "w") as f:
+        pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(60)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if model.device.type == "cuda" else [])) as tp:
+        generate_all()
+    table = tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+    (out / "torch_ops.txt").write_text(table, encoding="utf-8")
+    tp.export_chrome_trace(str(out / "trace.json"))
+    lines += ["", "## torch ops (self CPU time, all steps)", "", "```", table, "```"]
+    text = "\n".join(lines) + "\n"
+    (out / "profile.md").write_text(text, encoding="utf-8")
+    print(text)
+    print(f"wrote {out / 'profile.md'}, {out / 'cprofile.txt'}, {out / 'torch_ops.txt'}, {out / 'trace.json'}")
+    return 0
+

@@ -1,0 +1,223 @@
+"""Running the methods: one timed generation (``run_once``) and the interleaved benchmark (``run_benchmark``).
+
+Every method runs on the same loaded weights, in one process, after a warm-up, interleaved prompt by
+prompt (with the method order rotated) so that machine drift hits all of them alike. Given several torch
+thread counts, every (thread count, method) pair runs on a prompt before the next prompt, both orders
+rotated, and each ``Run`` records its thread count, so the accounting keeps one row per method and count.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from .methods import Method
+from .prompts import Prompt, encode_prompt
+
+
+@dataclass(frozen=True)
+class Run:
+    """One generation of one prompt by one method. Times are wall-clock seconds.
+
+    Attributes:
+        method, prompt (index in the prompt set), category, repeat: what was run.
+        tokens: new tokens produced.
+        steps: decoding steps (backbone forward passes) that produced them. For HF methods the
+            prefill pass counts, since it yields the first token; for this project's loop the prefill's
+            token is emitted by step 0, so steps = records.
+        wall_s: the whole call, prefill included.
+        ttft_s: until the first new token is in the caller's hands.
+        step_time_s: time of the ``timed_steps`` decoding steps, prefill excluded.
+        timed_steps: steps that ``step_time_s`` covers.
+        tree_nodes: N verified per Medusa step (1 for other methods).
+        output: the new token ids (compared with the reference method's when greedy).
+        sampling: the rule the tokens were chosen by: ``StepRecord.sampling`` for this project's loop
+            (greedy, sample, typical, exact); greedy or sample for HF methods.
+        cpu_s: CPU time this process used during the call (all threads); well below
+            ``wall_s × threads`` when other processes took the cores.
+        threads: torch's intra-op CPU threads during the call (``torch.get_num_threads()``).
+    """
+
+    method: str
+    prompt: int
+    category: str
+    repeat: int
+    tokens: int
+    steps: int
+    wall_s: float
+    ttft_s: float
+    step_time_s: float
+    timed_steps: int
+    tree_nodes: int = 1
+    output: tuple[int, ...] = field(default=(), repr=False)
+    cpu_s: float = 0.0
+    sampling: str = "greedy"
+    threads: int = 1
+
+
+class _HFClock:
+    """A streamer for HF ``generate`` that timestamps the first new token (the first ``put`` is the
+    prompt) and a forward pre-hook that counts backbone passes; remove with ``close``."""
+
+    def __init__(self, backbone: torch.nn.Module, device: torch.device):
+        self.device = device
+        self.start = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.forwards = 0
+        self._puts = 0
+        self._hook = backbone.register_forward_pre_hook(self._count)
+
+    def _count(self, *_: Any) -> None:
+        self.forwards += 1
+
+    def put(self, value: torch.Tensor) -> None:  # called by generate; value is already on the host
+        self._puts += 1
+        if self._puts == 2:
+            self.first_token_at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self._hook.remove()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # wall-clock timing must wait for queued kernels
+
+
+def run_once(
+    model: Any, method: Method, input_ids: torch.Tensor, *, max_new_tokens: int, pld_tokens: int = 10,
+    prompt: int = 0, category: str = "", repeat: int = 0, temperature: float = 0.0, sampling: str = "typical",
+) -> Run:
+    """Generate one reply to ``input_ids`` [1, T] with ``method`` and time it: greedy at temperature 0,
+    else sampled (Medusa verifies by ``sampling``, see ``MedusaModel.generate``) with seed
+    ``1000 * repeat + prompt``."""
+    input_ids = input_ids.to(model.device)
+    prompt_len = input_ids.shape[1]
+    seed = 1000 * repeat + prompt
+    meta = dict(method=method.name, prompt=prompt, category=category, repeat=repeat, tree_nodes=method.tree_nodes,
+                threads=torch.get_num_threads())
+    if method.kind in ("hf", "hf_pld"):
+        eos = sorted(model.eos_token_ids)
+        kwargs: dict[str, Any] = dict(
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos or None,  # the same stopping rule as the engine's
+            pad_token_id=eos[0] if eos else getattr(model.tokenizer, "pad_token_id", None) or 0,
+            attention_mask=torch.ones_like(input_ids),
+        )
+        if method.kind == "hf_pld":
+            kwargs["prompt_lookup_num_tokens"] = pld_tokens
+        if temperature > 0:  # plain softmax sampling, as the engine does: no top-k
+            kwargs.update(do_sample=True, temperature=temperature, top_k=0)
+            torch.manual_seed(seed)  # HF samples from the global generator
+        _sync(model.device)
+        cpu0 = time.process_time()
+        clock = _HFClock(model.backbone, model.device)
+        try:
+            with torch.inference_mode():
+                out = model.backbone.generate(input_ids, streamer=clock, **kwargs)
+            _sync(model.device)
+            end = time.perf_counter()
+        finally:
+            clock.close()
+        output = tuple(out[0, prompt_len:].tolist())
+        ttft = (clock.first_token_at or end) - clock.start
+        return Run(
+            **meta, tokens=len(output), steps=clock.forwards, wall_s=end - clock.start, ttft_s=ttft,
+            step_time_s=end - clock.start - ttft, timed_steps=max(clock.forwards - 1, 0), output=output,
+            cpu_s=time.process_time() - cpu0, sampling="sample" if temperature > 0 else "greedy",
+        )
+    if method.kind not in ("baseline", "medusa"):
+        raise ValueError(f"unknown method kind {method.kind!r}")
+    _sync(model.device)
+    cpu0 = time.process_time()
+    start = time.perf_counter()
+    records = []
+    first_at = None
+    for record in model.generate(
+        input_ids, max_new_tokens=max_new_tokens, medusa=method.kind == "medusa",
+        tree=[list(p) for p in method.choices] if method.kind == "medusa" else None,
+        temperature=temperature, sampling=sampling, seed=seed,
+    ):
+        first_at = first_at or time.perf_counter()
+        records.append(record)
+    end = time.perf_counter()
+    output = tuple(t for r in records for t in r.token_ids)
+    return Run(
+        **meta, tokens=len(output), steps=len(records), wall_s=end - start, ttft_s=(first_at or end) - start,
+        step_time_s=sum(r.latency_s for r in records) - records[0].prefill_s, timed_steps=len(records),
+        output=output, cpu_s=time.process_time() - cpu0, sampling=records[0].sampling,
+    )
+
+
+def run_benchmark(
+    model: Any,
+    prompts: Sequence[Prompt],
+    methods: Sequence[Method],
+    *,
+    max_new_tokens: int = 128,
+    repeats: int = 3,
+    pld_tokens: int = 10,
+    warmup_tokens: int = 16,
+    system: str | None = None,
+    progress: bool = True,
+    temperature: float = 0.0,
+    sampling: str = "typical",
+    threads: Sequence[int] = (),
+) -> tuple[list[Run], list[str]]:
+    """Run every method on every prompt ``repeats`` times at each torch thread count of ``threads``
+    (none: torch's current setting), interleaved prompt by prompt; torch's setting is restored after.
+
+    Prompts that do not leave room for ``max_new_tokens`` in the context window are skipped.
+    Returns (runs, notes): notes name each skipped prompt.
+    """
+    from tqdm.auto import tqdm
+
+    encoded, notes = [], []
+    for i, p in enumerate(prompts):
+        ids = encode_prompt(model.tokenizer, p, system)
+        if ids.shape[1] + max_new_tokens > model.max_context:
+            notes.append(f"prompt {i} skipped: {ids.shape[1]} tokens + {max_new_tokens} new > context {model.max_context}")
+            continue
+        encoded.append((i, p, ids))
+    if not encoded:
+        raise ValueError("no prompt fits the context window: lower --max-new-tokens")
+    torch_threads = torch.get_num_threads()
+    counts = list(dict.fromkeys(threads)) or [torch_threads]
+    runs: list[Run] = []
+    try:
+        for t in counts:
+            torch.set_num_threads(t)
+            for m in methods:  # warm-up: allocator, kernels, tree buffers, this many threads
+                run_once(model, m, encoded[0][2], max_new_tokens=min(warmup_tokens, max_new_tokens),
+                         pld_tokens=pld_tokens, temperature=temperature, sampling=sampling)
+        bar = tqdm(total=repeats * len(encoded) * len(counts) * len(methods), desc="bench", unit="run",
+                   disable=not progress)
+        for r in range(repeats):
+            for j, (i, p, ids) in enumerate(encoded):
+                for t in _rotated(counts, j + r):
+                    torch.set_num_threads(t)
+                    for m in _rotated(methods, j + r):
+                        bar.set_postfix_str(f"{m.name}, {t} threads", refresh=False)
+                        runs.append(run_once(
+                            model, m, ids, max_new_tokens=max_new_tokens, pld_tokens=pld_tokens,
+                            prompt=i, category=p.category, repeat=r, temperature=temperature, sampling=sampling,
+                        ))
+                        bar.update()
+        bar.close()
+    finally:
+        torch.set_num_threads(torch_threads)
+    return runs, notes
+
+
+def _rotated(items: Sequence[Any], k: int) -> list[Any]:
+    """``items`` starting at index ``k`` (mod its length), wrapping round."""
+    k %= len(items)
+    return list(items[k:]) + list(items[:k])
+

@@ -1,0 +1,282 @@
+"""The hardware-aware tree tuner (paper 2.3.3, fig. 4): ``python -m medusa_core.bench tune``.
+
+Tree sizes are counted in paths ``n`` (nodes without the root, ``optimal_tree``'s budget); a tree then
+verifies ``N = n + 1`` tokens per step (``StepRecord.tree_nodes``). The prediction (``predict_speedups``,
+``monotone_latency``, ``choose_tree_size``, ``confirm_choice``) is pure and tested on synthetic curves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import statistics
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from .accounting import ALL, Summary, _ratio, summarise
+from .methods import Method
+from .prompts import encode_prompt, load_prompts
+from .report import _fmt, environment, markdown_table, write_csv, write_figure
+from .run import run_benchmark
+
+#: Tree sizes (paths, root excluded) the tuner measures by default.
+TUNE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+def predict_speedups(expected_accept: Mapping[int, float], latency_s: Mapping[int, float]) -> dict[int, float]:
+    """Predicted speedup over plain decoding of each tree size (paper 2.3.3, fig. 4).
+
+    speedup(n) = (1 + expected_accept(n)) / (latency(n) / latency(0)), where n counts paths (root
+    excluded), ``expected_accept[n]`` is ``optimal_tree(rank_accuracy, n)[1]`` and ``latency_s[0]``
+    is the plain step. Sizes without a latency are left out. Raises ``ValueError`` without ``latency_s[0]``.
+    """
+    if latency_s.get(0, 0) <= 0:
+        raise ValueError("latency_s[0], the plain decoding step, is needed as the unit of step cost")
+    return {
+        n: (1.0 + (0.0 if n == 0 else expected_accept[n])) / (latency_s[n] / latency_s[0])
+        for n in sorted(latency_s)
+        if n == 0 or n in expected_accept
+    }
+
+
+def monotone_latency(latency_s: Mapping[int, float]) -> dict[int, float]:
+    """The closest non-decreasing curve to measured step latencies (least squares, pool adjacent violators).
+
+    A bigger tree never costs less per step; a measurement that says so is noise from other processes,
+    and fitting it out keeps the tuner from picking a size for its lucky timing.
+    """
+    blocks: list[list[float]] = []  # [mean, count]
+    for n in sorted(latency_s):
+        blocks.append([latency_s[n], 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, c2), (m1, c1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2])
+    fitted = [m for m, c in blocks for _ in range(int(c))]
+    return dict(zip(sorted(latency_s), fitted))
+
+
+def choose_tree_size(predicted: Mapping[int, float], tolerance: float = 0.0) -> int:
+    """The smallest size whose predicted speedup is within ``tolerance`` (relative) of the best.
+
+    A tolerance of a few percent prefers the smaller tree when a larger one wins only by noise.
+    """
+    if not predicted:
+        raise ValueError("no predicted speedups to choose from")
+    best = max(predicted.values())
+    return min(n for n, s in predicted.items() if s >= best * (1.0 - tolerance))
+
+
+def confirm_choice(pick: int, measured_tok_s: Mapping[int, float], tolerance: float = 0.0) -> int:
+    """The tree size to keep after the confirming benchmark: the predicted ``pick``, unless another
+    confirmed size ran more than ``tolerance`` (relative) faster, in which case the fastest."""
+    fastest = max(measured_tok_s, key=measured_tok_s.get)
+    if pick not in measured_tok_s or measured_tok_s[fastest] > measured_tok_s[pick] * (1.0 + tolerance):
+        return fastest
+    return pick
+
+
+def measure_step_latency(
+    model: Any, prompt_ids: Sequence[torch.Tensor], trees: Mapping[int, Sequence[Sequence[int]]],
+    *, max_new_tokens: int = 64, progress: bool = True,
+) -> tuple[dict[int, float], dict[int, float]]:
+    """Step latency (s) and acceleration rate of every tree size, through the real decode loop.
+
+    ``trees[n]`` are the paths of size n; size 0 is plain decoding (``medusa=False``). Sizes are
+    interleaved per prompt. A run's step latency is the mean over the steps that verified the full tree
+    (the engine drops to a root-only step near the token limit), step 0's prefill subtracted; a size's
+    latency is the median over runs, which shrugs off a run slowed by another process.
+    """
+    from tqdm.auto import tqdm
+
+    sizes = sorted(trees)
+    per_run: dict[int, list[float]] = {n: [] for n in sizes}
+    tokens = dict.fromkeys(sizes, 0)
+    steps = dict.fromkeys(sizes, 0)
+
+    def go(n: int, ids: torch.Tensor, limit: int) -> list[Any]:
+        kwargs = dict(medusa=False) if n == 0 else dict(tree=[list(p) for p in trees[n]])
+        return list(model.generate(ids, max_new_tokens=limit, **kwargs))
+
+    for n in sizes:
+        go(n, prompt_ids[0], 8)  # warm-up and tree buffers
+    bar = tqdm(total=len(prompt_ids) * len(sizes), desc="step latency", unit="run", disable=not progress)
+    for j, ids in enumerate(prompt_ids):
+        k = j % len(sizes)
+        for n in sizes[k:] + sizes[:k]:
+            records = go(n, ids, max_new_tokens)
+            full = [r.latency_s - r.prefill_s for r in records if r.tree_nodes == len(trees[n]) + 1]
+            if full:
+                per_run[n].append(sum(full) / len(full))
+            tokens[n] += sum(len(r.token_ids) for r in records)
+            steps[n] += len(records)
+            bar.update()
+    bar.close()
+    latency = {n: statistics.median(v) for n, v in per_run.items() if v}
+    accel = {n: tokens[n] / steps[n] for n in sizes if steps[n]}
+    return latency, accel
+
+
+def dump_tuned(data: Mapping[str, Any]) -> str:
+    """JSON text of a tuned-tree file with one line per field (paths stay on one line)."""
+    parts = []
+    for key, entry in data.items():
+        if isinstance(entry, dict):
+            inner = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in entry.items())
+            parts.append(f" {json.dumps(key)}: {{\n{inner}\n }}")
+        else:
+            parts.append(f" {json.dumps(key)}: {json.dumps(entry)}")
+    return "{\n" + ",\n".join(parts) + "\n}\n"
+
+
+def write_tuned(path: Path, key: str, entry: dict[str, Any]) -> dict[str, Any]:
+    """Merge ``{key: entry}`` into the tuned-tree file at ``path`` (other keys kept), atomically."""
+    data: dict[str, Any] = {}
+    if path.exists():
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(data, dict):
+            raise ValueError(f"{path} does not hold a JSON object; move it away and tune again")
+    data[key] = entry
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(dump_tuned(data), encoding="utf-8")
+    os.replace(tmp, path)
+    return data
+
+
+
+def _model_folder(name_or_path: str) -> Path:
+    from ..loading import _local_folder  # the same resolution the loader uses ("demo", folder, Hub id)
+
+    return _local_folder(name_or_path)
+
+
+def cmd_tune(model: Any, args: argparse.Namespace, command: str) -> int:
+    """Measure step latency per tree size, predict, confirm the best sizes, write ``medusa_tuned.json``."""
+    from ..loading import TUNED_FILE, tuned_key
+    from ..trees import optimal_tree
+
+    if args.rank_accuracy:
+        rank_accuracy = json.loads(args.rank_accuracy.read_text(encoding="utf-8"))["rank_accuracy"]
+    else:
+        rank_accuracy = model.rank_accuracy
+    if not rank_accuracy:
+        raise SystemExit(
+            f"{args.model} has no calibrated rank accuracies (medusa_calibration.json with 'rank_accuracy'): "
+            "calibrate the heads first, or pass --rank-accuracy FILE.json"
+        )
+    rank_accuracy = [list(r) for r in rank_accuracy[: model.num_heads]]
+    trees: dict[int, list[list[int]]] = {0: []}
+    expected: dict[int, float] = {0: 0.0}
+    for n in sorted(set(args.sizes)):
+        paths, e = optimal_tree(rank_accuracy, n)
+        if len(paths) == n:  # a budget beyond the calibrated ranks adds nothing
+            trees[n], expected[n] = paths, e
+    timing_ids = [encode_prompt(model.tokenizer, p, args.system) for p in load_prompts(args.prompts, args.latency_prompts)]
+    latency, accel = measure_step_latency(model, timing_ids, trees, max_new_tokens=args.latency_tokens,
+                                          progress=not args.no_progress)
+    fitted = monotone_latency(latency)
+    predicted = predict_speedups(expected, fitted)
+    pick = choose_tree_size({n: s for n, s in predicted.items() if n}, args.tolerance)
+    ranked = sorted((n for n in predicted if n), key=lambda n: (n != pick, -predicted[n]))[: max(args.confirm_top, 1)]
+
+    confirm_prompts = load_prompts(args.prompts, args.limit or args.confirm_prompts)
+    methods = [Method("hf", "hf"), Method("baseline", "baseline")] + [
+        Method(f"medusa:optimal_{n}", "medusa", tuple(map(tuple, trees[n]))) for n in ranked
+    ]
+    runs, notes = run_benchmark(model, confirm_prompts, methods, max_new_tokens=args.max_new_tokens,
+                                repeats=args.repeats, system=args.system, progress=not args.no_progress)
+    overall = {s.method: s for s in summarise(runs) if s.category == ALL}
+    base_tok_s = overall["baseline"].tok_s
+    measured = {n: overall[f"medusa:optimal_{n}"] for n in ranked}
+    best = confirm_choice(pick, {n: measured[n].tok_s for n in ranked}, args.tolerance)
+    if measured[best].tok_s < base_tok_s:
+        notes.append(f"no tree beat plain decoding here: the best, {best} paths, ran at "
+                     f"{_ratio(measured[best].tok_s, base_tok_s):.2f}× the plain loop's tokens/s")
+    if pick != best:
+        notes.append(f"the prediction picked {pick} paths; the confirming benchmark measured {best} paths faster")
+
+    rows = []
+    for n in sorted(predicted):
+        m = measured.get(n)
+        rows.append([
+            n, n + 1, _fmt(1 + expected[n]), _fmt(accel.get(n, math.nan)), _fmt(1e3 * latency[n]), _fmt(1e3 * fitted[n]),
+            _fmt(fitted[n] / fitted[0]), _fmt(predicted[n]) + "×", _fmt(accel.get(n, math.nan) * fitted[0] / fitted[n]) + "×",
+            _fmt(_ratio(m.tok_s, base_tok_s)) + "×" if m else "", _fmt(m.speedup) + "×" if m else "",
+            ("**chosen**" if n == best else "") + (" predicted best" if n == pick else ""),
+        ])
+    env = environment(model)
+    table = markdown_table(rows, ["paths n", "tree tokens", "expected accel.", "accel. in timing runs", "step ms",
+                                  "step ms (monotone fit)", "step cost ×", "predicted speedup",
+                                  "step speedup in timing runs", "measured speedup vs baseline", "measured speedup vs HF", ""])
+    text = "\n".join([
+        "# Tree tuning", "", f"`{command}`", "", ", ".join(f"{k}: {v}" for k, v in env.items()), "", table, "",
+        "predicted speedup = expected accel. (from the calibrated rank accuracies, paper 2.3.3) ÷ step cost "
+        "(fitted step latency ÷ plain step latency); step speedup in timing runs = the acceleration the timing runs "
+        "reached ÷ step cost; measured = tokens/s ÷ the plain loop's tokens/s "
+        f"(and ÷ HF generate's) in a confirming benchmark of {len({r.prompt for r in runs})} prompts × "
+        f"{args.max_new_tokens} tokens.", "",
+    ] + [f"- {n}" for n in notes])
+    print(text)
+    out = args.out or Path("out") / "tune"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tune.md").write_text(text, encoding="utf-8")
+    with (out / "tune.csv").open("w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(["paths", "tree_tokens", "expected_acceleration", "timing_acceleration", "step_ms", "step_ms_fitted",
+                    "predicted_speedup", "measured_speedup_vs_baseline", "measured_speedup_vs_hf"])
+        for n in sorted(predicted):
+            m = measured.get(n)
+            w.writerow([n, n + 1, 1 + expected[n], accel.get(n), 1e3 * latency[n], 1e3 * fitted[n], predicted[n],
+                        _ratio(m.tok_s, base_tok_s) if m else "", m.speedup if m else ""])
+    write_csv(out / "runs.csv", runs, exclude=("output",))
+    paths = write_figure(_tune_figure(predicted, measured, base_tok_s, env), out / "tune")
+
+    m = measured[best]
+    entry = {
+        "choices": trees[best],
+        "nodes": best + 1,
+        "predicted_speedup": round(predicted[best], 4),
+        "measured_speedup": round(_ratio(m.tok_s, base_tok_s), 4),
+        "measured_speedup_vs_hf": round(m.speedup, 4),
+        "predicted_acceleration": round(1 + expected[best], 4),
+        "measured_acceleration": round(m.acceleration, 4),
+        "measured_overhead": round(m.overhead, 4),
+        "identical_to_hf": f"{m.identical}/{m.compared}",
+        "step_latency_ms": {str(n): round(1e3 * v, 4) for n, v in sorted(latency.items())},
+        "step_latency_fitted_ms": {str(n): round(1e3 * v, 4) for n, v in sorted(fitted.items())},
+        "predicted_best_paths": pick,
+        "device_name": env["device_name"],
+        "dtype": env["dtype"],
+        "torch_threads": env["torch_threads"],
+        "tuned_at": env["date"],
+        "command": command,
+    }
+    key = tuned_key(model.device, model.quantization)
+    target = args.tuned_file or _model_folder(args.model) / TUNED_FILE
+    if args.dry_run:
+        print(f"--dry-run: not writing {target} [{key}]")
+    else:
+        write_tuned(target, key, entry)
+        print(f"wrote tree 'tuned' ({best} paths, {best + 1} tree tokens) to {target} [{key}]")
+    print("wrote " + ", ".join(map(str, [out / "tune.md", out / "tune.csv", out / "runs.csv", *paths])))
+    return 0
+
+
+def _tune_figure(predicted: Mapping[int, float], measured: Mapping[int, Summary], base_tok_s: float, env: Mapping[str, Any]) -> Any:
+    import plotly.graph_objects as go
+
+    x = sorted(predicted)
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=[n + 1 for n in x], y=[predicted[n] for n in x], mode="lines+markers", name="predicted"))
+    mx = sorted(measured)
+    fig.add_trace(go.Scatter(x=[n + 1 for n in mx], y=[_ratio(measured[n].tok_s, base_tok_s) for n in mx],
+                             mode="markers", marker=dict(size=12, symbol="diamond"), name="measured"))
+    fig.update_xaxes(title_text="tree tokens per step (N, root included)", type="log")
+    fig.update_yaxes(title_text="speedup vs the plain loop (×)")
+    fig.update_layout(title=f"Tree size vs speedup — {env['device_name']}, {env['quantization']}", template="plotly_white")
+    return fig
+
