@@ -16,7 +16,8 @@ The backbone is Hugging Face's SmolLM2-135M-Instruct as the Q4_1 GGUF file insid
 4. ``distill``       — self-distillation: the backbone's greedy replies (paper 2.3.2), batched, on plain
    bfloat16 (default: about 3× faster than float32 on this CPU) or float32 weights.
 5. ``heads``         — "version 2" Medusa heads sharing the backbone's LM head (paper 2.2.1) on the
-   frozen backbone, with ``medusa_core.train``; calibration on held-out replies (paper 2.3.3).
+   frozen backbone, with ``medusa_core.train`` (softmax over the replies' vocabulary during
+   training); calibration on held-out replies over the whole vocabulary (paper 2.3.3).
 6. ``export``        — heads, config and calibration into ``assets/demo``, figures in ``build_figures.json``.
 7. ``evaluate``      — the shipped model on held-out prompts: acceleration per tree, identical to plain
    greedy decoding, replies that end within 512 tokens.
@@ -153,8 +154,8 @@ def stage_heads(args) -> None:
     t0 = time.time()
     model, _ = load()
     cfg = HeadTrainingConfig(num_heads=args.num_heads, num_layers=args.head_layers, share_lm_head=True,
-                             epochs=args.head_epochs, batch_size=1024, lr=args.head_lr, warmup_steps=30,
-                             seed=SEED, checkpoint_every=50)
+                             vocab="data", epochs=args.head_epochs, batch_size=512, lr=args.head_lr,
+                             warmup_steps=30, seed=SEED, checkpoint_every=50)
     hidden, labels = collect_positions(model, read_distilled(WORK / "distill_train.jsonl"), cfg.num_heads, bf16=True)
     log(f"heads: {len(hidden)} training positions in {time.time() - t0:.0f} s")
     heads, stats = train_heads(model, hidden, labels, out, cfg, base_model_name_or_path=BASE_MODEL_ID)
@@ -281,7 +282,7 @@ def main() -> None:
     p.add_argument("--max-reply-tokens", type=int, default=192, help="distilled reply length limit")
     p.add_argument("--num-heads", type=int, default=4)
     p.add_argument("--head-layers", type=int, default=1, help="residual blocks per head")
-    p.add_argument("--head-epochs", type=float, default=2.0)
+    p.add_argument("--head-epochs", type=float, default=1.0)
     p.add_argument("--head-lr", type=float, default=1e-3)
     p.add_argument("--eval-prompts", type=int, default=20, help="held-out prompts for acceleration and exactness")
     p.add_argument("--end-prompts", type=int, default=48, help="held-out prompts for the end-of-turn figure")
