@@ -122,7 +122,11 @@ def gguf_model_folder(path: str | Path, *, trust_remote_code: bool = False) -> P
     config.save_pretrained(tmp)
     model.generation_config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)
+    try:
+        tmp.rename(folder)
+    except OSError:  # another process finished the same conversion first: keep its folder
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (folder / "model.safetensors").exists():
+            raise
     log.warning("converted %s in %.1f s", path.name, time.perf_counter() - start)
     return folder
