@@ -1,5 +1,5 @@
 """The page: ``build_ui(engine, settings) -> gr.Blocks``. Layout and event wiring only; the behaviour
-lives in ``app.handlers``, whose named outputs are mapped to components here.
+lives in the ``app.handlers`` package, whose named outputs are mapped to components here.
 
 Generation events (reply, regenerate, compare) share one concurrency group of size 1: one
 generation at a time on the model, the others queue. Everything else (Stop, export, the slider)

@@ -18,9 +18,10 @@ from tiny_models import write_tiny_medusa
 from app import handlers
 from app.engine import Engine
 from app.handlers import CUSTOM_TREE, Controls
-from app.session import Session
+from app.handlers.generation import fit_prompt
+from app.session import Session, Turn
 from app.settings import AppSettings
-from app.stats import CSV_COLUMNS
+from app.stats import CSV_COLUMNS, summarize, summary_markdown
 from app.ui import build_ui
 from medusa_core import load_medusa_model
 
@@ -54,7 +55,7 @@ def reply_html(update) -> str:
 def greedy_reference(engine, session, controls, index=-1) -> str:
     """The reply plain medusa_core gives for the same prompt, decoded in one go."""
     model = engine.model
-    ids, _ = handlers._fit_prompt(model, controls, session.history(len(session.turns) + index), session.turns[index].user)
+    ids, _ = fit_prompt(model, controls, session.history(len(session.turns) + index), session.turns[index].user)
     tokens = [t for r in model.generate(ids, max_new_tokens=controls.max_new_tokens, tree=controls.tree) for t in r.token_ids]
     return model.tokenizer.decode(tokens, skip_special_tokens=True)
 
@@ -257,7 +258,7 @@ def test_compare_runs_medusa_off_then_on_and_reports_identical_greedy_replies(en
     compare_rows = [r for r in session.rows if r.source == "compare"]
     assert {r.mode for r in compare_rows} == {"baseline", "medusa"}
     assert {r.temperature for r in compare_rows} == {0.0}
-    assert updates[-1]["summary"].count("–") < handlers.summary_markdown(handlers.summarize([], 4)).count("–")
+    assert updates[-1]["summary"].count("–") < summary_markdown(summarize([], 4)).count("–")
 
 
 def test_compare_without_a_message_says_what_to_do(engine, settings, controls):
@@ -322,14 +323,14 @@ def test_session_state_copies_are_independent_and_usable():
     import copy
 
     original = Session()
-    original.turns.append(handlers.Turn(user="x"))
+    original.turns.append(Turn(user="x"))
     copied = copy.deepcopy(original)
     assert copied.turns[0].user == "x" and copied.turns is not original.turns
     assert not copied.busy and copied.id != original.id
 
 
 def test_prompts_are_built_on_the_cpu_host_side(engine, controls):
-    ids, dropped = handlers._fit_prompt(engine.model, controls, [], "def add")
+    ids, dropped = fit_prompt(engine.model, controls, [], "def add")
     assert ids.dtype == torch.long and ids.shape[0] == 1 and dropped == 0
 
 

@@ -1,0 +1,162 @@
+"""Chat handlers: send (add the user's message, then stream the reply), Stop, Regenerate, Clear,
+the step slider and the highlight toggle.
+
+``respond`` runs the engine in the handler's own generator and hands an update to the page at most
+every ``settings.stream_interval_s`` (chat text) and ``settings.redraw_interval_s`` (plots,
+summary): the engine keeps decoding between updates.
+"""
+
+from __future__ import annotations
+
+import html
+import logging
+import time
+from contextlib import closing
+from typing import Iterator
+
+import gradio as gr
+from jinja2 import TemplateError
+
+from medusa_core import StepRecord
+
+from ..charts import tree_figure
+from ..engine import Engine
+from ..session import Session, Turn
+from ..settings import AppSettings
+from ..text import ReplyText
+from .controls import Controls, tree_argument
+from .generation import fit_prompt, record_steps
+from .views import Updates, chat_view, labels, live_view, model_panel, reply_status
+
+log = logging.getLogger(__name__)
+
+STOP_WAIT_S = 30.0  # how long Stop and Clear wait for a running reply to finish its current step
+
+
+def add_user(engine: Engine, session: Session, message: str, highlight: bool) -> Updates:
+    """Append the user's message (Enter or Send). Empty messages are ignored; while the model loads
+    or a reply runs, the message stays in the box."""
+    text = (message or "").strip()
+    if not text:
+        return {"message": ""}
+    if not engine.ready:
+        gr.Warning(engine.status())
+        return {}
+    if session.busy:
+        gr.Warning("A reply is still streaming: wait for it or press Stop.")
+        return {}
+    session.turns.append(Turn(user=text))
+    return {"message": "", "chatbot": chat_view(session, highlight), "reply_status": reply_status(session)}
+
+
+def respond(engine: Engine, settings: AppSettings, session: Session, controls: Controls) -> Iterator[Updates]:
+    """Stream the reply to the pending user message: chat text, live tree, charts, summary."""
+    index = next((i for i, t in enumerate(session.turns) if t.state == "pending"), None)
+    if index is None or engine.model is None or session.busy:
+        yield {}
+        return
+    model, turn = engine.model, session.turns[index]
+    try:
+        tree = tree_argument(model, controls.tree, controls.custom_tree) if controls.medusa else None
+        ids, dropped = fit_prompt(model, controls, session.history(index), turn.user)
+        steps = model.generate(
+            ids,
+            max_new_tokens=controls.max_new_tokens,
+            tree=tree,
+            temperature=controls.temperature,
+            posterior_threshold=controls.posterior_threshold,
+            posterior_alpha=controls.posterior_alpha,
+            medusa=controls.medusa,
+            seed=controls.seed,
+        )
+    except (ValueError, TemplateError) as e:  # too-long prompt, invalid tree, bad control value, template error
+        turn.state, turn.error = "error", f"Not sent: {e}"
+        yield {"chatbot": chat_view(session, controls.highlight), "tree_status": f"⚠ {html.escape(str(e))}", "reply_status": reply_status(session)}
+        return
+    if dropped:
+        turn.note = f"{dropped} earlier turn{'s' if dropped > 1 else ''} left out to fit the {model.max_context}-token context"
+    turn.state, turn.reply = "streaming", ReplyText()
+    session.begin()
+    try:
+        yield from _stream(engine, settings, session, controls, steps, turn)
+    finally:  # also when Stop cancels this generator
+        if turn.state == "streaming":
+            turn.state = "stopped"
+        session.end()
+    yield {
+        "chatbot": chat_view(session, controls.highlight),
+        **live_view(engine, session, final=True),
+        "model_panel": model_panel(engine, session),
+        "reply_status": reply_status(session),
+    }
+
+
+def _stream(
+    engine: Engine, settings: AppSettings, session: Session, controls: Controls, steps: Iterator[StepRecord], turn: Turn
+) -> Iterator[Updates]:
+    """Record the reply's steps and yield throttled page updates; failures end up in the chat."""
+    last_chat = last_plot = 0.0
+    try:
+        turn.reply_index = session.new_reply()
+        with closing(record_steps(engine, session, steps, controls, "chat", turn.reply_index, turn.reply)) as records:
+            for _ in records:
+                now = time.monotonic()
+                if now - last_plot >= settings.redraw_interval_s:
+                    status = {"reply_status": reply_status(session)} if last_plot == 0.0 else {}
+                    last_plot = last_chat = now
+                    yield {"chatbot": chat_view(session, controls.highlight), **live_view(engine, session), **status}
+                elif now - last_chat >= settings.stream_interval_s:
+                    last_chat = now
+                    yield {"chatbot": chat_view(session, controls.highlight)}
+        turn.state = "stopped" if session.rows[-1].stop_reason == "stopped" else "done"
+    except Exception as e:  # noqa: BLE001 - any failure inside the model is shown in the chat; the app keeps serving
+        log.exception("generation failed")
+        turn.state, turn.error = "error", f"Generation failed: {type(e).__name__}: {e}"
+
+
+
+def stop(engine: Engine, session: Session, highlight: bool) -> Updates:
+    """Stop the running reply after its current step, keeping everything streamed so far."""
+    session.stop_requested.set()
+    session.idle.wait(STOP_WAIT_S)
+    for turn in session.turns:
+        if turn.state == "pending":  # cancelled while waiting for the model
+            turn.state = "stopped"
+    return {
+        "chatbot": chat_view(session, highlight),
+        **live_view(engine, session, final=True),
+        "model_panel": model_panel(engine, session),
+        "reply_status": reply_status(session),
+    }
+
+
+def regenerate(engine: Engine, session: Session, highlight: bool) -> Updates:
+    """Drop the last reply and mark its user message pending (``respond`` runs next)."""
+    if session.busy or not session.turns or not engine.ready:
+        return {}
+    last = session.turns[-1]
+    last.reply, last.state, last.error, last.note = ReplyText(), "pending", "", ""
+    return {"chatbot": chat_view(session, highlight), "reply_status": reply_status(session)}
+
+
+def clear(engine: Engine, session: Session) -> Updates:
+    """Stop any running reply and empty the conversation. The session's statistics are kept."""
+    session.stop_requested.set()
+    session.idle.wait(STOP_WAIT_S)
+    session.turns.clear()
+    session.last_records = []
+    return {"chatbot": [], "message": "", "reply_status": "", **live_view(engine, session)}
+
+
+def show_step(engine: Engine, session: Session, step: float) -> Updates:
+    """The candidate tree of one step of the latest reply (the step slider)."""
+    if not session.last_records:
+        return {}
+    step = min(max(int(step), 0), len(session.last_records) - 1)
+    return {"tree_plot": tree_figure(session.last_records[step], labels(engine, session, session.last_records[step]))}
+
+
+def rerender_chat(session: Session, highlight: bool) -> Updates:
+    """Re-render the chat (the highlight toggle)."""
+    return {"chatbot": chat_view(session, highlight)}
+

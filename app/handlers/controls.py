@@ -1,0 +1,103 @@
+"""The page's generation controls and the tree controls: the ``Controls`` a reply reads when it
+starts, the tree dropdown's choices, and the custom-tree check (paper 2.1.2: a tree is a list of
+paths of head ranks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import json
+from dataclasses import dataclass
+
+from medusa_core import MedusaModel
+
+from ..engine import Engine
+from ..settings import AppSettings
+from .views import Updates
+
+CUSTOM_TREE = "custom"  # the tree dropdown's entry that selects the custom-tree textbox
+
+
+@dataclass(frozen=True)
+class Controls:
+    """The page's generation controls, read when a reply starts (a change applies to the next reply)."""
+
+    medusa: bool
+    temperature: float
+    posterior_threshold: float  # ε
+    posterior_alpha: float  # δ
+    tree: str | None  # a tree name, CUSTOM_TREE, or None for the model's default tree
+    custom_tree: str  # JSON list of paths, used when tree == CUSTOM_TREE
+    max_new_tokens: int
+    seed: int | None  # None: a fresh seed per reply (only matters when temperature > 0)
+    system_prompt: str
+    highlight: bool  # highlight the tokens accepted from the heads
+
+    @classmethod
+    def from_settings(cls, settings: AppSettings) -> "Controls":
+        """The controls as the page first shows them."""
+        return cls(
+            medusa=True,
+            temperature=settings.temperature,
+            posterior_threshold=settings.posterior_threshold,
+            posterior_alpha=settings.posterior_alpha,
+            tree=settings.tree,
+            custom_tree="",
+            max_new_tokens=settings.max_new_tokens,
+            seed=None,
+            system_prompt=settings.system_prompt,
+            highlight=False,
+        )
+
+
+CONTROL_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Controls))
+
+
+def tree_choices(model: MedusaModel) -> list[tuple[str, str]]:
+    """(label, value) pairs for the tree dropdown: the model's own trees, presets that fit, chain and
+    dense trees, and the custom tree."""
+    k = model.num_heads
+    names = model.tree_names()
+    names += [f"chain_{d}" for d in range(1, k + 1) if f"chain_{d}" not in names]
+    dense = {"dense_4x2": 2, "dense_3x2x2": 3, "dense_2x2x2x2": 4, "dense_3x3x2x2x1": 5}
+    names += [n for n, depth in dense.items() if depth <= k]
+    choices = []
+    for name in names:
+        try:
+            nodes = len(model.resolve_tree(name)[1]) + 1
+        except ValueError:  # a model tree deeper than its heads: not offered
+            continue
+        own = " · model's own" if name in model.trees else ""
+        choices.append((f"{name} ({nodes} nodes{own})", name))
+    return choices + [("custom (JSON paths below)", CUSTOM_TREE)]
+
+
+def tree_argument(model: MedusaModel, tree: str | None, custom_tree: str) -> str | list[list[int]] | None:
+    """The ``tree`` for ``model.generate`` from the tree controls; ValueError with the validator's message."""
+    if tree != CUSTOM_TREE:
+        if tree:
+            model.resolve_tree(tree)
+        return tree or None
+    try:
+        paths = json.loads(custom_tree)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"the custom tree is not valid JSON ({e.msg}); write paths like [[0], [1], [0, 0]]") from e
+    if not isinstance(paths, list) or not all(isinstance(p, list) for p in paths):
+        raise ValueError("the custom tree must be a JSON list of paths, e.g. [[0], [1], [0, 0]]")
+    model.resolve_tree(paths)
+    return paths
+
+
+def check_tree(engine: Engine, tree: str | None, custom_tree: str) -> Updates:
+    """The tree status line: for a custom tree its node count and depth, or the validator's message."""
+    if engine.model is None or tree != CUSTOM_TREE:
+        return {"tree_status": ""}
+    if not custom_tree.strip():
+        return {"tree_status": "Write the tree as a JSON list of paths, e.g. `[[0], [1], [0, 0], [0, 0, 0]]`."}
+    try:
+        name, choices = engine.model.resolve_tree(tree_argument(engine.model, tree, custom_tree))
+    except ValueError as e:
+        return {"tree_status": f"⚠ {html.escape(str(e))}"}
+    return {"tree_status": f"✓ `{name}`: {len(choices) + 1} nodes, depth {max(map(len, choices))}"}
+
