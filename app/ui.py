@@ -159,35 +159,48 @@ def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
             targets = {n: outputs[n] for n in handlers.OUTPUTS[_name(handler)]}
             return _named(handler, targets), list(targets.values())
 
-        def with_controls(fn: Callable[..., Any]) -> tuple[Callable[..., Any], list[Any]]:
-            """``fn(engine, settings, session, controls)`` as a Gradio function of (session, *control values)."""
+        def with_controls(fn: Callable[..., Any], *extra: Any) -> tuple[Callable[..., Any], list[Any], list[Any]]:
+            """``fn(session, controls, *extra values)`` adapted to Gradio, its outputs and its inputs
+            (the session, every control, then ``extra``): Gradio checks every control's value
+            before ``fn`` runs, so a rejected value rejects the whole event."""
+            n = len(CONTROL_NAMES)
 
-            def run(state: Session, *values: Any) -> Any:
-                values_by_name = dict(zip(CONTROL_NAMES, values))
-                seed_value = values_by_name["seed"]
-                values_by_name["seed"] = None if seed_value is None or seed_value < 0 else int(seed_value)
-                values_by_name["max_new_tokens"] = int(values_by_name["max_new_tokens"])
-                yield from fn(engine, settings, state, Controls(**values_by_name))
+            def controls_of(values: tuple[Any, ...]) -> Controls:
+                by_name = dict(zip(CONTROL_NAMES, values))
+                seed_value = by_name["seed"]
+                by_name["seed"] = None if seed_value is None or seed_value < 0 else int(seed_value)
+                by_name["max_new_tokens"] = int(by_name["max_new_tokens"])
+                return Controls(**by_name)
 
-            run.__name__ = fn.__name__
-            return event(run)
+            if inspect.isgeneratorfunction(fn):
 
-        control_inputs = [session, *controls.values()]
+                def run(state: Session, *values: Any) -> Any:
+                    yield from fn(state, controls_of(values[:n]), *values[n:])
+
+            else:
+
+                def run(state: Session, *values: Any) -> Any:
+                    return fn(state, controls_of(values[:n]), *values[n:])
+
+            run.__name__ = _name(fn)
+            adapted, targets = event(run)
+            return adapted, targets, [session, *controls.values(), *extra]
 
         status_fn, status_out = event(functools.partial(handlers.page_status, engine, settings))
         demo.load(status_fn, [session], status_out, **QUICK)
         timer.tick(status_fn, [session], status_out, **QUICK)
 
-        add_fn, add_out = event(functools.partial(handlers.add_user, engine))
-        reply_fn, reply_out = with_controls(handlers.respond)
-        sent = gr.on([message.submit, send.click], add_fn, [session, message, highlight], add_out, **QUICK)
-        replying = sent.then(reply_fn, control_inputs, reply_out, **MODEL_QUEUE)
-        regenerate_fn, regenerate_out = event(functools.partial(handlers.regenerate, engine))
-        regenerating = regenerate.click(regenerate_fn, [session, highlight], regenerate_out, **QUICK).then(
-            reply_fn, control_inputs, reply_out, **MODEL_QUEUE
+        # A reply runs only after its send (or Regenerate) succeeded: a refused one leaves no pending turn.
+        add_fn, add_out, add_in = with_controls(functools.partial(handlers.add_user, engine), message)
+        reply_fn, reply_out, reply_in = with_controls(functools.partial(handlers.respond, engine, settings))
+        sent = gr.on([message.submit, send.click], add_fn, add_in, add_out, **QUICK)
+        replying = sent.success(reply_fn, reply_in, reply_out, **MODEL_QUEUE)
+        regenerate_fn, regenerate_out, regenerate_in = with_controls(functools.partial(handlers.regenerate, engine))
+        regenerating = regenerate.click(regenerate_fn, regenerate_in, regenerate_out, **QUICK).success(
+            reply_fn, reply_in, reply_out, **MODEL_QUEUE
         )
-        compare_fn, compare_out = with_controls(handlers.compare)
-        comparing = compare.click(compare_fn, control_inputs, compare_out, **MODEL_QUEUE)
+        compare_fn, compare_out, compare_in = with_controls(functools.partial(handlers.compare, engine, settings))
+        comparing = compare.click(compare_fn, compare_in, compare_out, **MODEL_QUEUE)
         running = [replying, regenerating, comparing]
         stop_fn, stop_out = event(functools.partial(handlers.stop, engine))
         stop.click(stop_fn, [session, highlight], stop_out, cancels=running, **QUICK)

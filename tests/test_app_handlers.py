@@ -44,7 +44,7 @@ def controls(settings) -> Controls:
 
 
 def send(engine, settings, session, controls, message="def add"):
-    handlers.add_user(engine, session, message, controls.highlight)
+    handlers.add_user(engine, session, controls, message)
     return list(handlers.respond(engine, settings, session, controls))
 
 
@@ -91,7 +91,7 @@ def test_the_highlight_marks_exactly_the_tokens_accepted_from_the_heads(engine, 
 
 def test_stop_ends_the_reply_after_the_current_step_and_keeps_the_partial_reply(engine, settings, controls):
     session = Session()
-    handlers.add_user(engine, session, "def add", False)
+    handlers.add_user(engine, session, controls, "def add")
     stream = handlers.respond(engine, settings, session, controls)
     next(stream)
     next(stream)
@@ -108,7 +108,7 @@ def test_stop_ends_the_reply_after_the_current_step_and_keeps_the_partial_reply(
 
 def test_a_cancelled_stream_keeps_its_text_and_frees_the_session(engine, settings, controls):
     session = Session()
-    handlers.add_user(engine, session, "def add", False)
+    handlers.add_user(engine, session, controls, "def add")
     stream = handlers.respond(engine, settings, session, controls)
     next(stream)
     next(stream)
@@ -127,7 +127,7 @@ def test_regenerate_replaces_the_last_reply(engine, settings, controls):
     session = Session()
     send(engine, settings, session, controls)
     first = session.turns[0].reply.text
-    updates = handlers.regenerate(engine, session, False)
+    updates = handlers.regenerate(engine, session, controls)
     assert updates["chatbot"][-1]["role"] == "user"  # the old reply is gone
     list(handlers.respond(engine, settings, session, controls))
     assert len(session.turns) == 1 and session.turns[0].state == "done"
@@ -175,7 +175,7 @@ def test_export_writes_every_column_and_one_row_per_step(engine, settings, contr
 
 def test_export_while_a_reply_streams_gives_the_steps_so_far(engine, settings, controls):
     session = Session()
-    handlers.add_user(engine, session, "def add", False)
+    handlers.add_user(engine, session, controls, "def add")
     stream = handlers.respond(engine, settings, session, controls)
     for _ in range(3):
         next(stream)
@@ -186,9 +186,9 @@ def test_export_while_a_reply_streams_gives_the_steps_so_far(engine, settings, c
 
 def test_an_empty_message_is_ignored(engine, settings, controls):
     session = Session()
-    assert handlers.add_user(engine, session, "   \n", False) == {"message": ""}
+    assert handlers.add_user(engine, session, controls, "   \n") == {"message": ""}
     assert session.turns == []
-    assert list(handlers.respond(engine, settings, session, controls)) == [{}]
+    assert list(handlers.respond(engine, settings, session, controls)) == [{"reply_status": gr.skip()}]
 
 
 def test_a_prompt_longer_than_the_context_gets_a_message_and_the_chat_continues(engine, settings, controls):
@@ -300,7 +300,7 @@ def test_while_the_model_loads_messages_wait_and_the_page_shows_progress(setting
     warnings = []
     monkeypatch.setattr(gr, "Warning", lambda msg, *a, **k: warnings.append(msg))
     session = Session()
-    assert handlers.add_user(loading, session, "hi", False) == {} and session.turns == []
+    assert handlers.add_user(loading, session, controls, "hi") == {"message": gr.skip()} and session.turns == []
     assert "Loading demo (nf4)" in warnings[0]
     assert handlers.page_status(loading, settings, session)["banner"].startswith("Loading demo (nf4)")
     with pytest.raises(ValueError):
@@ -368,15 +368,15 @@ def test_a_stop_pressed_after_a_reply_ended_does_not_stop_the_next_one(engine, s
 
 def test_the_status_line_follows_the_latest_reply(engine, settings, controls):
     session = Session()
-    assert handlers.add_user(engine, session, "def add", False)["reply_status"] == "Waiting for the model…"
+    assert handlers.add_user(engine, session, controls, "def add")["reply_status"] == "Waiting for the model…"
     stream = handlers.respond(engine, settings, session, controls)
     assert next(stream)["reply_status"] == "Generating…"
     final = list(stream)[-1]["reply_status"]
     tokens = sum(r.accepted_tokens for r in session.rows)
     assert final.startswith(f"Latest reply: {tokens} tokens in ") and "(Medusa, sparse_16)" in final
-    handlers.add_user(engine, session, "def add " * 400, False)
+    handlers.add_user(engine, session, controls, "def add " * 400)
     assert list(handlers.respond(engine, settings, session, controls))[-1]["reply_status"] == "Latest reply: not generated (see the chat)."
-    handlers.add_user(engine, session, "return", False)
+    handlers.add_user(engine, session, controls, "return")
     stream = handlers.respond(engine, settings, session, dataclasses.replace(controls, medusa=False))
     next(stream)
     session.stop_requested.set()  # the Stop handler's first act; the reply ends after this step
@@ -393,13 +393,13 @@ def test_every_handler_returns_only_the_outputs_its_event_declares(engine, setti
         returned.setdefault(name, set()).update(updates)
 
     note("page_status", handlers.page_status(engine, settings, session))
-    note("add_user", handlers.add_user(engine, session, "def add", False))
+    note("add_user", handlers.add_user(engine, session, controls, "def add"))
     for u in handlers.respond(engine, settings, session, controls):
         note("respond", u)
-    note("regenerate", handlers.regenerate(engine, session, False))
+    note("regenerate", handlers.regenerate(engine, session, controls))
     for u in handlers.respond(engine, settings, session, dataclasses.replace(controls, tree=CUSTOM_TREE, custom_tree="[[")):
         note("respond", u)
-    handlers.regenerate(engine, session, False)
+    handlers.regenerate(engine, session, controls)
     for u in handlers.respond(engine, settings, session, controls):
         note("respond", u)
     for u in handlers.compare(engine, settings, session, controls):

@@ -33,27 +33,43 @@ log = logging.getLogger(__name__)
 STOP_WAIT_S = 30.0  # how long Stop and Clear wait for a running reply to finish its current step
 
 
-def add_user(engine: Engine, session: Session, message: str, highlight: bool) -> Updates:
+#: Why a send or Regenerate is refused; shown as a warning, and nothing else changes.
+STILL_STREAMING = "A reply is still streaming: wait for it or press Stop (Esc)."
+NOTHING_TO_REGENERATE = "Nothing to regenerate: send a message first."
+
+
+def add_user(engine: Engine, session: Session, controls: Controls, message: str) -> Updates:
     """Append the user's message (Enter or Send). Empty messages are ignored; while the model loads
-    or a reply runs, the message stays in the box."""
+    or a reply runs, the message stays in the box and a warning says why.
+
+    The send event reads the controls too, so a value a control rejects (e.g. seed −5) rejects the
+    whole send before the message joins the conversation.
+    """
     text = (message or "").strip()
     if not text:
         return {"message": ""}
-    if not engine.ready:
-        gr.Warning(engine.status())
-        return {}
-    if session.busy:
-        gr.Warning("A reply is still streaming: wait for it or press Stop.")
-        return {}
+    refused = _refusal(engine, session)
+    if refused:
+        gr.Warning(refused)
+        return {"message": gr.skip()}
     session.turns.append(Turn(user=text))
-    return {"message": "", "chatbot": chat_view(session, highlight), "reply_status": reply_status(session)}
+    return {"message": "", "chatbot": chat_view(session, controls.highlight), "reply_status": reply_status(session)}
+
+
+def _refusal(engine: Engine, session: Session) -> str:
+    """Why a new reply cannot start now ("" when it can)."""
+    if not engine.ready:
+        return engine.status()
+    if session.busy or any(t.state == "pending" for t in session.turns):
+        return STILL_STREAMING
+    return ""
 
 
 def respond(engine: Engine, settings: AppSettings, session: Session, controls: Controls) -> Iterator[Updates]:
     """Stream the reply to the pending user message: chat text, live tree, charts, summary."""
     index = next((i for i, t in enumerate(session.turns) if t.state == "pending"), None)
-    if index is None or engine.model is None or session.busy:
-        yield {}
+    if index is None or engine.model is None or session.busy:  # the send was refused: nothing to answer
+        yield {"reply_status": gr.skip()}
         return
     model, turn = engine.model, session.turns[index]
     try:
@@ -130,13 +146,16 @@ def stop(engine: Engine, session: Session, highlight: bool) -> Updates:
     }
 
 
-def regenerate(engine: Engine, session: Session, highlight: bool) -> Updates:
-    """Drop the last reply and mark its user message pending (``respond`` runs next)."""
-    if session.busy or not session.turns or not engine.ready:
-        return {}
+def regenerate(engine: Engine, session: Session, controls: Controls) -> Updates:
+    """Drop the last reply and mark its user message pending (``respond`` runs next). Like a send,
+    the event reads the controls, so a rejected control value leaves the reply in place."""
+    refused = _refusal(engine, session) or ("" if session.turns else NOTHING_TO_REGENERATE)
+    if refused:
+        gr.Warning(refused)
+        return {"reply_status": gr.skip()}
     last = session.turns[-1]
     last.reply, last.state, last.error, last.note = ReplyText(), "pending", "", ""
-    return {"chatbot": chat_view(session, highlight), "reply_status": reply_status(session)}
+    return {"chatbot": chat_view(session, controls.highlight), "reply_status": reply_status(session)}
 
 
 def clear(engine: Engine, session: Session) -> Updates:
@@ -151,7 +170,7 @@ def clear(engine: Engine, session: Session) -> Updates:
 def show_step(engine: Engine, session: Session, step: float) -> Updates:
     """The candidate tree of one step of the latest reply (the step slider)."""
     if not session.last_records:
-        return {}
+        return {"tree_plot": gr.skip()}
     step = min(max(int(step), 0), len(session.last_records) - 1)
     return {"tree_plot": tree_figure(session.last_records[step], labels(engine, session, session.last_records[step]))}
 

@@ -1,0 +1,77 @@
+"""Page-level tests: user actions fired through Gradio's own event processing (``tests/page.py``), on
+the built page with a tiny random model. They catch what handler tests cannot: results Gradio
+rejects, control values a component rejects, and chained events that run after a failure."""
+
+from __future__ import annotations
+
+import pytest
+from page import Page
+from tiny_models import write_tiny_medusa
+
+from app.engine import Engine
+from app.settings import AppSettings
+from app.ui import build_ui
+from medusa_core import load_medusa_model
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory) -> Engine:
+    folder = write_tiny_medusa(tmp_path_factory.mktemp("tiny"))
+    return Engine.of(load_medusa_model(folder, quantization=None))
+
+
+@pytest.fixture
+def settings(tmp_path) -> AppSettings:
+    return AppSettings(data_dir=tmp_path / "data", max_new_tokens=12, tree="sparse_16")
+
+
+@pytest.fixture
+def page(engine, settings) -> Page:
+    return Page(build_ui(engine, settings))
+
+
+def send(page: Page, text: str):
+    page.set(message=text)
+    return page.fire("message", "submit")
+
+
+def test_enter_on_an_empty_box_changes_nothing_and_shows_no_error(page):
+    fired = send(page, "   ")
+    assert fired.errors == [] and page.session.turns == []
+
+
+def test_regenerate_on_an_empty_chat_says_there_is_nothing_to_regenerate(page):
+    fired = page.fire("regenerate", "click")
+    assert fired.errors == []
+    assert any("Nothing to regenerate" in w for w in fired.warnings)
+    assert page.session.turns == []
+
+
+def test_sending_while_the_model_loads_says_so_and_keeps_the_message(settings):
+    page = Page(build_ui(Engine("demo (nf4 backbone)"), settings))
+    fired = send(page, "hello")
+    assert fired.errors == []
+    assert any("Loading demo" in w for w in fired.warnings)
+    assert page.session.turns == []
+    assert all(o.get("message") != "" for o in fired.outputs)  # the message stays in the box
+
+
+def test_sending_while_a_reply_streams_says_so_and_keeps_the_message(page):
+    send(page, "def add")
+    page.session.begin()  # as if the reply were still streaming
+    fired = send(page, "def sub")
+    page.session.end()
+    assert fired.errors == []
+    assert any("still streaming" in w for w in fired.warnings)
+    assert [t.user for t in page.session.turns] == ["def add"]
+
+
+def test_a_send_with_a_rejected_control_value_leaves_no_trace_and_the_next_send_answers_itself(page):
+    page.set(seed=-5)
+    fired = send(page, "first")
+    assert fired.errors and "-5" in fired.errors[0]
+    assert page.session.turns == [] and "respond" not in fired.ran
+    page.set(seed=-1)
+    send(page, "second")
+    assert [t.user for t in page.session.turns] == ["second"]
+    assert page.session.turns[0].state == "done" and page.session.turns[0].reply.text
