@@ -46,13 +46,14 @@ class Session:
         self.replies = 0  # replies started so far (chat and compare), numbering StepRow.reply_index
         self.last_records: list[StepRecord] = []  # steps of the latest reply, for the step slider
         self.last_labels: dict[int, str] = {}  # token id -> label, for the latest reply's trees
+        self.compare_runs: dict[str, list[StepRecord]] | None = None  # the latest Compare's runs so far, by mode
         self.stop_requested = threading.Event()
         self.idle = threading.Event()
         self.idle.set()
 
     def __deepcopy__(self, memo: dict) -> "Session":
         new = Session()
-        for name in ("turns", "rows", "replies", "last_records", "last_labels"):
+        for name in ("turns", "rows", "replies", "last_records", "last_labels", "compare_runs"):
             setattr(new, name, copy.deepcopy(getattr(self, name), memo))
         return new
 

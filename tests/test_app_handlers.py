@@ -352,7 +352,7 @@ def test_stop_during_compare_ends_it_and_says_so(engine, settings, controls):
     next(stream)
     session.stop_requested.set()
     final = list(stream)[-1]["compare_result"]
-    assert "Stopped before both runs finished." in final and "Medusa on" not in final
+    assert "Stopped before both runs finished" in final and "Medusa on" not in final
     assert not session.busy
 
 
@@ -413,3 +413,17 @@ def test_every_handler_returns_only_the_outputs_its_event_declares(engine, setti
     assert set(returned) == set(handlers.OUTPUTS)
     for name, keys in returned.items():
         assert keys <= set(handlers.OUTPUTS[name]), name
+
+
+def test_stop_during_compares_medusa_on_run_says_stopped_and_draws_no_verdict(engine, settings, controls):
+    session = Session()
+    send(engine, settings, session, controls)
+    stream = handlers.compare(engine, settings, session, controls)
+    for update in stream:
+        if any(r.source == "compare" and r.mode == "medusa" for r in session.rows):
+            break
+    session.stop_requested.set()
+    final = list(stream)[-1]["compare_result"]
+    assert "Stopped" in final
+    assert "Identical" not in final and "Speedup" not in final
+    assert "Stopped" in handlers.stop(engine, session, False)["compare_result"]  # also when Stop cancelled the stream

@@ -35,7 +35,7 @@ OUTPUTS: dict[str, tuple[str, ...]] = {
     "respond": ("chatbot", "tree_status", "reply_status", "model_panel", *LIVE_VIEW),
     "regenerate": ("chatbot", "reply_status"),
     "compare": ("compare_result", "model_panel", *LIVE_VIEW),
-    "stop": ("chatbot", "reply_status", "model_panel", *LIVE_VIEW),
+    "stop": ("chatbot", "reply_status", "model_panel", "compare_result", *LIVE_VIEW),
     "clear": ("chatbot", "message", "reply_status", *LIVE_VIEW),
     "rerender_chat": ("chatbot",),
     "show_step": ("tree_plot",),

@@ -24,6 +24,7 @@ from ..engine import Engine
 from ..session import Session, Turn
 from ..settings import AppSettings
 from ..text import ReplyText
+from .compare import compare_table
 from .controls import Controls, tree_argument
 from .generation import fit_prompt, record_steps
 from .views import Updates, chat_view, labels, live_view, model_panel, reply_status
@@ -138,7 +139,9 @@ def stop(engine: Engine, session: Session, highlight: bool) -> Updates:
     for turn in session.turns:
         if turn.state == "pending":  # cancelled while waiting for the model
             turn.state = "stopped"
+    compare = {} if session.compare_runs is None else {"compare_result": compare_table(session.compare_runs, running=None)}
     return {
+        **compare,
         "chatbot": chat_view(session, highlight),
         **live_view(engine, session, final=True),
         "model_panel": model_panel(engine, session),

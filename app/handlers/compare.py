@@ -46,21 +46,21 @@ def compare(engine: Engine, settings: AppSettings, session: Session, controls: C
         yield {"compare_result": f"⚠ {html.escape(str(e))}"}
         return
     results: dict[str, list[StepRecord]] = {}
+    session.compare_runs = results  # what Stop reports if it cancels this generator
     session.begin()
     try:
         for mode, steps in runs.items():
             if session.stop_requested.is_set():
                 steps.close()
                 continue
-            done: list[StepRecord] = []
+            done = results[mode] = []
             last_plot = 0.0
             with closing(record_steps(engine, session, steps, greedy, "compare", session.new_reply(), ReplyText())) as records:
                 for record in records:
                     done.append(record)
                     if time.monotonic() - last_plot >= settings.redraw_interval_s:
                         last_plot = time.monotonic()
-                        yield {"compare_result": _compare_table({**results, mode: done}, running=mode), **live_view(engine, session)}
-            results[mode] = done
+                        yield {"compare_result": compare_table(results, running=mode), **live_view(engine, session)}
     except Exception as e:  # noqa: BLE001 - shown in the panel; the app keeps serving
         log.exception("compare failed")
         yield {"compare_result": f"⚠ Compare failed: {type(e).__name__}: {html.escape(str(e))}"}
@@ -69,10 +69,13 @@ def compare(engine: Engine, settings: AppSettings, session: Session, controls: C
         for steps in runs.values():
             steps.close()
         session.end()
-    yield {"compare_result": _compare_table(results, running=None), **live_view(engine, session, final=True), "model_panel": model_panel(engine, session)}
+    yield {"compare_result": compare_table(results, running=None), **live_view(engine, session, final=True), "model_panel": model_panel(engine, session)}
 
 
-def _compare_table(results: dict[str, list[StepRecord]], running: str | None) -> str:
+def compare_table(results: dict[str, list[StepRecord]], running: str | None) -> str:
+    """The Compare panel: a row per run so far; once both runs ended by themselves (EOS, token limit,
+    context), the speedup and whether the replies are identical. A stopped Compare draws no verdict:
+    a partial run's speed and text say nothing about the whole reply."""
     lines = ["| | tokens | steps | tok/step | time (s) | tok/s |", "|---|---|---|---|---|---|"]
     speed: dict[str, float] = {}
     for mode, records in results.items():
@@ -86,7 +89,8 @@ def _compare_table(results: dict[str, list[StepRecord]], running: str | None) ->
         lines.append(
             f"| {mode}{suffix} | {tokens} | {len(records)} | {per_step:.2f} | {total_s:.2f} | {speed.get(mode, 0.0):.1f} |"
         )
-    if running is None and len(results) == 2:
+    finished = len(results) == 2 and all(records and records[-1].stop_reason for records in results.values())
+    if running is None and finished:
         off, on = results["Medusa off"], results["Medusa on"]
         a = [t for r in off for t in r.token_ids]
         b = [t for r in on for t in r.token_ids]
@@ -101,6 +105,6 @@ def _compare_table(results: dict[str, list[StepRecord]], running: str | None) ->
             "Greedy decoding, same prompt, tree and token limit; tokens/s leaves out the prompt's prefill.",
         ]
     elif running is None:
-        lines += ["", "Stopped before both runs finished."]
+        lines += ["", "Stopped before both runs finished: no speedup or identity verdict."]
     return "\n".join(lines)
 
