@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 from medusa_core import StepRecord
 
-from .stats import StepRow, rolling_mean
+from .stats import StepRow, head_tokens, rolling_mean
 
 ACCEPTED = "#d62728"  # the accepted path: strong red, used for nothing else
 BACKBONE = "#444444"  # the root: the backbone's own token
@@ -88,13 +88,13 @@ def tree_figure(record: StepRecord, labels: Sequence[str], height: int = 420) ->
     """
     parents = record.node_parents
     x, y = tree_layout(parents)
-    accepted = set(record.accepted_nodes)
+    path = list(record.accepted_nodes[: len(record.token_ids)])  # nodes cut at EOS / the token limit are not in the reply
+    accepted = set(path)
     edge_x: list[float | None] = []
     edge_y: list[float | None] = []
     for i in range(1, record.tree_nodes):
         edge_x += [x[parents[i]], x[i], None]
         edge_y += [y[parents[i]], y[i], None]
-    path = list(record.accepted_nodes)
     data: list[dict[str, Any]] = [
         dict(type="scatter", x=edge_x, y=edge_y, mode="lines", line=dict(color="#c8c8c8", width=1), hoverinfo="skip", showlegend=False),
         dict(type="scatter", x=[x[i] for i in path], y=[y[i] for i in path], mode="lines", line=dict(color=ACCEPTED, width=4), hoverinfo="skip", name="accepted path"),
@@ -128,10 +128,12 @@ def tree_figure(record: StepRecord, labels: Sequence[str], height: int = 420) ->
                 "<br>accepted: %{customdata[3]}<extra></extra>",
             )
         )
-    added = len(record.token_ids)
+    added, kept = len(record.token_ids), head_tokens(record)
+    cut = record.accept_length - kept
+    where = "after EOS" if record.stop_reason == "eos" else "at the token limit"
     title = (
         f"step {record.step} · {record.tree_name} ({record.tree_nodes} nodes) · "
-        f"+{added} token{'' if added == 1 else 's'} ({record.accept_length} from heads)"
+        f"+{added} token{'' if added == 1 else 's'} ({kept} from heads{f'; {cut} cut {where}' if cut else ''})"
     )
     return Figure(
         data=data,

@@ -132,3 +132,13 @@ def test_speed_figure_draws_dots_only_for_the_latest_steps_but_lines_for_all():
     by_name = {t["name"]: t for t in speed_figure(rows).data}
     assert by_name["medusa tokens/s"]["x"][0] == 50 and len(by_name["medusa tokens/s"]["x"]) == MAX_MARKERS
     assert len(by_name["medusa rolling mean (8 steps)"]["x"]) == MAX_MARKERS + 50
+
+
+def test_head_tokens_are_counted_after_the_cut_at_the_token_limit():
+    # The tree accepted 3 head tokens (path 0-1-3-5) but the token limit kept only the first 2 tokens.
+    cut = dataclasses.replace(record(accepted=(0, 1, 3, 5), stop="max_new_tokens"), token_ids=(10, 11), total_tokens=2)
+    r = row(cut)
+    assert (r.accepted_tokens, r.head_tokens) == (2, 1)
+    assert summarize([r], num_heads=3).head_acceptance == (1.0, 0.0, 0.0)
+    title = tree_figure(cut, [str(t) for t in cut.node_token_ids]).layout["title"]["text"]
+    assert "+2 tokens (1 from heads" in title and "2 cut at the token limit" in title
