@@ -211,7 +211,11 @@ def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
         rerender_fn, rerender_out = event(handlers.rerender_chat)
         highlight.change(rerender_fn, [session, highlight], rerender_out, **QUICK)
         step_fn, step_out = event(functools.partial(handlers.show_step, engine))
-        step_slider.release(step_fn, [session, step_slider], step_out, **QUICK)
+        # Arrow keys and typed digits fire `input`, a drag or a typed number's blur `release`. The value
+        # is passed unchecked (preprocess=False): show_step clamps an out-of-range number instead of
+        # Gradio rejecting it with an error.
+        gr.on([step_slider.input, step_slider.release], step_fn, [session, step_slider], step_out,
+              preprocess=False, trigger_mode="always_last", **QUICK)
         tree.change(lambda t: gr.Textbox(visible=t == CUSTOM_TREE), [tree], [custom_tree], **QUICK)
         check_fn, check_out = event(functools.partial(handlers.check_tree, engine))
         gr.on([tree.change, custom_tree.blur, custom_tree.submit], check_fn, [tree, custom_tree], check_out, **QUICK)

@@ -75,3 +75,25 @@ def test_a_send_with_a_rejected_control_value_leaves_no_trace_and_the_next_send_
     send(page, "second")
     assert [t.user for t in page.session.turns] == ["second"]
     assert page.session.turns[0].state == "done" and page.session.turns[0].reply.text
+
+
+def shown_step(fired) -> int:
+    """The step number in the title of the last tree plot the page received."""
+    import json
+    import re
+
+    plot = [o["tree-plot"] for o in fired.outputs if isinstance(o.get("tree-plot"), dict) and "plot" in o["tree-plot"]][-1]
+    return int(re.match(r"step (\d+) ", json.loads(plot["plot"])["layout"]["title"]["text"]).group(1))
+
+
+def test_the_step_slider_redraws_the_tree_on_arrow_keys_typed_numbers_and_clamps_out_of_range_ones(page):
+    send(page, "def add")
+    last = len(page.session.last_records) - 1
+    assert last >= 2
+    page.set(step_slider=1)
+    assert shown_step(page.fire("step-slider", "input")) == 1  # an arrow key or a typed digit
+    page.set(step_slider=last + 50)
+    fired = page.fire("step-slider", "release")  # a typed number, on blur
+    assert fired.errors == [] and shown_step(fired) == last
+    page.set(step_slider=-3)
+    assert shown_step(page.fire("step-slider", "release")) == 0

@@ -38,7 +38,7 @@ OUTPUTS: dict[str, tuple[str, ...]] = {
     "stop": ("chatbot", "reply_status", "model_panel", "compare_result", *LIVE_VIEW),
     "clear": ("chatbot", "message", "reply_status", *LIVE_VIEW),
     "rerender_chat": ("chatbot",),
-    "show_step": ("tree_plot",),
+    "show_step": ("tree_plot", "step_slider"),
     "check_tree": ("tree_status",),
     "export_csv": ("csv_file", "csv_path"),
 }

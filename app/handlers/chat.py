@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import html
 import logging
+import math
 import time
 from contextlib import closing
 from typing import Iterator
@@ -170,12 +171,18 @@ def clear(engine: Engine, session: Session) -> Updates:
     return {"chatbot": [], "message": "", "reply_status": "", **live_view(engine, session)}
 
 
-def show_step(engine: Engine, session: Session, step: float) -> Updates:
-    """The candidate tree of one step of the latest reply (the step slider)."""
-    if not session.last_records:
+def show_step(engine: Engine, session: Session, step: float | None) -> Updates:
+    """The candidate tree of one step of the latest reply (the step slider: drag, arrow keys or a typed
+    number). The value arrives unchecked: one out of range shows the nearest step, and the slider
+    moves there too."""
+    records = session.last_records
+    if not records or step is None or not math.isfinite(step):
         return {"tree_plot": gr.skip()}
-    step = min(max(int(step), 0), len(session.last_records) - 1)
-    return {"tree_plot": tree_figure(session.last_records[step], labels(engine, session, session.last_records[step]))}
+    shown = min(max(int(step), 0), len(records) - 1)
+    updates: Updates = {"tree_plot": tree_figure(records[shown], labels(engine, session, records[shown]))}
+    if shown != step:
+        updates["step_slider"] = shown
+    return updates
 
 
 def rerender_chat(session: Session, highlight: bool) -> Updates:
