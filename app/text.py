@@ -10,6 +10,7 @@ of recent tokens and emits only text that can no longer change.
 from __future__ import annotations
 
 import html
+import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -87,6 +88,15 @@ class ReplyText:
         # The newline after <pre> is dropped by HTML, and it stops Gradio's Chatbot (which runs
         # inspect.cleandoc on every message) from removing the reply's common indentation.
         return '<pre class="medusa-reply">\n' + "".join(parts) + "</pre>"
+
+
+def plain_text(message: str) -> str:
+    """The text of a chat message as the page renders it (``ReplyText.html``, escaped user text) or as
+    typed: tags dropped, entities decoded. Plain text passes through unchanged."""
+    if not message.lstrip().startswith("<pre class=\"medusa-"):
+        return message
+    return html.unescape(re.sub(r"<[^>]+>", "", message.replace("<pre class=\"medusa-user\">\n", "", 1)
+                                                     .replace("<pre class=\"medusa-reply\">\n", "", 1)))
 
 
 def token_label(tokenizer: Any, token_id: int) -> str:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import json
+import re
 from pathlib import Path
 
 import gradio as gr
@@ -159,8 +161,8 @@ def test_export_writes_every_column_and_one_row_per_step(engine, settings, contr
     send(engine, settings, session, controls)
     send(engine, settings, session, dataclasses.replace(controls, medusa=False), "return")
     out = handlers.export_csv(settings, session)
-    path = Path(out["csv_file"])
-    assert path.parent == settings.exports_dir and str(path) in out["csv_path"]
+    path = Path(out["export_file"])
+    assert path.parent == settings.exports_dir and str(path) in out["export_path"]
     with path.open() as f:
         rows = list(csv.DictReader(f))
     assert tuple(rows[0]) == CSV_COLUMNS
@@ -179,7 +181,7 @@ def test_export_while_a_reply_streams_gives_the_steps_so_far(engine, settings, c
     stream = handlers.respond(engine, settings, session, controls)
     for _ in range(3):
         next(stream)
-    with Path(handlers.export_csv(settings, session)["csv_file"]).open() as f:
+    with Path(handlers.export_csv(settings, session)["export_file"]).open() as f:
         assert len(list(csv.DictReader(f))) == len(session.rows) >= 2
     stream.close()
 
@@ -276,11 +278,17 @@ def test_the_step_slider_shows_any_step_of_the_latest_reply(engine, settings, co
     assert handlers.show_step(engine, session, 999)["tree_plot"].layout["title"]["text"].startswith(f"step {slider.maximum} ")
 
 
-def test_tree_choices_offer_model_trees_presets_chain_dense_and_custom(engine):
-    values = [v for _, v in handlers.tree_choices(engine.model)]
-    assert values[:len(engine.model.tree_names())] == engine.model.tree_names()
+def test_tree_choices_put_the_models_own_trees_first_and_the_published_63_node_trees_last(engine):
+    choices = handlers.tree_choices(engine.model)
+    values = [v for _, v in choices]
+    own = list(engine.model.trees)
+    assert values[: len(own)] == own
     assert {"chain_1", "chain_4", "dense_3x2x2", "dense_2x2x2x2", CUSTOM_TREE} <= set(values)
     assert "dense_3x3x2x2x1" not in values  # deeper than the 4 heads
+    published = [i for i, (label, _) in enumerate(choices) if "sized for 7B–33B models on GPUs" in label]
+    assert "vicuna_7b_stage2" in [values[i] for i in published]
+    assert published == list(range(len(choices) - 1 - len(published), len(choices) - 1))  # a group just before custom
+    assert all(re.search(r"\(\d+ nodes", label) for label, v in choices if v != CUSTOM_TREE)
 
 
 def test_the_model_panel_shows_names_precision_device_heads_and_memory(engine):
@@ -337,7 +345,7 @@ def test_prompts_are_built_on_the_cpu_host_side(engine, controls):
 def test_generations_share_one_model_queue_and_stop_cancels_them(engine, settings):
     fns = list(build_ui(engine, settings).fns.values())
     generating = [f for f in fns if f.name in ("respond", "compare")]
-    assert len(generating) == 3  # reply after send, reply after regenerate, compare
+    assert len(generating) == 4  # reply after send, after regenerate, after an edit; compare
     assert {(f.concurrency_id, f.concurrency_limit, f.queue) for f in generating} == {("model", 1, True)}
     generating_ids = {i for i, f in enumerate(fns) if f in generating}
     cancellers = [f for f in fns if f.cancels]
@@ -373,7 +381,7 @@ def test_the_status_line_follows_the_latest_reply(engine, settings, controls):
     assert next(stream)["reply_status"] == "Generating…"
     final = list(stream)[-1]["reply_status"]
     tokens = sum(r.accepted_tokens for r in session.rows)
-    assert final.startswith(f"Latest reply: {tokens} tokens in ") and "(Medusa, sparse_16)" in final
+    assert final.startswith(f"Latest reply: {tokens} tokens · ") and "tree sparse_16" in final
     handlers.add_user(engine, session, controls, "def add " * 400)
     assert list(handlers.respond(engine, settings, session, controls))[-1]["reply_status"] == "Latest reply: not generated (see the chat)."
     handlers.add_user(engine, session, controls, "return")
@@ -382,7 +390,7 @@ def test_the_status_line_follows_the_latest_reply(engine, settings, controls):
     session.stop_requested.set()  # the Stop handler's first act; the reply ends after this step
     list(stream)
     shown = handlers.stop(engine, session, False)["reply_status"]
-    assert shown.endswith("(Medusa off) · stopped")
+    assert "Medusa off" in shown and shown.endswith(" · stopped")
 
 
 def test_every_handler_returns_only_the_outputs_its_event_declares(engine, settings, controls):
@@ -409,6 +417,12 @@ def test_every_handler_returns_only_the_outputs_its_event_declares(engine, setti
     note("show_step", handlers.show_step(engine, session, 0))
     note("check_tree", handlers.check_tree(engine, CUSTOM_TREE, "[[0]]"))
     note("export_csv", handlers.export_csv(settings, session))
+    note("export_transcript", handlers.export_transcript(engine, settings, session, "sys", fmt="md"))
+    note("explain_controls", handlers.explain_controls(True, 0.0))
+    note("edit_user", handlers.edit_user(engine, session, controls, 0, "def sub"))
+    for u in handlers.respond(engine, settings, session, controls):
+        note("respond", u)
+    note("restore_chat", handlers.restore_chat(Session(), session.saved(), False))
     note("clear", handlers.clear(engine, session))
     assert set(returned) == set(handlers.OUTPUTS)
     for name, keys in returned.items():
@@ -427,3 +441,90 @@ def test_stop_during_compares_medusa_on_run_says_stopped_and_draws_no_verdict(en
     assert "Stopped" in final
     assert "Identical" not in final and "Speedup" not in final
     assert "Stopped" in handlers.stop(engine, session, False)["compare_result"]  # also when Stop cancelled the stream
+
+
+def test_each_reply_shows_its_stats_with_ttft_and_wall_time_from_send_to_last_token(engine, settings, controls):
+    session = Session()
+    handlers.add_user(engine, session, controls, "def add")
+    live = [u["chatbot"][-1]["content"] for u in handlers.respond(engine, settings, session, controls) if "chatbot" in u]
+    assert any("generating…" in c and "tokens/s" in c for c in live[:-1])  # live tokens/s while it streams
+    turn = session.turns[0]
+    tokens = sum(r.accepted_tokens for r in session.rows)
+    assert turn.stats.startswith(f"{tokens} tokens · ") and "TTFT" in turn.stats and "s total" in turn.stats
+    assert 0 <= turn.first_token_at - turn.sent_at <= turn.last_token_at - turn.sent_at
+    assert f'<p class="medusa-stats">{turn.stats}</p>' in live[-1]
+    send(engine, settings, session, controls, "return")
+    first = handlers.rerender_chat(session, False)["chatbot"][1]["content"]
+    assert turn.stats in first  # kept per message
+
+
+def test_send_is_disabled_while_a_reply_streams_and_enabled_when_it_ends_or_is_stopped(engine, settings, controls):
+    session = Session()
+    assert handlers.add_user(engine, session, controls, "def add")["send"].interactive is False
+    assert list(handlers.respond(engine, settings, session, controls))[-1]["send"].interactive is True
+    handlers.regenerate(engine, session, controls)
+    stream = handlers.respond(engine, settings, session, controls)
+    next(stream)
+    stream.close()
+    assert handlers.stop(engine, session, False)["send"].interactive is True
+
+
+def test_editing_a_user_message_replaces_the_conversation_from_there_and_resends_it(engine, settings, controls):
+    session = Session()
+    send(engine, settings, session, controls, "def add")
+    send(engine, settings, session, controls, "return")
+    send(engine, settings, session, controls, "class")
+    edited = handlers.edit_user(engine, session, controls, 2, '<pre class="medusa-user">\nwhile a &lt; b</pre>')  # the 2nd user message
+    assert [t.user for t in session.turns] == ["def add", "while a < b"] and session.turns[1].state == "pending"
+    assert edited["chatbot"][-1] == {"role": "user", "content": '<pre class="medusa-user">\nwhile a &lt; b</pre>'}
+    list(handlers.respond(engine, settings, session, controls))
+    assert session.turns[1].state == "done" and session.turns[1].reply.text
+
+
+def test_an_edit_is_refused_while_a_reply_streams_and_the_chat_shows_the_old_text(engine, settings, controls, monkeypatch):
+    warnings = []
+    monkeypatch.setattr(gr, "Warning", lambda msg, *a, **k: warnings.append(msg))
+    session = Session()
+    send(engine, settings, session, controls, "def add")
+    session.begin()
+    shown = handlers.edit_user(engine, session, controls, 0, "changed")
+    session.end()
+    assert "still streaming" in warnings[0] and session.turns[0].user == "def add"
+    assert "def add" in shown["chatbot"][0]["content"]
+
+
+def test_the_conversation_survives_a_reload_through_the_browsers_storage(engine, settings, controls):
+    session = Session()
+    send(engine, settings, session, controls, "def add")
+    saved = json.loads(json.dumps(session.saved()))  # what the browser keeps
+    reloaded = Session()
+    shown = handlers.restore_chat(reloaded, saved, True)["chatbot"]
+    assert [t.user for t in reloaded.turns] == ["def add"]
+    assert reloaded.turns[0].reply.runs == session.turns[0].reply.runs and reloaded.turns[0].stats == session.turns[0].stats
+    assert shown == handlers.rerender_chat(session, True)["chatbot"]
+    send(engine, settings, reloaded, controls, "return")  # the restored turns are the next prompt's history
+    assert reloaded.history(1) == [("def add", session.turns[0].reply.text)]
+    assert handlers.restore_chat(Session(), "not a conversation", False)["chatbot"] == []
+
+
+def test_the_transcript_exports_as_markdown_and_json_with_plain_text_and_stats(engine, settings, controls):
+    session = Session()
+    send(engine, settings, session, controls, "print('<b>')")
+    reply = session.turns[0].reply.text
+    md = Path(handlers.export_transcript(engine, settings, session, "be brief", fmt="md")["export_file"])
+    text = md.read_text()
+    assert md.suffix == ".md" and md.parent == settings.exports_dir
+    assert "## System" in text and "print('<b>')" in text and reply in text and session.turns[0].stats in text
+    data = json.loads(Path(handlers.export_transcript(engine, settings, session, "be brief", fmt="json")["export_file"]).read_text())
+    assert [m["role"] for m in data["messages"]] == ["system", "user", "assistant"]
+    assert data["messages"][2]["content"] == reply and data["messages"][2]["stats"] == session.turns[0].stats
+
+
+def test_epsilon_and_delta_are_inactive_with_the_reason_at_temperature_0_and_tree_too_with_medusa_off():
+    greedy = handlers.explain_controls(True, 0.0)
+    assert greedy["tree"].interactive is True
+    assert greedy["posterior_threshold"].interactive is False and "temperature 0" in greedy["posterior_threshold"].info
+    sampled = handlers.explain_controls(True, 0.7)
+    assert sampled["posterior_alpha"].interactive is True
+    off = handlers.explain_controls(False, 0.7)
+    assert all(off[k].interactive is False and "Medusa is off" in off[k].info for k in ("tree", "posterior_threshold", "posterior_alpha"))

@@ -13,7 +13,7 @@ import logging
 import math
 import time
 from contextlib import closing
-from typing import Iterator
+from typing import Any, Iterator
 
 import gradio as gr
 from jinja2 import TemplateError
@@ -24,17 +24,19 @@ from ..charts import tree_figure
 from ..engine import Engine
 from ..session import Session, Turn
 from ..settings import AppSettings
-from ..text import ReplyText
+from ..text import ReplyText, plain_text
 from .compare import compare_table
 from .controls import Controls, tree_argument
 from .generation import fit_prompt, record_steps
-from .views import Updates, chat_view, labels, live_view, model_panel, reply_status
+from .views import Updates, chat_view, labels, live_view, message_turn, model_panel, reply_status, turn_stats
 
 log = logging.getLogger(__name__)
 
 STOP_WAIT_S = 30.0  # how long Stop and Clear wait for a running reply to finish its current step
 
 
+SEND_OFF = gr.Button(interactive=False)  # Send while a reply is pending or streaming
+SEND_ON = gr.Button(interactive=True)
 #: Why a send or Regenerate is refused; shown as a warning, and nothing else changes.
 STILL_STREAMING = "A reply is still streaming: wait for it or press Stop (Esc)."
 NOTHING_TO_REGENERATE = "Nothing to regenerate: send a message first."
@@ -54,8 +56,8 @@ def add_user(engine: Engine, session: Session, controls: Controls, message: str)
     if refused:
         gr.Warning(refused)
         return {"message": gr.skip()}
-    session.turns.append(Turn(user=text))
-    return {"message": "", "chatbot": chat_view(session, controls.highlight), "reply_status": reply_status(session)}
+    session.turns.append(Turn(user=text, sent_at=time.monotonic()))
+    return {"message": "", "chatbot": chat_view(session, controls.highlight), "reply_status": reply_status(session), "send": SEND_OFF}
 
 
 def _refusal(engine: Engine, session: Session) -> str:
@@ -89,7 +91,10 @@ def respond(engine: Engine, settings: AppSettings, session: Session, controls: C
         )
     except (ValueError, TemplateError) as e:  # too-long prompt, invalid tree, bad control value, template error
         turn.state, turn.error = "error", f"Not sent: {e}"
-        yield {"chatbot": chat_view(session, controls.highlight), "tree_status": f"⚠ {html.escape(str(e))}", "reply_status": reply_status(session)}
+        yield {
+            "chatbot": chat_view(session, controls.highlight), "tree_status": f"⚠ {html.escape(str(e))}",
+            "reply_status": reply_status(session), "send": SEND_ON, "saved": session.saved(),
+        }
         return
     if dropped:
         turn.note = f"{dropped} earlier turn{'s' if dropped > 1 else ''} left out to fit the {model.max_context}-token context"
@@ -100,12 +105,15 @@ def respond(engine: Engine, settings: AppSettings, session: Session, controls: C
     finally:  # also when Stop cancels this generator
         if turn.state == "streaming":
             turn.state = "stopped"
+        turn.stats = turn_stats(session, turn)
         session.end()
     yield {
         "chatbot": chat_view(session, controls.highlight),
         **live_view(engine, session, final=True),
         "model_panel": model_panel(engine, session),
         "reply_status": reply_status(session),
+        "send": SEND_ON,
+        "saved": session.saved(),
     }
 
 
@@ -118,7 +126,9 @@ def _stream(
         turn.reply_index = session.new_reply()
         with closing(record_steps(engine, session, steps, controls, "chat", turn.reply_index, turn.reply)) as records:
             for _ in records:
-                now = time.monotonic()
+                now = turn.last_token_at = time.monotonic()
+                if turn.first_token_at is None:
+                    turn.first_token_at = now
                 if now - last_plot >= settings.redraw_interval_s:
                     status = {"reply_status": reply_status(session)} if last_plot == 0.0 else {}
                     last_plot = last_chat = now
@@ -143,6 +153,8 @@ def stop(engine: Engine, session: Session, highlight: bool) -> Updates:
     compare = {} if session.compare_runs is None else {"compare_result": compare_table(session.compare_runs, running=None)}
     return {
         **compare,
+        "send": SEND_ON,
+        "saved": session.saved(),
         "chatbot": chat_view(session, highlight),
         **live_view(engine, session, final=True),
         "model_panel": model_panel(engine, session),
@@ -157,9 +169,33 @@ def regenerate(engine: Engine, session: Session, controls: Controls) -> Updates:
     if refused:
         gr.Warning(refused)
         return {"reply_status": gr.skip()}
-    last = session.turns[-1]
-    last.reply, last.state, last.error, last.note = ReplyText(), "pending", "", ""
-    return {"chatbot": chat_view(session, controls.highlight), "reply_status": reply_status(session)}
+    session.turns[-1] = Turn(user=session.turns[-1].user, sent_at=time.monotonic())
+    return {"chatbot": chat_view(session, controls.highlight), "reply_status": reply_status(session), "send": SEND_OFF}
+
+
+def edit_user(engine: Engine, session: Session, controls: Controls, index: int, value: str) -> Updates:
+    """Edit and resend a user message (the chat's pencil): the conversation from that message on is
+    replaced by the edited message, and ``respond`` answers it next. Refused (with the reason) while
+    a reply runs or the model loads, or for an empty message; the chat then shows the old text again."""
+    turn_index = message_turn(session, index)
+    text = plain_text(value).strip()
+    refused = _refusal(engine, session) or ("" if text else "An empty message cannot be sent.")
+    if turn_index is None:
+        refused = refused or "Only your own messages can be edited."
+    if refused:
+        gr.Warning(refused)
+        return {"chatbot": chat_view(session, controls.highlight)}
+    del session.turns[turn_index:]
+    session.turns.append(Turn(user=text, sent_at=time.monotonic()))
+    return {"chatbot": chat_view(session, controls.highlight), "reply_status": reply_status(session), "send": SEND_OFF}
+
+
+def restore_chat(session: Session, saved: Any, highlight: bool) -> Updates:
+    """On page load: the conversation kept in the browser (``gr.BrowserState``), e.g. after a reload."""
+    if not saved or session.turns:
+        return {"chatbot": gr.skip()}
+    session.restore(saved)
+    return {"chatbot": chat_view(session, highlight), "reply_status": reply_status(session)}
 
 
 def clear(engine: Engine, session: Session) -> Updates:
@@ -168,7 +204,7 @@ def clear(engine: Engine, session: Session) -> Updates:
     session.idle.wait(STOP_WAIT_S)
     session.turns.clear()
     session.last_records = []
-    return {"chatbot": [], "message": "", "reply_status": "", **live_view(engine, session)}
+    return {"chatbot": [], "message": "", "reply_status": "", **live_view(engine, session), "send": SEND_ON, "saved": []}
 
 
 def show_step(engine: Engine, session: Session, step: float | None) -> Updates:

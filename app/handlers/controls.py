@@ -10,7 +10,9 @@ import html
 import json
 from dataclasses import dataclass
 
-from medusa_core import MedusaModel
+import gradio as gr
+
+from medusa_core import TREE_PRESETS, MedusaModel
 
 from ..engine import Engine
 from ..settings import AppSettings
@@ -54,23 +56,48 @@ class Controls:
 CONTROL_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Controls))
 
 
+TREE_INFO = "the candidate tree verified at each step: the model's own trees first"
+PUBLISHED_TREE_NODES = 64  # the Medusa paper's published trees: 63 candidates + root, tuned for 7B–33B models on GPUs
+
+
 def tree_choices(model: MedusaModel) -> list[tuple[str, str]]:
-    """(label, value) pairs for the tree dropdown: the model's own trees, presets that fit, chain and
-    dense trees, and the custom tree."""
+    """(label, value) pairs for the tree dropdown, each with its node count, in three groups: the
+    model's own trees (calibrated, machine-tuned); trees sized for small models and CPUs (presets,
+    chain and dense trees); the published 63-node trees, marked as sized for 7B–33B models on GPUs.
+    Then the custom tree."""
     k = model.num_heads
     names = model.tree_names()
     names += [f"chain_{d}" for d in range(1, k + 1) if f"chain_{d}" not in names]
     dense = {"dense_4x2": 2, "dense_3x2x2": 3, "dense_2x2x2x2": 4, "dense_3x3x2x2x1": 5}
     names += [n for n, depth in dense.items() if depth <= k]
-    choices = []
+    groups: tuple[list[tuple[str, str]], ...] = ([], [], [])
     for name in names:
         try:
             nodes = len(model.resolve_tree(name)[1]) + 1
         except ValueError:  # a model tree deeper than its heads: not offered
             continue
-        own = " · model's own" if name in model.trees else ""
-        choices.append((f"{name} ({nodes} nodes{own})", name))
-    return choices + [("custom (JSON paths below)", CUSTOM_TREE)]
+        if name in model.trees:
+            groups[0].append((f"{name} ({nodes} nodes · this model's own)", name))
+        elif name in TREE_PRESETS and nodes >= PUBLISHED_TREE_NODES:
+            groups[2].append((f"{name} ({nodes} nodes · published, sized for 7B–33B models on GPUs)", name))
+        else:
+            groups[1].append((f"{name} ({nodes} nodes)", name))
+    return [*groups[0], *groups[1], *groups[2], ("custom (JSON paths below)", CUSTOM_TREE)]
+
+
+def explain_controls(medusa: bool, temperature: float) -> Updates:
+    """Grey out the controls that do nothing for the next reply, saying why: the tree, ε and δ with
+    Medusa off; ε and δ at temperature 0 (greedy decoding accepts exact matches only)."""
+    if not medusa:
+        off = "inactive: Medusa is off (plain decoding, one token per step)"
+        tree, typical = {"interactive": False, "info": off}, {"interactive": False, "info": off}
+    elif temperature <= 0:
+        tree = {"interactive": True, "info": TREE_INFO}
+        typical = {"interactive": False, "info": "inactive at temperature 0: greedy decoding accepts exact matches only"}
+    else:
+        tree = {"interactive": True, "info": TREE_INFO}
+        typical = {"interactive": True, "info": "accept a candidate when its probability > min(ε, δ·exp(−entropy))"}
+    return {"tree": gr.Dropdown(**tree), "posterior_threshold": gr.Slider(**typical), "posterior_alpha": gr.Slider(**typical)}
 
 
 def tree_argument(model: MedusaModel, tree: str | None, custom_tree: str) -> str | list[list[int]] | None:

@@ -15,7 +15,7 @@ from medusa_core import MedusaModel, StepRecord
 
 from ..charts import empty_figure, speed_figure, tree_figure
 from ..engine import Engine
-from ..session import Session
+from ..session import Session, Turn
 from ..stats import decode_tokens_per_s, summarize, summary_markdown
 from ..text import token_label
 
@@ -24,7 +24,8 @@ Updates = dict[str, Any]
 
 
 def chat_view(session: Session, highlight: bool) -> list[dict[str, str]]:
-    """The Chatbot's messages. Text is shown preformatted (code stays code), free tokens optionally marked."""
+    """The Chatbot's messages. Text is shown preformatted (code stays code), free tokens optionally
+    marked, and each reply ends with its stats line (live while it streams)."""
     messages = []
     for turn in session.turns:
         messages.append({"role": "user", "content": f'<pre class="medusa-user">\n{html.escape(turn.user)}</pre>'})
@@ -37,8 +38,21 @@ def chat_view(session: Session, highlight: bool) -> list[dict[str, str]]:
             content += f'<p class="medusa-error">⚠ {html.escape(turn.error)}</p>'
         if turn.note:
             content += f'<p class="medusa-note">{html.escape(turn.note)}</p>'
+        stats = turn.stats or turn_stats(session, turn)
+        if stats:
+            content += f'<p class="medusa-stats">{html.escape(stats)}</p>'
         messages.append({"role": "assistant", "content": content})
     return messages
+
+
+def message_turn(session: Session, index: int) -> int | None:
+    """The index in ``session.turns`` of the user message at ``index`` in ``chat_view``'s list."""
+    position = 0
+    for i, turn in enumerate(session.turns):
+        if position == index:
+            return i
+        position += 1 if turn.state == "pending" and not turn.error else 2
+    return None
 
 
 STOP_REASON_TEXT = {
@@ -49,8 +63,30 @@ STOP_REASON_TEXT = {
 }
 
 
+def turn_stats(session: Session, turn: Turn) -> str:
+    """A reply's stats line, as LM Studio shows under each message: tokens, decoding tokens/s (live
+    while it streams), time to first token and wall time from send to last token (both include any
+    wait in the queue and the prompt's prefill), tokens per step, tree and how it ended."""
+    rows = session.reply_rows(turn.reply_index) if turn.reply_index is not None else []
+    if not rows:
+        return ""
+    tokens = sum(r.accepted_tokens for r in rows)
+    speed = decode_tokens_per_s(rows)
+    parts = [f"{tokens} tokens", f"{'–' if speed is None else f'{speed:.1f}'} tokens/s"]
+    if turn.sent_at is not None and turn.first_token_at is not None:
+        parts.append(f"TTFT {turn.first_token_at - turn.sent_at:.2f} s")
+    if turn.state == "streaming":
+        return " · ".join(parts + ["generating…"])
+    if turn.sent_at is not None and turn.last_token_at is not None:
+        parts.append(f"{turn.last_token_at - turn.sent_at:.2f} s total")
+    parts.append(f"{tokens / len(rows):.2f} tokens/step")
+    parts.append(f"tree {rows[0].tree_name}" if rows[0].mode == "medusa" else "Medusa off")
+    parts.append(STOP_REASON_TEXT.get(rows[-1].stop_reason, turn.state))
+    return " · ".join(parts)
+
+
 def reply_status(session: Session) -> str:
-    """One line under the chat about the latest reply: waiting, generating, or its numbers."""
+    """One line under the chat about the latest reply: waiting, generating, or its stats line."""
     if not session.turns:
         return ""
     turn = session.turns[-1]
@@ -58,17 +94,10 @@ def reply_status(session: Session) -> str:
         return "Waiting for the model…"
     if turn.state == "streaming":
         return "Generating…"
-    rows = session.reply_rows(turn.reply_index) if turn.reply_index is not None else []
-    if not rows:
+    stats = turn.stats or turn_stats(session, turn)
+    if not stats:
         return "Latest reply: not generated (see the chat)." if turn.state == "error" else "Latest reply: stopped before it started."
-    tokens = sum(r.accepted_tokens for r in rows)
-    seconds = sum(r.step_latency_ms for r in rows) / 1e3
-    speed = decode_tokens_per_s(rows)
-    mode = "Medusa, " + rows[0].tree_name if rows[0].mode == "medusa" else "Medusa off"
-    return (
-        f"Latest reply: {tokens} tokens in {seconds:.2f} s · {tokens / len(rows):.2f} tokens/step · "
-        f"{'–' if speed is None else f'{speed:.1f}'} tokens/s ({mode}) · {STOP_REASON_TEXT.get(rows[-1].stop_reason, turn.state)}"
-    )
+    return f"Latest reply: {stats}"
 
 
 def live_view(engine: Engine, session: Session, final: bool = False) -> Updates:
