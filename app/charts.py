@@ -98,6 +98,9 @@ def shown_labels(x: Sequence[int], y: Sequence[float], priority: Sequence[int], 
     return shown
 
 
+EMPTY_TREE = "Each step's candidate tree<br>appears here while a reply streams"
+
+
 def tree_figure(record: StepRecord, labels: Sequence[str], height: int = 380) -> Figure:
     """One step's candidate tree: nodes by depth with their token text, coloured by head (paler for
     lower-ranked candidates), the accepted path in red; hover shows token id, head and rank.
@@ -110,7 +113,7 @@ def tree_figure(record: StepRecord, labels: Sequence[str], height: int = 380) ->
     x, y = tree_layout(parents)
     path = list(record.accepted_nodes[: len(record.token_ids)])  # nodes cut at EOS / the token limit are not in the reply
     accepted = set(path)
-    margin = dict(l=50, r=10, t=50, b=80)
+    margin = dict(l=50, r=10, t=56, b=80)
     span = max(y) - min(y)
     min_gap = LABEL_PX * span / (height - margin["t"] - margin["b"]) if span else 0.0
     priority = sorted(range(record.tree_nodes), key=lambda i: (i not in accepted, record.node_ranks[i], x[i], -y[i]))
@@ -166,7 +169,7 @@ def tree_figure(record: StepRecord, labels: Sequence[str], height: int = 380) ->
     return Figure(
         data=data,
         layout=dict(
-            title=dict(text=title, font=dict(size=13), x=0.01, xanchor="left", y=0.98, yanchor="top"),
+            title=dict(text=title, font=dict(size=13), x=0.01, xanchor="left", y=1.0, yref="container", yanchor="top", pad=dict(t=8)),
             height=height,
             margin=margin,
             xaxis=dict(
@@ -192,7 +195,7 @@ def speed_figure(rows: Sequence[StepRow], height: int = 300) -> Figure:
     rolling mean per reply (lines) on top, tokens accepted per step (a stepped line) below; Medusa and
     baseline steps in different colours. Lines are one SVG path each, so the figure redraws fast."""
     if not rows:
-        return empty_figure("tokens/s per step appear here once a reply streams", height)
+        return empty_figure("tokens/s per step appear here<br>once a reply streams", height)
     data: list[dict[str, Any]] = []
     for mode in ("medusa", "baseline"):
         idx = [i for i, r in enumerate(rows) if r.mode == mode]

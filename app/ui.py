@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import gradio as gr
 
 from . import handlers, paths
-from .charts import empty_figure, speed_figure
+from .charts import EMPTY_TREE, empty_figure, speed_figure
 from .engine import Engine
 from .handlers import CONTROL_NAMES, CUSTOM_TREE, Controls
 from .handlers.controls import TREE_INFO
@@ -47,7 +47,9 @@ DOWNLOAD_JS = """
 def _named(fn: Callable[..., Any], outputs: dict[str, gr.components.Component]) -> Callable[..., Any]:
     """Adapt a handler that returns (or yields) ``{name: value}`` to Gradio's ``{component: value}``.
 
-    ``outputs`` maps the names the handler may return (``handlers.OUTPUTS``) to components.
+    ``outputs`` maps the names the handler may return (``handlers.OUTPUTS``) to components. The
+    adapter shows Gradio the handler's own signature, which is how Gradio finds a parameter
+    annotated ``gr.EditData`` (or other event data) to fill in.
     """
 
     def to_components(update: dict[str, Any]) -> dict[Any, Any]:
@@ -55,6 +57,7 @@ def _named(fn: Callable[..., Any], outputs: dict[str, gr.components.Component]) 
 
     if inspect.isgeneratorfunction(fn):
 
+        @functools.wraps(fn)
         def stream(*args: Any) -> Any:
             with closing(fn(*args)) as updates:  # Stop closes this generator, which closes the handler's
                 for update in updates:
@@ -63,6 +66,7 @@ def _named(fn: Callable[..., Any], outputs: dict[str, gr.components.Component]) 
         stream.__name__ = _name(fn)
         return stream
 
+    @functools.wraps(fn)
     def call(*args: Any) -> Any:
         return to_components(fn(*args))
 
@@ -110,18 +114,18 @@ def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
                 )
                 with gr.Row():
                     message = gr.Textbox(
-                        elem_id="message", show_label=False, placeholder="Message (Enter sends, Shift+Enter: new line)",
+                        elem_id="message", show_label=False, placeholder="Message (Enter sends, Shift+Enter: new line, Esc stops)",
                         lines=1, max_lines=8, scale=5, min_width=260, autofocus=True,
                     )
                     send = gr.Button("Send", variant="primary", scale=1, min_width=80, elem_id="send")
-                    stop = gr.Button("Stop (Esc)", variant="stop", scale=1, min_width=80, elem_id="stop")
+                    stop = gr.Button("Stop", variant="stop", scale=1, min_width=80, elem_id="stop")
                 with gr.Row():
                     regenerate = gr.Button("Regenerate (Ctrl+Enter)", size="sm", elem_id="regenerate")
                     clear = gr.Button("Clear", size="sm", elem_id="clear")
                     highlight = gr.Checkbox(defaults.highlight, label="Highlight tokens from the heads", elem_id="highlight")
                 status_line = gr.Markdown(elem_id="reply-status")
             with gr.Column(scale=4, min_width=400, elem_id="live-column"):
-                tree_plot = gr.Plot(empty_figure("Each step's candidate tree appears here while a reply streams", 380), elem_id="tree-plot", show_label=False)
+                tree_plot = gr.Plot(empty_figure(EMPTY_TREE, 380), elem_id="tree-plot", show_label=False)
                 step_slider = gr.Slider(0, 1, 0, step=1, label="Step of the latest reply", interactive=False, elem_id="step-slider")
                 speed_plot = gr.Plot(speed_figure([]), elem_id="speed-plot", show_label=False)
                 summary = gr.Markdown(summary_markdown(summarize([], 0)), elem_id="summary")

@@ -49,23 +49,24 @@ class Page:
         for name, value in values.items():
             self.values[self.by_id[name.replace("_", "-")]._id] = value
 
-    def fire(self, elem_id: str, event: str) -> Fired:
-        """Trigger ``event`` ("click", "submit", ...) of the component ``elem_id`` and every event
-        chained after it; returns what happened."""
+    def fire(self, elem_id: str, event: str, data: dict[str, Any] | None = None) -> Fired:
+        """Trigger ``event`` ("click", "submit", ...) of the component ``elem_id``, with the event's
+        ``data`` as the browser sends it (e.g. an edit's index and value), and every event chained
+        after it; returns what happened."""
         block = self.by_id[elem_id]
         fired = Fired()
         first = [f for f in self.demo.fns.values() if (block._id, event) in [tuple(t) for t in f.targets] and f.fn]
         for fn in first:
-            self._run(fn, fired)
+            self._run(fn, fired, gr.EventData(block, data or {}))
         return fired
 
-    def _run(self, fn: Any, fired: Fired) -> None:
+    def _run(self, fn: Any, fired: Fired, event_data: Any = None) -> None:
         inputs = [self.values.get(b._id, self._payload(b)) for b in fn.inputs]
         ok = True
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
-                asyncio.run(self._process(fn, inputs, fired))
+                asyncio.run(self._process(fn, inputs, fired, event_data))
                 fired.ran.append(fn.name)
             except Exception as e:  # noqa: BLE001 - what the page shows as an error toast
                 ok = False
@@ -75,10 +76,10 @@ class Page:
             if after.trigger_after == fn._id and (ok or not after.trigger_only_on_success) and after.fn:
                 self._run(after, fired)
 
-    async def _process(self, fn: Any, inputs: list[Any], fired: Fired) -> None:
+    async def _process(self, fn: Any, inputs: list[Any], fired: Fired, event_data: Any) -> None:
         iterator = None
         while True:
-            out = await self.demo.process_api(fn, list(inputs), state=self.state, iterator=iterator)
+            out = await self.demo.process_api(fn, list(inputs), state=self.state, iterator=iterator, event_data=event_data)
             fired.outputs.append({getattr(b, "elem_id", None) or b._id: v for b, v in zip(fn.outputs, out["data"])})
             for b, v in zip(fn.outputs, out["data"]):
                 if not (isinstance(v, dict) and "__type__" in v):

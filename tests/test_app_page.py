@@ -97,3 +97,11 @@ def test_the_step_slider_redraws_the_tree_on_arrow_keys_typed_numbers_and_clamps
     assert fired.errors == [] and shown_step(fired) == last
     page.set(step_slider=-3)
     assert shown_step(page.fire("step-slider", "release")) == 0
+
+
+def test_editing_a_message_in_the_chat_resends_it_with_the_edited_text(page):
+    send(page, "def add")
+    send(page, "return")
+    fired = page.fire("chat", "edit", {"index": 0, "value": "class", "previous_value": "def add"})
+    assert fired.errors == [] and fired.ran == ["edit_user", "respond"]
+    assert [t.user for t in page.session.turns] == ["class"] and page.session.turns[0].state == "done"

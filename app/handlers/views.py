@@ -13,7 +13,7 @@ import torch
 
 from medusa_core import MedusaModel, StepRecord
 
-from ..charts import empty_figure, speed_figure, tree_figure
+from ..charts import EMPTY_TREE, empty_figure, speed_figure, tree_figure
 from ..engine import Engine
 from ..session import Session, Turn
 from ..stats import decode_tokens_per_s, summarize, summary_markdown
@@ -113,7 +113,7 @@ def live_view(engine: Engine, session: Session, final: bool = False) -> Updates:
         tree = tree_figure(records[step], labels(engine, session, records[step]))
     else:
         step = 0
-        tree = empty_figure("Each step's candidate tree appears here while a reply streams", height=420)
+        tree = empty_figure(EMPTY_TREE, height=380)
     num_heads = engine.model.num_heads if engine.model is not None else 0
     return {
         "tree_plot": tree,
