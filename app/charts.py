@@ -113,7 +113,7 @@ def tree_figure(record: StepRecord, labels: Sequence[str], height: int = 380) ->
     x, y = tree_layout(parents)
     path = list(record.accepted_nodes[: len(record.token_ids)])  # nodes cut at EOS / the token limit are not in the reply
     accepted = set(path)
-    margin = dict(l=50, r=10, t=56, b=80)
+    margin = dict(l=50, r=10, t=60, b=80)
     span = max(y) - min(y)
     min_gap = LABEL_PX * span / (height - margin["t"] - margin["b"]) if span else 0.0
     priority = sorted(range(record.tree_nodes), key=lambda i: (i not in accepted, record.node_ranks[i], x[i], -y[i]))
@@ -169,7 +169,7 @@ def tree_figure(record: StepRecord, labels: Sequence[str], height: int = 380) ->
     return Figure(
         data=data,
         layout=dict(
-            title=dict(text=title, font=dict(size=13), x=0.01, xanchor="left", y=1.0, yref="container", yanchor="top", pad=dict(t=8)),
+            title=dict(text=title, font=dict(size=13), x=0.01, xanchor="left", y=0.97, yref="container", yanchor="top"),
             height=height,
             margin=margin,
             xaxis=dict(
