@@ -24,7 +24,7 @@ ROLLING_WINDOW = 8
 LABEL_PX = 12  # vertical room one node label needs (11 px text)
 TRANSPARENT = "rgba(0,0,0,0)"  # figure backgrounds: the page's own (light or dark) shows through
 GRID = "rgba(128,128,128,0.25)"  # readable on light and dark backgrounds
-MAX_MARKERS = 400  # per-step dots for the session's latest steps only: every SVG dot costs the browser a redraw
+MAX_MARKERS = 150  # per-step dots for the session's latest steps only: every SVG dot costs the browser a redraw
 
 
 @dataclass(frozen=True)

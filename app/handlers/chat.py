@@ -28,13 +28,16 @@ from ..text import ReplyText, plain_text
 from .compare import compare_table
 from .controls import Controls, tree_argument
 from .generation import fit_prompt, record_steps
-from .views import Updates, chat_view, labels, live_view, message_turn, model_panel, reply_status, turn_stats
+from .views import Updates, chat_view, labels, live_view, message_turn, model_panel, reply_status, speed_view, turn_stats
 
 log = logging.getLogger(__name__)
 
 STOP_WAIT_S = 30.0  # how long Stop and Clear wait for a running reply to finish its current step
 
 
+#: The speed chart and summary redraw at every SPEED_REDRAWS-th tree redraw while a reply streams:
+#: a plotly redraw costs the browser tens of ms, and the tree is what changes at every step.
+SPEED_REDRAWS = 4
 SEND_OFF = gr.Button(interactive=False)  # Send while a reply is pending or streaming
 SEND_ON = gr.Button(interactive=True)
 #: Why a send or Regenerate is refused; shown as a warning, and nothing else changes.
@@ -107,21 +110,16 @@ def respond(engine: Engine, settings: AppSettings, session: Session, controls: C
             turn.state = "stopped"
         turn.stats = turn_stats(session, turn)
         session.end()
-    yield {
-        "chatbot": chat_view(session, controls.highlight),
-        **live_view(engine, session, final=True),
-        "model_panel": model_panel(engine, session),
-        "reply_status": reply_status(session),
-        "send": SEND_ON,
-        "saved": session.saved(),
-    }
+    # Two updates, so the browser renders them as two shorter tasks: the plots, then the chat.
+    yield {**live_view(engine, session, final=True), "model_panel": model_panel(engine, session)}
+    yield {"chatbot": chat_view(session, controls.highlight), "reply_status": reply_status(session), "send": SEND_ON, "saved": session.saved()}
 
 
 def _stream(
     engine: Engine, settings: AppSettings, session: Session, controls: Controls, steps: Iterator[StepRecord], turn: Turn
 ) -> Iterator[Updates]:
     """Record the reply's steps and yield throttled page updates; failures end up in the chat."""
-    last_chat = last_plot = 0.0
+    last_chat = last_plot = last_speed = 0.0
     try:
         turn.reply_index = session.new_reply()
         with closing(record_steps(engine, session, steps, controls, "chat", turn.reply_index, turn.reply)) as records:
@@ -131,8 +129,17 @@ def _stream(
                     turn.first_token_at = now
                 if now - last_plot >= settings.redraw_interval_s:
                     status = {"reply_status": reply_status(session)} if last_plot == 0.0 else {}
+                    speed = now - last_speed >= SPEED_REDRAWS * settings.redraw_interval_s
                     last_plot = last_chat = now
-                    yield {"chatbot": chat_view(session, controls.highlight), **live_view(engine, session), **status}
+                    last_speed = now if speed else last_speed
+                    # Chat, tree and speed chart as separate updates: the browser renders each as its
+                    # own, shorter task (one update with all three stalled the page for 2-3× longer).
+                    yield {"chatbot": chat_view(session, controls.highlight), **status}
+                    view = live_view(engine, session, speed=False)
+                    slider = view.pop("step_slider")
+                    yield view
+                    if speed:  # the slider's range moves with the speed chart: one Svelte update fewer per redraw
+                        yield {"step_slider": slider, **speed_view(engine, session)}
                 elif now - last_chat >= settings.stream_interval_s:
                     last_chat = now
                     yield {"chatbot": chat_view(session, controls.highlight)}

@@ -100,10 +100,11 @@ def reply_status(session: Session) -> str:
     return f"Latest reply: {stats}"
 
 
-def live_view(engine: Engine, session: Session, final: bool = False) -> Updates:
-    """The tree plot and step slider at the latest step of the latest reply, the session's speed chart
-    and the summary. With ``final`` (the reply ended) the slider rests on the last step that verified
-    a tree: a reply that hits its token limit ends with a one-token step that has nothing to show."""
+def live_view(engine: Engine, session: Session, final: bool = False, speed: bool = True) -> Updates:
+    """The tree plot and step slider at the latest step of the latest reply and, with ``speed``, the
+    session's speed chart and the summary. With ``final`` (the reply ended) the slider rests on the
+    last step that verified a tree: a reply that hits its token limit ends with a one-token step that
+    has nothing to show."""
     records = session.last_records
     n = len(records)
     if n:
@@ -114,15 +115,19 @@ def live_view(engine: Engine, session: Session, final: bool = False) -> Updates:
     else:
         step = 0
         tree = empty_figure(EMPTY_TREE, height=380)
-    num_heads = engine.model.num_heads if engine.model is not None else 0
-    return {
+    updates: Updates = {
         "tree_plot": tree,
         "step_slider": gr.Slider(
             minimum=0, maximum=max(n - 1, 1), value=step, step=1, label=f"Step of the latest reply ({n} steps)", interactive=n > 1
         ),
-        "speed_plot": speed_figure(session.rows),
-        "summary": summary_markdown(summarize(session.rows, num_heads)),
     }
+    return updates | speed_view(engine, session) if speed else updates
+
+
+def speed_view(engine: Engine, session: Session) -> Updates:
+    """The session's speed chart and summary."""
+    num_heads = engine.model.num_heads if engine.model is not None else 0
+    return {"speed_plot": speed_figure(session.rows), "summary": summary_markdown(summarize(session.rows, num_heads))}
 
 
 def labels(engine: Engine, session: Session, record: StepRecord) -> list[str]:
