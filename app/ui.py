@@ -114,7 +114,7 @@ def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
                 )
                 with gr.Row():
                     message = gr.Textbox(
-                        elem_id="message", show_label=False, placeholder="Message · Enter sends · Shift+Enter: new line · Esc stops",
+                        elem_id="message", show_label=False, placeholder="Message (Enter sends, Esc stops)",
                         lines=1, max_lines=8, scale=5, min_width=260, autofocus=True,
                     )
                     send = gr.Button("Send", variant="primary", scale=1, min_width=80, elem_id="send")

@@ -312,7 +312,7 @@ def test_while_the_model_loads_messages_wait_and_the_page_shows_progress(setting
     session = Session()
     assert handlers.add_user(loading, session, controls, "hi") == {"message": gr.skip()} and session.turns == []
     assert "Loading demo (nf4)" in warnings[0]
-    assert handlers.page_status(loading, settings, session)["banner"].startswith("Loading demo (nf4)")
+    assert handlers.page_status(loading, settings, session)["banner"].startswith("**Loading demo (nf4)")
     with pytest.raises(ValueError):
         loading.load(lambda: (_ for _ in ()).throw(ValueError("no such folder")))
     failed = handlers.page_status(loading, settings, session)
@@ -530,3 +530,13 @@ def test_epsilon_and_delta_are_inactive_with_the_reason_at_temperature_0_and_tre
     assert sampled["posterior_alpha"].interactive is True
     off = handlers.explain_controls(False, 0.7)
     assert all(off[k].interactive is False and "Medusa is off" in off[k].info for k in ("tree", "posterior_threshold", "posterior_alpha"))
+
+
+def test_while_loading_the_page_shows_a_progress_bar_against_the_last_load_time(settings, engine, monkeypatch):
+    loading = Engine(engine.description)
+    first = handlers.page_status(loading, settings, Session())["banner"]
+    assert first.startswith("**Loading ") and "no estimate yet" in first
+    monkeypatch.setattr(engine, "load_seconds", 20.0)
+    handlers.page_status(engine, settings, Session())  # ready: its load time is kept for the next start
+    later = handlers.page_status(loading, settings, Session())["banner"]
+    assert "of about 20 s (the last load)" in later and "<progress" in later
