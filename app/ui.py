@@ -202,8 +202,8 @@ def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
             return adapted, targets, [session, *controls.values(), *extra]
 
         status_fn, status_out = event(functools.partial(handlers.page_status, engine, settings))
-        demo.load(status_fn, [session], status_out, **QUICK)
-        timer.tick(status_fn, [session], status_out, **QUICK)
+        demo.load(status_fn, None, status_out, **QUICK)
+        timer.tick(status_fn, None, status_out, **QUICK)
         restore_fn, restore_out = event(handlers.restore_chat)
         demo.load(restore_fn, [session, saved, highlight], restore_out, **QUICK)
         demo.load(None, js=paths.JS_FILE.read_text(encoding="utf-8"))  # keys, plain-text copy and edit

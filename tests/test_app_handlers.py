@@ -312,15 +312,15 @@ def test_while_the_model_loads_messages_wait_and_the_page_shows_progress(setting
     session = Session()
     assert handlers.add_user(loading, session, controls, "hi") == {"message": gr.skip()} and session.turns == []
     assert "Loading demo (nf4)" in warnings[0]
-    assert handlers.page_status(loading, settings, session)["banner"].startswith("**Loading demo (nf4)")
+    assert handlers.page_status(loading, settings)["banner"].startswith("**Loading demo (nf4)")
     with pytest.raises(ValueError):
         loading.load(lambda: (_ for _ in ()).throw(ValueError("no such folder")))
-    failed = handlers.page_status(loading, settings, session)
+    failed = handlers.page_status(loading, settings)
     assert "no such folder" in failed["banner"] and "timer" in failed
 
 
 def test_page_status_fills_the_tree_choices_once_ready(engine, settings):
-    updates = handlers.page_status(engine, settings, Session())
+    updates = handlers.page_status(engine, settings)
     assert updates["banner"] == "" and updates["tree"].value == engine.model.default_tree
 
 
@@ -402,7 +402,7 @@ def test_every_handler_returns_only_the_outputs_its_event_declares(engine, setti
     def note(name, updates):
         returned.setdefault(name, set()).update(updates)
 
-    note("page_status", handlers.page_status(engine, settings, session))
+    note("page_status", handlers.page_status(engine, settings))
     note("add_user", handlers.add_user(engine, session, controls, "def add"))
     for u in handlers.respond(engine, settings, session, controls):
         note("respond", u)
@@ -534,9 +534,9 @@ def test_epsilon_and_delta_are_inactive_with_the_reason_at_temperature_0_and_tre
 
 def test_while_loading_the_page_shows_a_progress_bar_against_the_last_load_time(settings, engine, monkeypatch):
     loading = Engine(engine.description)
-    first = handlers.page_status(loading, settings, Session())["banner"]
+    first = handlers.page_status(loading, settings)["banner"]
     assert first.startswith("**Loading ") and "no estimate yet" in first
     monkeypatch.setattr(engine, "load_seconds", 20.0)
-    handlers.page_status(engine, settings, Session())  # ready: its load time is kept for the next start
-    later = handlers.page_status(loading, settings, Session())["banner"]
+    handlers.page_status(engine, settings)  # ready: its load time is kept for the next start
+    later = handlers.page_status(loading, settings)["banner"]
     assert "of about 20 s (the last load)" in later and "<progress" in later

@@ -105,3 +105,10 @@ def test_editing_a_message_in_the_chat_resends_it_with_the_edited_text(page):
     fired = page.fire("chat", "edit", {"index": 0, "value": "class", "previous_value": "def add"})
     assert fired.errors == [] and fired.ran == ["edit_user", "respond"]
     assert [t.user for t in page.session.turns] == ["class"] and page.session.turns[0].state == "done"
+
+
+def test_only_one_page_load_event_reads_the_tabs_session_so_the_restored_chat_is_not_lost(page):
+    # Events that create a tab's state at the same moment each get their own copy: one is lost.
+    load_or_tick = [f for f in page.demo.fns.values() if any(t[1] in ("load", "tick") for t in f.targets) and f.fn]
+    readers = [f.name for f in load_or_tick if page.session_block in f.inputs]
+    assert readers == ["restore_chat"]

@@ -13,7 +13,6 @@ import json
 import gradio as gr
 
 from ..engine import Engine
-from ..session import Session
 from ..settings import AppSettings
 from .controls import tree_choices
 from .views import Updates, model_panel
@@ -22,9 +21,12 @@ from .views import Updates, model_panel
 LOAD_TIMES = "load_times.json"
 
 
-def page_status(engine: Engine, settings: AppSettings, session: Session) -> Updates:
+def page_status(engine: Engine, settings: AppSettings) -> Updates:
     """What the page shows about the model: while loading the status line and a progress bar; once
-    ready (or failed) also the tree choices and the model panel, and the polling timer switches off."""
+    ready (or failed) also the tree choices and the model panel, and the polling timer switches off.
+
+    It reads no session state: it runs at page load beside ``restore_chat``, and two events that
+    create a tab's state at the same moment each get their own (one is lost)."""
     if engine.model is None and engine.error is None:
         return {"banner": loading_banner(engine, _load_times(settings).get(engine.description))}
     updates: Updates = {"banner": "" if engine.ready else f"⚠ {engine.status()}", "timer": gr.Timer(active=False)}
@@ -36,7 +38,7 @@ def page_status(engine: Engine, settings: AppSettings, session: Session) -> Upda
         wanted = settings.tree or model.default_tree
         updates |= {
             "tree": gr.Dropdown(choices=choices, value=wanted if wanted in values else model.default_tree),
-            "model_panel": model_panel(engine, session),
+            "model_panel": model_panel(engine),
             "tree_status": "" if wanted in values else f"⚠ unknown tree {settings.tree!r}: using {model.default_tree}",
         }
     return updates
