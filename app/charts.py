@@ -232,7 +232,7 @@ def speed_figure(rows: Sequence[StepRow], height: int = 300) -> Figure:
             height=height,
             margin=dict(l=60, r=10, t=50, b=40),
             legend=dict(orientation="h", x=0, y=1.0, yanchor="bottom"),
-            xaxis=dict(anchor="y", matches="x2", showticklabels=False),
+            xaxis=dict(anchor="y", matches="x2", showticklabels=False, gridcolor=GRID),
             yaxis=dict(domain=[0.42, 1.0], title=dict(text="tokens/s"), rangemode="tozero", gridcolor=GRID),
             xaxis2=dict(anchor="y2", title=dict(text="session step"), gridcolor=GRID),
             yaxis2=dict(domain=[0.0, 0.34], title=dict(text="tokens/step"), rangemode="tozero", dtick=1, gridcolor=GRID),

@@ -67,6 +67,7 @@ class Session:
         self.last_records: list[StepRecord] = []  # steps of the latest reply, for the step slider
         self.last_labels: dict[int, str] = {}  # token id -> label, for the latest reply's trees
         self.compare_runs: dict[str, list[StepRecord]] | None = None  # the latest Compare's runs so far, by mode
+        self.adopted = False  # whether this session has taken the conversation kept in the browser
         self.stop_requested = threading.Event()
         self.idle = threading.Event()
         self.idle.set()
@@ -103,6 +104,18 @@ class Session:
     def saved(self) -> list[dict[str, Any]]:
         """The conversation as JSON-able data, for ``gr.BrowserState`` (it survives a page reload)."""
         return [t.saved() for t in self.turns if t.state != "pending"]
+
+    def adopt(self, saved: Any) -> None:
+        """Take the conversation kept in the browser (``saved()`` data), once, if this session has none.
+
+        Every event of a page that reads the session adopts first: Gradio can run a page's first
+        events on a state of their own (the page-load event that shows the restored chat, in
+        Gradio 6.31), so the session that later events see may not be the one that showed it.
+        """
+        if not self.adopted:
+            self.adopted = True
+            if not self.turns:
+                self.restore(saved)
 
     def restore(self, saved: Any) -> None:
         """Replace the conversation with ``saved()`` data from the browser; anything unreadable is ignored."""

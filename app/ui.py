@@ -182,10 +182,28 @@ def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
             targets = {n: outputs[n] for n in handlers.OUTPUTS[_name(handler)]}
             return _named(handler, targets), list(targets.values())
 
+        def adopting(fn: Callable[..., Any]) -> Callable[..., Any]:
+            """``fn(session, *values)`` as a function of (session, the browser's saved conversation,
+            *values) that first lets the session adopt it (``Session.adopt``)."""
+            if inspect.isgeneratorfunction(fn):
+
+                def run(state: Session, kept: Any, *values: Any) -> Any:
+                    state.adopt(kept)
+                    yield from fn(state, *values)
+
+            else:
+
+                def run(state: Session, kept: Any, *values: Any) -> Any:
+                    state.adopt(kept)
+                    return fn(state, *values)
+
+            run.__name__ = _name(fn)
+            return run
+
         def with_controls(fn: Callable[..., Any], *extra: Any) -> tuple[Callable[..., Any], list[Any], list[Any]]:
             """``fn(session, controls, *extra values)`` adapted to Gradio, its outputs and its inputs
-            (the session, every control, then ``extra``): Gradio checks every control's value
-            before ``fn`` runs, so a rejected value rejects the whole event."""
+            (the session, the saved conversation, every control, then ``extra``): Gradio checks every
+            control's value before ``fn`` runs, so a rejected value rejects the whole event."""
             n = len(CONTROL_NAMES)
             if inspect.isgeneratorfunction(fn):
 
@@ -198,8 +216,8 @@ def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
                     return fn(state, _controls_of(values[:n]), *values[n:])
 
             run.__name__ = _name(fn)
-            adapted, targets = event(run)
-            return adapted, targets, [session, *controls.values(), *extra]
+            adapted, targets = event(adopting(run))
+            return adapted, targets, [session, saved, *controls.values(), *extra]
 
         status_fn, status_out = event(functools.partial(handlers.page_status, engine, settings))
         demo.load(status_fn, None, status_out, **QUICK)
@@ -219,24 +237,25 @@ def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
         )
         edit_handler = functools.partial(handlers.edit_user, engine)
 
-        def edit_user(state: Session, evt: gr.EditData, *values: Any) -> Any:
+        def edit_user(state: Session, evt: gr.EditData, kept: Any, *values: Any) -> Any:
+            state.adopt(kept)
             return edit_handler(state, _controls_of(values), evt.index, evt.value)
 
         edit_fn, edit_out = event(edit_user)
-        editing = chatbot.edit(edit_fn, [session, *controls.values()], edit_out, **QUICK).success(
+        editing = chatbot.edit(edit_fn, [session, saved, *controls.values()], edit_out, **QUICK).success(
             reply_fn, reply_in, reply_out, **MODEL_QUEUE
         )
         compare_fn, compare_out, compare_in = with_controls(functools.partial(handlers.compare, engine, settings))
         comparing = compare.click(compare_fn, compare_in, compare_out, **MODEL_QUEUE)
         running = [replying, regenerating, editing, comparing]
-        stop_fn, stop_out = event(functools.partial(handlers.stop, engine))
-        stop.click(stop_fn, [session, highlight], stop_out, cancels=running, **QUICK)
+        stop_fn, stop_out = event(adopting(functools.partial(handlers.stop, engine)))
+        stop.click(stop_fn, [session, saved, highlight], stop_out, cancels=running, **QUICK)
         clear_fn, clear_out = event(functools.partial(handlers.clear, engine))
         clear.click(clear_fn, [session], clear_out, cancels=running, **QUICK)
         chatbot.clear(clear_fn, [session], clear_out, cancels=running, **QUICK)  # the chat's own trash icon
 
-        rerender_fn, rerender_out = event(handlers.rerender_chat)
-        highlight.change(rerender_fn, [session, highlight], rerender_out, **QUICK)
+        rerender_fn, rerender_out = event(adopting(handlers.rerender_chat))
+        highlight.change(rerender_fn, [session, saved, highlight], rerender_out, **QUICK)
         step_fn, step_out = event(functools.partial(handlers.show_step, engine))
         # Arrow keys and typed digits fire `input`, a drag or a typed number's blur `release`. The value
         # is passed unchecked (preprocess=False): show_step clamps an out-of-range number instead of

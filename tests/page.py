@@ -39,10 +39,22 @@ class Page:
         self.by_id = {b.elem_id: b for b in demo.blocks.values() if getattr(b, "elem_id", None)}
         self.values: dict[int, Any] = {}
         self.session_block = next(b for b in demo.blocks.values() if isinstance(b, gr.State))
+        self.saved_block = next(b for b in demo.blocks.values() if isinstance(b, gr.BrowserState))
 
     @property
     def session(self) -> Session:
         return self.state[self.session_block._id]
+
+    @property
+    def saved(self) -> Any:
+        """The conversation the browser keeps (``gr.BrowserState``), as the page last received it."""
+        return self.values.get(self.saved_block._id, [])
+
+    def reload(self) -> "Page":
+        """A new tab on the same page with this tab's browser storage (a reload), before any event."""
+        page = Page(self.demo)
+        page.values[self.saved_block._id] = self.saved
+        return page
 
     def set(self, **values: Any) -> None:
         """Type or pick values, by elem_id with '-' written as '_' (e.g. ``max_new_tokens=5``)."""
@@ -80,6 +92,8 @@ class Page:
         iterator = None
         while True:
             out = await self.demo.process_api(fn, list(inputs), state=self.state, iterator=iterator, event_data=event_data)
+            if iterator is not None and not out.get("is_generating"):
+                return  # the generator ended: this call carries no values
             fired.outputs.append({getattr(b, "elem_id", None) or b._id: v for b, v in zip(fn.outputs, out["data"])})
             for b, v in zip(fn.outputs, out["data"]):
                 if not (isinstance(v, dict) and "__type__" in v):

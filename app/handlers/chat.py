@@ -199,9 +199,9 @@ def edit_user(engine: Engine, session: Session, controls: Controls, index: int, 
 
 def restore_chat(session: Session, saved: Any, highlight: bool) -> Updates:
     """On page load: the conversation kept in the browser (``gr.BrowserState``), e.g. after a reload."""
-    if not saved or session.turns:
+    session.adopt(saved)
+    if not session.turns:
         return {"chatbot": gr.skip()}
-    session.restore(saved)
     return {"chatbot": chat_view(session, highlight), "reply_status": reply_status(session)}
 
 
@@ -210,6 +210,7 @@ def clear(engine: Engine, session: Session) -> Updates:
     session.stop_requested.set()
     session.idle.wait(STOP_WAIT_S)
     session.turns.clear()
+    session.adopted = True  # a cleared chat stays empty: nothing to take from the browser any more
     session.last_records = []
     return {"chatbot": [], "message": "", "reply_status": "", **live_view(engine, session), "send": SEND_ON, "saved": []}
 

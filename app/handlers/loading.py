@@ -25,8 +25,7 @@ def page_status(engine: Engine, settings: AppSettings) -> Updates:
     """What the page shows about the model: while loading the status line and a progress bar; once
     ready (or failed) also the tree choices and the model panel, and the polling timer switches off.
 
-    It reads no session state: it runs at page load beside ``restore_chat``, and two events that
-    create a tab's state at the same moment each get their own (one is lost)."""
+    It reads no session state: it runs at page load and on every timer tick, and needs none."""
     if engine.model is None and engine.error is None:
         return {"banner": loading_banner(engine, _load_times(settings).get(engine.description))}
     updates: Updates = {"banner": "" if engine.ready else f"⚠ {engine.status()}", "timer": gr.Timer(active=False)}
