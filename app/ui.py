@@ -1,9 +1,10 @@
 """The page: ``build_ui(engine, settings) -> gr.Blocks``. Layout and event wiring only; the behaviour
 lives in the ``app.handlers`` package, whose named outputs are mapped to components here.
 
-Generation events (reply, regenerate, compare) share one concurrency group of size 1: one
-generation at a time on the model, the others queue. Everything else (Stop, export, the slider)
-runs beside it, so Stop and Export work while a reply streams.
+Generation events (the reply after Send, Regenerate or an edit; Compare) share one concurrency
+group of size 1: one generation at a time on the model, the others queue. Everything else (Stop,
+exports, the slider) runs beside it, so Stop and Export work while a reply streams. What runs in
+the browser (keys, plain-text copy) is ``assets/app.js``, started on page load.
 """
 
 from __future__ import annotations
