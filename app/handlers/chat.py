@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 STOP_WAIT_S = 30.0  # how long Stop and Clear wait for a running reply to finish its current step
 
 
+STREAMING_SLIDER = gr.Slider(interactive=False, label="Step of the latest reply (browse its steps once it ends)")
 #: The speed chart and summary redraw at every SPEED_REDRAWS-th tree redraw while a reply streams:
 #: a plotly redraw costs the browser tens of ms, and the tree is what changes at every step.
 SPEED_REDRAWS = 4
@@ -110,8 +111,11 @@ def respond(engine: Engine, settings: AppSettings, session: Session, controls: C
             turn.state = "stopped"
         turn.stats = turn_stats(session, turn)
         session.end()
-    # Two updates, so the browser renders them as two shorter tasks: the plots, then the chat.
-    yield {**live_view(engine, session, final=True), "model_panel": model_panel(engine, session)}
+    # Three updates, so the browser renders them as three shorter tasks: the tree, the speed chart
+    # with the slider, then the chat.
+    view = live_view(engine, session, final=True)
+    yield {"tree_plot": view.pop("tree_plot"), "model_panel": model_panel(engine, session)}
+    yield view
     yield {"chatbot": chat_view(session, controls.highlight), "reply_status": reply_status(session), "send": SEND_ON, "saved": session.saved()}
 
 
@@ -128,18 +132,18 @@ def _stream(
                 if turn.first_token_at is None:
                     turn.first_token_at = now
                 if now - last_plot >= settings.redraw_interval_s:
-                    status = {"reply_status": reply_status(session)} if last_plot == 0.0 else {}
+                    # The first update says the reply is generating and parks the step slider: it
+                    # browses a reply's steps once the reply has ended (its re-render is costly).
+                    first = {"reply_status": reply_status(session), "step_slider": STREAMING_SLIDER} if last_plot == 0.0 else {}
                     speed = now - last_speed >= SPEED_REDRAWS * settings.redraw_interval_s
                     last_plot = last_chat = now
                     last_speed = now if speed else last_speed
                     # Chat, tree and speed chart as separate updates: the browser renders each as its
-                    # own, shorter task (one update with all three stalled the page for 2-3× longer).
-                    yield {"chatbot": chat_view(session, controls.highlight), **status}
-                    view = live_view(engine, session, speed=False)
-                    slider = view.pop("step_slider")
-                    yield view
-                    if speed:  # the slider's range moves with the speed chart: one Svelte update fewer per redraw
-                        yield {"step_slider": slider, **speed_view(engine, session)}
+                    # own, shorter task (one update with all of them stalled the page 2-3× longer).
+                    yield {"chatbot": chat_view(session, controls.highlight), **first}
+                    yield {"tree_plot": live_view(engine, session, speed=False)["tree_plot"]}
+                    if speed:
+                        yield speed_view(engine, session)
                 elif now - last_chat >= settings.stream_interval_s:
                     last_chat = now
                     yield {"chatbot": chat_view(session, controls.highlight)}

@@ -157,15 +157,30 @@ def download_csv(page, target: Path) -> list[dict[str, str]]:
 
 
 # The page's longest main-thread stalls from now on: long tasks (PerformanceObserver 'longtask',
-# any task over 50 ms) and gaps between animation frames (what a user sees as a frozen page).
+# any task over 50 ms) and gaps between animation frames (what a user sees as a frozen page), and
+# which parts of the page changed during the longest task.
 WATCH_STALLS_JS = """
 () => {
-  const s = window.__stalls = {longest_task_ms: 0, tasks: 0, longest_frame_gap_ms: 0, frames: 0};
-  if (window.__stallObserver) window.__stallObserver.disconnect();
-  window.__stallObserver = new PerformanceObserver((list) => {
-    for (const e of list.getEntries()) { s.tasks += 1; s.longest_task_ms = Math.max(s.longest_task_ms, e.duration); }
+  const s = window.__stalls = {longest_task_ms: 0, tasks: 0, longest_frame_gap_ms: 0, frames: 0, longest_task_parts: []};
+  const changes = [];
+  let longest = null;
+  if (window.__stallObservers) window.__stallObservers.forEach((o) => o.disconnect());
+  const task = new PerformanceObserver((list) => {
+    for (const e of list.getEntries()) {
+      s.tasks += 1;
+      if (e.duration > s.longest_task_ms) { s.longest_task_ms = e.duration; longest = [e.startTime, e.duration]; }
+    }
   });
-  window.__stallObserver.observe({type: "longtask"});
+  task.observe({type: "longtask"});
+  window.__stallObservers = [task];
+  for (const id of ["#chat", "#tree-plot", "#speed-plot", "#step-slider", "#summary", "#reply-status", "#model-panel", "#send"]) {
+    const el = document.querySelector(id);
+    if (!el) continue;
+    const o = new MutationObserver(() => changes.push([performance.now(), id]));
+    o.observe(el, {subtree: true, childList: true, characterData: true, attributes: id === "#send"});
+    window.__stallObservers.push(o);
+  }
+  s.parts = () => longest ? [...new Set(changes.filter(([t]) => t >= longest[0] - 5 && t <= longest[0] + longest[1] + 5).map(([, id]) => id))] : [];
   let last = performance.now();
   const frame = (t) => {
     s.frames += 1;
@@ -180,4 +195,4 @@ WATCH_STALLS_JS = """
 
 def stalls(page) -> dict[str, float]:
     """What ``WATCH_STALLS_JS`` measured since it was installed."""
-    return page.evaluate("() => window.__stalls")
+    return page.evaluate("() => ({...window.__stalls, longest_task_parts: window.__stalls.parts()})")

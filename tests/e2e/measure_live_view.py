@@ -111,7 +111,8 @@ def main() -> int:
             print(
                 f"page while {stall['tokens']} tokens streamed ({stall['replies']} replies, {stall['updates']} chat renders, "
                 f"{stall['seconds']:.1f} s): "
-                f"longest main-thread task {stall['longest_task_ms']:.0f} ms ({stall['tasks']} tasks over 50 ms), "
+                f"longest main-thread task {stall['longest_task_ms']:.0f} ms ({stall['tasks']} tasks over 50 ms; "
+                f"it changed {', '.join(stall['longest_task_parts']) or 'nothing watched'}), "
                 f"longest gap between frames {stall['longest_frame_gap_ms']:.0f} ms, "
                 f"main-thread time per update {stall['ms_per_update']:.1f} ms"
             )
