@@ -14,14 +14,17 @@ from typing import Any, Sequence
 
 from medusa_core import StepRecord
 
-from .stats import StepRow, rolling_mean
+from .stats import StepRow, head_tokens, rolling_mean
 
 ACCEPTED = "#d62728"  # the accepted path: strong red, used for nothing else
 BACKBONE = "#444444"  # the root: the backbone's own token
 HEAD_COLOURS = ("#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2", "#bcbd22")
 MODE_COLOURS = {"medusa": "#1f77b4", "baseline": "#ff7f0e"}
 ROLLING_WINDOW = 8
-MAX_MARKERS = 400  # per-step dots for the session's latest steps only: every SVG dot costs the browser a redraw
+LABEL_PX = 12  # vertical room one node label needs (11 px text)
+TRANSPARENT = "rgba(0,0,0,0)"  # figure backgrounds: the page's own (light or dark) shows through
+GRID = "rgba(128,128,128,0.25)"  # readable on light and dark backgrounds
+MAX_MARKERS = 150  # per-step dots for the session's latest steps only: every SVG dot costs the browser a redraw
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,8 @@ def empty_figure(message: str, height: int = 300) -> Figure:
             xaxis=dict(visible=False),
             yaxis=dict(visible=False),
             margin=dict(l=10, r=10, t=30, b=10),
+            paper_bgcolor=TRANSPARENT,
+            plot_bgcolor=TRANSPARENT,
             annotations=[dict(text=message, showarrow=False, font=dict(size=14, color="#888"), x=0.5, y=0.5, xref="paper", yref="paper")],
         ),
     )
@@ -80,23 +85,46 @@ def tree_layout(parents: Sequence[int]) -> tuple[list[int], list[float]]:
     return depth, y
 
 
-def tree_figure(record: StepRecord, labels: Sequence[str], height: int = 420) -> Figure:
+def shown_labels(x: Sequence[int], y: Sequence[float], priority: Sequence[int], min_gap: float) -> set[int]:
+    """Nodes whose labels fit: taken in ``priority`` order, a label is kept when no kept label in the
+    same column (depth) is closer than ``min_gap`` (in y units). The others show on hover only."""
+    kept: dict[int, list[float]] = {}
+    shown = set()
+    for i in priority:
+        column = kept.setdefault(x[i], [])
+        if all(abs(y[i] - other) >= min_gap for other in column):
+            column.append(y[i])
+            shown.add(i)
+    return shown
+
+
+EMPTY_TREE = "Each step's candidate tree<br>appears here while a reply streams"
+
+
+def tree_figure(record: StepRecord, labels: Sequence[str], height: int = 380) -> Figure:
     """One step's candidate tree: nodes by depth with their token text, coloured by head (paler for
     lower-ranked candidates), the accepted path in red; hover shows token id, head, rank and status.
     Exact sampling steps also mark the candidates tried and rejected with an ✕ (``record.node_status``).
 
-    ``labels`` [N] is the display text of every node's token.
+    Labels that would overlap (a 64-node tree has ~40 leaves) are left to the hover, the accepted
+    path's first; the legend shows plain head markers, the accepted nodes' red rings are a separate,
+    unlisted trace. ``labels`` [N] is the display text of every node's token.
     """
     parents = record.node_parents
     x, y = tree_layout(parents)
-    accepted = set(record.accepted_nodes)
+    path = list(record.accepted_nodes[: len(record.token_ids)])  # nodes cut at EOS / the token limit are not in the reply
+    accepted = set(path)
     status = record.node_status or tuple("accepted" if i in accepted else "not accepted" for i in range(record.tree_nodes))
+    margin = dict(l=50, r=10, t=60, b=80)
+    span = max(y) - min(y)
+    min_gap = LABEL_PX * span / (height - margin["t"] - margin["b"]) if span else 0.0
+    priority = sorted(range(record.tree_nodes), key=lambda i: (i not in accepted, record.node_ranks[i], x[i], -y[i]))
+    labelled = shown_labels(x, y, priority, min_gap)
     edge_x: list[float | None] = []
     edge_y: list[float | None] = []
     for i in range(1, record.tree_nodes):
         edge_x += [x[parents[i]], x[i], None]
         edge_y += [y[parents[i]], y[i], None]
-    path = list(record.accepted_nodes)
     data: list[dict[str, Any]] = [
         dict(type="scatter", x=edge_x, y=edge_y, mode="lines", line=dict(color="#c8c8c8", width=1), hoverinfo="skip", showlegend=False),
         dict(type="scatter", x=[x[i] for i in path], y=[y[i] for i in path], mode="lines", line=dict(color=ACCEPTED, width=4), hoverinfo="skip", name="accepted path"),
@@ -110,53 +138,67 @@ def tree_figure(record: StepRecord, labels: Sequence[str], height: int = 420) ->
                 y=[y[i] for i in nodes],
                 mode="markers+text",
                 name="backbone" if head < 0 else f"head {head + 1}",
-                text=[labels[i] for i in nodes],
+                text=[_short(labels[i]) if i in labelled else "" for i in nodes],
                 textposition="middle right",
                 textfont=dict(size=11, color=[ACCEPTED if i in accepted else "#333333" for i in nodes]),
                 marker=dict(
                     symbol=["x" if status[i] == "rejected" else "circle" for i in nodes],
-                    size=[14 if i in accepted else 10 for i in nodes],
+                    size=10,
                     color=BACKBONE if head < 0 else HEAD_COLOURS[head % len(HEAD_COLOURS)],
                     opacity=[1.0 if i in accepted else max(0.3, 0.9 - 0.15 * record.node_ranks[i]) for i in nodes],
-                    line=dict(
-                        color=[ACCEPTED if i in accepted else "white" for i in nodes],
-                        width=[3 if i in accepted else 1 for i in nodes],
-                    ),
+                    line=dict(color="white", width=1),
                 ),
                 customdata=[
-                    [record.node_token_ids[i], "backbone" if head < 0 else head + 1, record.node_ranks[i], status[i]]
+                    [labels[i], record.node_token_ids[i], "backbone" if head < 0 else head + 1, record.node_ranks[i], i, status[i]]
                     for i in nodes
                 ],
-                hovertemplate="token %{text} (id %{customdata[0]})<br>head %{customdata[1]}, rank %{customdata[2]}"
-                "<br>%{customdata[3]}<extra></extra>",
+                hovertemplate="token %{customdata[0]} (id %{customdata[1]})<br>head %{customdata[2]}, rank %{customdata[3]}"
+                "<br>%{customdata[5]}<extra></extra>",
             )
         )
-    added = len(record.token_ids)
+    data.append(  # red rings on the accepted nodes, kept out of the legend
+        dict(
+            type="scatter", x=[x[i] for i in path], y=[y[i] for i in path], mode="markers", showlegend=False, hoverinfo="skip",
+            marker=dict(size=14, color=TRANSPARENT, line=dict(color=ACCEPTED, width=3)),
+        )
+    )
+    added, kept = len(record.token_ids), head_tokens(record)
+    cut = record.accept_length - kept
+    where = "after EOS" if record.stop_reason == "eos" else "at the token limit"
     title = (
-        f"step {record.step} · {record.tree_name} ({record.tree_nodes} nodes) · "
-        f"+{added} token{'' if added == 1 else 's'} ({record.accept_length} from heads) · {record.sampling}"
+        f"step {record.step} · {record.tree_name} ({record.tree_nodes} nodes)<br>"
+        f"+{added} token{'' if added == 1 else 's'} ({kept} from heads{f'; {cut} cut {where}' if cut else ''}) · {record.sampling}"
     )
     return Figure(
         data=data,
         layout=dict(
-            title=dict(text=title, font=dict(size=13), x=0.01, xanchor="left", y=0.98, yanchor="top"),
+            title=dict(text=title, font=dict(size=13), x=0.01, xanchor="left", y=0.97, yref="container", yanchor="top"),
             height=height,
-            margin=dict(l=10, r=10, t=70, b=40),
-            xaxis=dict(title=dict(text="depth (head k proposes depth k)"), tickmode="linear", dtick=1, range=[-0.3, max(x) + 0.9], zeroline=False),
-            yaxis=dict(visible=False),
-            legend=dict(orientation="h", x=0, y=1.0, yanchor="bottom"),
-            plot_bgcolor="white",
+            margin=margin,
+            xaxis=dict(
+                title=dict(text="depth (head k proposes depth k)", standoff=4), tickmode="linear", dtick=1,
+                range=[-0.3, max(x) + 0.9], zeroline=False, gridcolor=GRID,
+            ),
+            yaxis=dict(title=dict(text="rank: best first ↓"), showticklabels=False, showgrid=False, zeroline=False),
+            legend=dict(orientation="h", x=0, y=-0.22, yanchor="top"),
+            paper_bgcolor=TRANSPARENT,
+            plot_bgcolor=TRANSPARENT,
             uirevision="tree",
         ),
     )
 
 
-def speed_figure(rows: Sequence[StepRow], height: int = 420) -> Figure:
+def _short(label: str, limit: int = 8) -> str:
+    """A node label short enough not to run into the next depth's column."""
+    return label if len(label) <= limit else label[: limit - 1] + "…"
+
+
+def speed_figure(rows: Sequence[StepRow], height: int = 300) -> Figure:
     """Session steps in order: tokens/s per step (dots, for the latest ``MAX_MARKERS`` steps) with a
     rolling mean per reply (lines) on top, tokens accepted per step (a stepped line) below; Medusa and
     baseline steps in different colours. Lines are one SVG path each, so the figure redraws fast."""
     if not rows:
-        return empty_figure("tokens/s per step appear here once a reply streams", height)
+        return empty_figure("tokens/s per step appear here<br>once a reply streams", height)
     data: list[dict[str, Any]] = []
     for mode in ("medusa", "baseline"):
         idx = [i for i, r in enumerate(rows) if r.mode == mode]
@@ -193,12 +235,13 @@ def speed_figure(rows: Sequence[StepRow], height: int = 420) -> Figure:
             height=height,
             margin=dict(l=60, r=10, t=50, b=40),
             legend=dict(orientation="h", x=0, y=1.0, yanchor="bottom"),
-            xaxis=dict(anchor="y", matches="x2", showticklabels=False),
-            yaxis=dict(domain=[0.42, 1.0], title=dict(text="tokens/s"), rangemode="tozero"),
-            xaxis2=dict(anchor="y2", title=dict(text="session step")),
-            yaxis2=dict(domain=[0.0, 0.34], title=dict(text="tokens/step"), rangemode="tozero", dtick=1),
+            xaxis=dict(anchor="y", matches="x2", showticklabels=False, gridcolor=GRID),
+            yaxis=dict(domain=[0.42, 1.0], title=dict(text="tokens/s"), rangemode="tozero", gridcolor=GRID),
+            xaxis2=dict(anchor="y2", title=dict(text="session step"), gridcolor=GRID),
+            yaxis2=dict(domain=[0.0, 0.34], title=dict(text="tokens/step"), rangemode="tozero", dtick=1, gridcolor=GRID),
             bargap=0.1,
-            plot_bgcolor="white",
+            paper_bgcolor=TRANSPARENT,
+            plot_bgcolor=TRANSPARENT,
             uirevision="speed",
         ),
     )

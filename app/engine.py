@@ -61,6 +61,11 @@ class Engine:
         self._done.wait(timeout)
         return self.ready
 
+    @property
+    def elapsed_s(self) -> float:
+        """Seconds since loading started (the load time once it ended)."""
+        return self.load_seconds if self.load_seconds is not None else time.monotonic() - self._started
+
     def status(self) -> str:
         """One line for the page: loading (with elapsed time), failed, or ready."""
         if self.error is not None:

@@ -14,6 +14,7 @@ APP_NAME = "medusa-chat"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ASSETS_DIR = REPO_ROOT / "assets"
 CSS_FILE = ASSETS_DIR / "app.css"
+JS_FILE = ASSETS_DIR / "app.js"  # run in the browser on page load (keys, plain-text copy)
 
 
 def user_config_dir() -> Path:

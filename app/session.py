@@ -10,6 +10,7 @@ import copy
 import threading
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 from medusa_core import StepRecord
 
@@ -30,6 +31,25 @@ class Turn:
     error: str = ""  # shown under the reply when state == "error"
     note: str = ""  # shown under the reply, e.g. that earlier turns were left out of the prompt
     reply_index: int | None = None  # the reply's index in the session statistics
+    sent_at: float | None = None  # time.monotonic() of the send (or Regenerate / edit) that asked for this reply
+    first_token_at: float | None = None  # when the reply's first token was decoded (TTFT = first_token_at - sent_at)
+    last_token_at: float | None = None  # when its latest token was decoded (wall time = last_token_at - sent_at)
+    stats: str = ""  # the finished reply's stats line, kept with the conversation (it survives a page reload)
+
+    def saved(self) -> dict[str, Any]:
+        """The turn as JSON-able data for the browser's storage (timings are this process's clock: left out)."""
+        return {"user": self.user, "runs": [list(r) for r in self.reply.runs], "state": self.state, "error": self.error,
+                "note": self.note, "stats": self.stats}
+
+    @classmethod
+    def restored(cls, data: dict[str, Any]) -> "Turn":
+        """A turn from ``saved()`` data; a reply that was still running when saved counts as stopped."""
+        state = data.get("state", "done")
+        return cls(
+            user=str(data["user"]), reply=ReplyText([(str(t), bool(f)) for t, f in data.get("runs", [])]),
+            state=state if state in ("done", "stopped", "error") else "stopped",
+            error=str(data.get("error", "")), note=str(data.get("note", "")), stats=str(data.get("stats", "")),
+        )
 
 
 class Session:
@@ -46,13 +66,15 @@ class Session:
         self.replies = 0  # replies started so far (chat and compare), numbering StepRow.reply_index
         self.last_records: list[StepRecord] = []  # steps of the latest reply, for the step slider
         self.last_labels: dict[int, str] = {}  # token id -> label, for the latest reply's trees
+        self.compare_runs: dict[str, list[StepRecord]] | None = None  # the latest Compare's runs so far, by mode
+        self.adopted = False  # whether this session has taken the conversation kept in the browser
         self.stop_requested = threading.Event()
         self.idle = threading.Event()
         self.idle.set()
 
     def __deepcopy__(self, memo: dict) -> "Session":
         new = Session()
-        for name in ("turns", "rows", "replies", "last_records", "last_labels"):
+        for name in ("turns", "rows", "replies", "last_records", "last_labels", "compare_runs"):
             setattr(new, name, copy.deepcopy(getattr(self, name), memo))
         return new
 
@@ -78,6 +100,29 @@ class Session:
     def end(self) -> None:
         """The reply or comparison ended (finished, stopped, cancelled or failed)."""
         self.idle.set()
+
+    def saved(self) -> list[dict[str, Any]]:
+        """The conversation as JSON-able data, for ``gr.BrowserState`` (it survives a page reload)."""
+        return [t.saved() for t in self.turns if t.state != "pending"]
+
+    def adopt(self, saved: Any) -> None:
+        """Take the conversation kept in the browser (``saved()`` data), once, if this session has none.
+
+        Every event of a page that reads the session adopts first: Gradio can run a page's first
+        events on a state of their own (the page-load event that shows the restored chat, in
+        Gradio 6.31), so the session that later events see may not be the one that showed it.
+        """
+        if not self.adopted:
+            self.adopted = True
+            if not self.turns:
+                self.restore(saved)
+
+    def restore(self, saved: Any) -> None:
+        """Replace the conversation with ``saved()`` data from the browser; anything unreadable is ignored."""
+        try:
+            self.turns = [Turn.restored(t) for t in saved] if isinstance(saved, list) else []
+        except (TypeError, KeyError, ValueError, AttributeError):  # not what saved() writes: start afresh
+            self.turns = []
 
     def history(self, before: int) -> list[tuple[str, str]]:
         """(user, reply) pairs of the turns before index ``before`` that reached the model (not failed ones)."""

@@ -74,7 +74,7 @@ class StepRow:
             posterior_alpha=posterior_alpha,
             sampling=record.sampling,
             accepted_tokens=len(record.token_ids),
-            head_tokens=record.accept_length,
+            head_tokens=head_tokens(record),
             step_latency_ms=round(record.latency_s * 1e3, 4),
             prefill_ms=round(record.prefill_s * 1e3, 4),
             tokens_per_s=round(record.tokens_per_s, 3),
@@ -82,6 +82,12 @@ class StepRow:
             stop_reason=record.stop_reason or "",
             timestamp=when.isoformat(timespec="milliseconds"),
         )
+
+
+def head_tokens(record: StepRecord) -> int:
+    """Tokens of the step's reply text that came from the heads: the accepted candidates that survived
+    the cut at EOS or the token limit (``record.accept_length`` counts them before the cut)."""
+    return min(record.accept_length, max(len(record.token_ids) - 1, 0))
 
 
 CSV_COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(StepRow))

@@ -108,6 +108,15 @@ class ReplyText:
         return '<pre class="medusa-reply">\n' + "".join(parts) + "</pre>"
 
 
+def plain_text(message: str) -> str:
+    """The text of a chat message as the page renders it (``ReplyText.html``, escaped user text) or as
+    typed: tags dropped, entities decoded. Plain text passes through unchanged."""
+    if not message.lstrip().startswith("<pre class=\"medusa-"):
+        return message
+    return html.unescape(re.sub(r"<[^>]+>", "", message.replace("<pre class=\"medusa-user\">\n", "", 1)
+                                                     .replace("<pre class=\"medusa-reply\">\n", "", 1)))
+
+
 def token_label(tokenizer: Any, token_id: int) -> str:
     """A short visible label for one token: its decoded text with spaces and newlines made visible."""
     text = tokenizer.decode([int(token_id)], skip_special_tokens=False)

@@ -1,9 +1,10 @@
 """The page: ``build_ui(engine, settings) -> gr.Blocks``. Layout and event wiring only; the behaviour
-lives in ``app.handlers``, whose named outputs are mapped to components here.
+lives in the ``app.handlers`` package, whose named outputs are mapped to components here.
 
-Generation events (reply, regenerate, compare) share one concurrency group of size 1: one
-generation at a time on the model, the others queue. Everything else (Stop, export, the slider)
-runs beside it, so Stop and Export work while a reply streams.
+Generation events (the reply after Send, Regenerate or an edit; Compare) share one concurrency
+group of size 1: one generation at a time on the model, the others queue. Everything else (Stop,
+exports, the slider) runs beside it, so Stop and Export work while a reply streams. What runs in
+the browser (keys, plain-text copy) is ``assets/app.js``, started on page load.
 """
 
 from __future__ import annotations
@@ -11,16 +12,17 @@ from __future__ import annotations
 import functools
 import inspect
 from contextlib import closing
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import gradio as gr
 
 from medusa_core import SAMPLING_MODES
 
-from . import handlers
-from .charts import empty_figure, speed_figure
+from . import handlers, paths
+from .charts import EMPTY_TREE, empty_figure, speed_figure
 from .engine import Engine
 from .handlers import CONTROL_NAMES, CUSTOM_TREE, Controls
+from .handlers.controls import TREE_INFO
 from .session import Session
 from .settings import AppSettings
 from .stats import summarize, summary_markdown
@@ -35,7 +37,7 @@ DOWNLOAD_JS = """
   if (file && file.url) {
     const a = document.createElement("a");
     a.href = file.url;
-    a.download = file.orig_name || "medusa-chat.csv";
+    a.download = file.orig_name || "medusa-chat-export";
     document.body.appendChild(a);
     a.click();
     a.remove();
@@ -48,7 +50,9 @@ DOWNLOAD_JS = """
 def _named(fn: Callable[..., Any], outputs: dict[str, gr.components.Component]) -> Callable[..., Any]:
     """Adapt a handler that returns (or yields) ``{name: value}`` to Gradio's ``{component: value}``.
 
-    ``outputs`` maps the names the handler may return (``handlers.OUTPUTS``) to components.
+    ``outputs`` maps the names the handler may return (``handlers.OUTPUTS``) to components. The
+    adapter shows Gradio the handler's own signature, which is how Gradio finds a parameter
+    annotated ``gr.EditData`` (or other event data) to fill in.
     """
 
     def to_components(update: dict[str, Any]) -> dict[Any, Any]:
@@ -56,6 +60,7 @@ def _named(fn: Callable[..., Any], outputs: dict[str, gr.components.Component]) 
 
     if inspect.isgeneratorfunction(fn):
 
+        @functools.wraps(fn)
         def stream(*args: Any) -> Any:
             with closing(fn(*args)) as updates:  # Stop closes this generator, which closes the handler's
                 for update in updates:
@@ -64,6 +69,7 @@ def _named(fn: Callable[..., Any], outputs: dict[str, gr.components.Component]) 
         stream.__name__ = _name(fn)
         return stream
 
+    @functools.wraps(fn)
     def call(*args: Any) -> Any:
         return to_components(fn(*args))
 
@@ -76,40 +82,60 @@ def _name(fn: Callable[..., Any]) -> str:
     return getattr(getattr(fn, "func", fn), "__name__", "handler")
 
 
+def _controls_of(values: Sequence[Any]) -> Controls:
+    """``Controls`` from the control components' values, in ``CONTROL_NAMES`` order."""
+    by_name = dict(zip(CONTROL_NAMES, values))
+    seed_value = by_name["seed"]
+    by_name["seed"] = None if seed_value is None or seed_value < 0 else int(seed_value)
+    by_name["max_new_tokens"] = int(by_name["max_new_tokens"])
+    return Controls(**by_name)
+
+
 def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
-    """The whole page for one engine and one set of settings. Loads nothing; safe to call in tests."""
+    """The whole page for one engine and one set of settings. Loads nothing; safe to call in tests.
+
+    Three columns at desktop widths: the chat; the live view beside it (the tree being verified and
+    the speed chart, visible while the reply streams); the controls in tabs. Each column has a
+    minimum width, so on a narrow window they stack.
+    """
     defaults = Controls.from_settings(settings)
-    with gr.Blocks(title="Medusa chat", analytics_enabled=False) as demo:
+    with gr.Blocks(title="Medusa chat", analytics_enabled=False, fill_width=True) as demo:
         session = gr.State(Session)
+        saved = gr.BrowserState([], storage_key="medusa-chat-conversation")
         with gr.Row(elem_id="header"):
             gr.Markdown("## Medusa chat: one backbone, several heads, a tree of guesses per step")
         banner = gr.Markdown(elem_id="banner")
-        timer = gr.Timer(1.0, active=True)
+        timer = gr.Timer(0.5, active=True)
         with gr.Row(equal_height=False):
-            with gr.Column(scale=3):
+            with gr.Column(scale=5, min_width=460, elem_id="chat-column"):
                 chatbot = gr.Chatbot(
-                    elem_id="chat", height=460, label="Chat", autoscroll=True, feedback_options=None,
-                    buttons=[],  # copy buttons would copy the HTML the replies are rendered with
+                    elem_id="chat", height=560, label="Chat", autoscroll=True, feedback_options=None,
+                    buttons=["copy"],  # copies plain text: assets/app.js turns the rendered HTML back into text
+                    editable="user",  # edit and resend a message of yours
                     # Messages are ready HTML (app.text): no Markdown or LaTeX pass in the browser at every update.
                     render_markdown=False, latex_delimiters=[],
                 )
                 with gr.Row():
                     message = gr.Textbox(
-                        elem_id="message", show_label=False, placeholder="Message (Enter sends, Shift+Enter: new line)",
-                        lines=1, max_lines=8, scale=5, autofocus=True,
+                        elem_id="message", show_label=False, placeholder="Message (Enter sends, Esc stops)",
+                        lines=1, max_lines=8, scale=5, min_width=260, autofocus=True,
                     )
-                    send = gr.Button("Send", variant="primary", scale=1, elem_id="send")
+                    send = gr.Button("Send", variant="primary", scale=1, min_width=80, elem_id="send")
+                    stop = gr.Button("Stop", variant="stop", scale=1, min_width=80, elem_id="stop")
                 with gr.Row():
-                    stop = gr.Button("Stop", variant="stop", size="sm", elem_id="stop")
-                    regenerate = gr.Button("Regenerate", size="sm", elem_id="regenerate")
+                    regenerate = gr.Button("Regenerate (Ctrl+Enter)", size="sm", elem_id="regenerate")
                     clear = gr.Button("Clear", size="sm", elem_id="clear")
                     highlight = gr.Checkbox(defaults.highlight, label="Highlight tokens from the heads", elem_id="highlight")
                 status_line = gr.Markdown(elem_id="reply-status")
-                system_prompt = gr.Textbox(defaults.system_prompt, label="System prompt", lines=2, elem_id="system-prompt")
-            with gr.Column(scale=2):
+            with gr.Column(scale=4, min_width=400, elem_id="live-column"):
+                tree_plot = gr.Plot(empty_figure(EMPTY_TREE, 380), elem_id="tree-plot", show_label=False)
+                step_slider = gr.Slider(0, 1, 0, step=1, label="Step of the latest reply", interactive=False, elem_id="step-slider")
+                speed_plot = gr.Plot(speed_figure([]), elem_id="speed-plot", show_label=False)
+                summary = gr.Markdown(summary_markdown(summarize([], 0)), elem_id="summary")
+            with gr.Column(scale=3, min_width=300, elem_id="side-column"):
                 with gr.Tab("Controls"):
                     medusa = gr.Checkbox(defaults.medusa, label="Medusa (off = plain decoding, one token per step)", elem_id="medusa")
-                    tree = gr.Dropdown([], value=None, label="Tree", elem_id="tree")
+                    tree = gr.Dropdown([], value=None, label="Tree", info=TREE_INFO, elem_id="tree")
                     custom_tree = gr.Textbox(
                         defaults.custom_tree, label="Custom tree (JSON paths of head ranks)", placeholder="[[0], [1], [0, 0], [0, 0, 0]]",
                         visible=False, elem_id="custom-tree",
@@ -122,40 +148,36 @@ def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
                         "exact: rejection sampling, replies follow the model's own sampling distribution (ε, δ unused)",
                         elem_id="sampling",
                     )
-                    posterior_threshold = gr.Slider(
-                        0.0, 0.5, defaults.posterior_threshold, step=0.01, label="ε posterior threshold (typical sampling only)", elem_id="epsilon"
-                    )
-                    posterior_alpha = gr.Slider(
-                        0.0, 1.0, defaults.posterior_alpha, step=0.01, label="δ posterior alpha: threshold min(ε, δ·exp(−entropy)) (typical only)", elem_id="delta"
-                    )
+                    # ε, δ > 0: at 0 the threshold min(ε, δ·exp(−H)) is 0 and every candidate would be accepted.
+                    posterior_threshold = gr.Slider(0.01, 0.5, defaults.posterior_threshold, step=0.01, label="ε posterior threshold (typical sampling only)", elem_id="epsilon")
+                    posterior_alpha = gr.Slider(0.01, 1.0, defaults.posterior_alpha, step=0.01, label="δ posterior alpha: threshold min(ε, δ·exp(−entropy)) (typical only)", elem_id="delta")
                     max_new_tokens = gr.Slider(1, 2048, defaults.max_new_tokens, step=1, label="Max new tokens", elem_id="max-new-tokens")
                     seed = gr.Number(
                         -1 if defaults.seed is None else defaults.seed, label="Seed (−1 = a fresh one per reply; matters when temperature > 0)",
                         precision=0, minimum=-1, elem_id="seed",
                     )
+                    system_prompt = gr.Textbox(defaults.system_prompt, label="System prompt", lines=2, elem_id="system-prompt")
                 with gr.Tab("Compare"):
-                    gr.Markdown("Re-runs the last prompt greedily with Medusa off, then on, with the tree and token limit above.")
+                    gr.Markdown("Re-runs the last prompt greedily with Medusa off, then on, with the tree and token limit of Controls.")
                     compare = gr.Button("Compare Medusa off / on", variant="primary", elem_id="compare")
                     compare_result = gr.Markdown(elem_id="compare-result")
                 with gr.Tab("Model"):
                     model_info = gr.Markdown(handlers.model_panel(engine), elem_id="model-panel")
                 with gr.Tab("Export"):
-                    gr.Markdown("One row per decoding step of this session (so far, if a reply is streaming).")
-                    export = gr.Button("Export CSV", elem_id="export")
-                    csv_file = gr.File(label="Session statistics", interactive=False, elem_id="csv-file")
-                    csv_path = gr.Markdown(elem_id="csv-path")
-        with gr.Row(equal_height=False):
-            with gr.Column(scale=1):
-                tree_plot = gr.Plot(empty_figure("Each step's candidate tree appears here while a reply streams", 420), elem_id="tree-plot", show_label=False)
-                step_slider = gr.Slider(0, 1, 0, step=1, label="Step of the latest reply", interactive=False, elem_id="step-slider")
-            with gr.Column(scale=1):
-                speed_plot = gr.Plot(speed_figure([]), elem_id="speed-plot", show_label=False)
-                summary = gr.Markdown(summary_markdown(summarize([], 0)), elem_id="summary")
+                    gr.Markdown("Statistics: one row per decoding step of this session (so far, if a reply is streaming). "
+                                "Transcript: the conversation as plain text, with each reply's stats.")
+                    export = gr.Button("Statistics (CSV)", elem_id="export")
+                    with gr.Row():
+                        export_md = gr.Button("Transcript (Markdown)", elem_id="export-md", min_width=120)
+                        export_json = gr.Button("Transcript (JSON)", elem_id="export-json", min_width=120)
+                    export_file = gr.File(label="Exported file", interactive=False, elem_id="export-file")
+                    export_path = gr.Markdown(elem_id="export-path")
 
         outputs = dict(
-            banner=banner, timer=timer, chatbot=chatbot, message=message, tree=tree, tree_status=tree_status,
-            model_panel=model_info, compare_result=compare_result, csv_file=csv_file, csv_path=csv_path,
+            banner=banner, timer=timer, chatbot=chatbot, message=message, send=send, saved=saved, tree=tree, tree_status=tree_status,
+            model_panel=model_info, compare_result=compare_result, export_file=export_file, export_path=export_path,
             tree_plot=tree_plot, step_slider=step_slider, speed_plot=speed_plot, summary=summary, reply_status=status_line,
+            posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha,
         )
         controls = dict(
             medusa=medusa, temperature=temperature, sampling=sampling, posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha,
@@ -169,49 +191,97 @@ def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
             targets = {n: outputs[n] for n in handlers.OUTPUTS[_name(handler)]}
             return _named(handler, targets), list(targets.values())
 
-        def with_controls(fn: Callable[..., Any]) -> tuple[Callable[..., Any], list[Any]]:
-            """``fn(engine, settings, session, controls)`` as a Gradio function of (session, *control values)."""
+        def adopting(fn: Callable[..., Any]) -> Callable[..., Any]:
+            """``fn(session, *values)`` as a function of (session, the browser's saved conversation,
+            *values) that first lets the session adopt it (``Session.adopt``)."""
+            if inspect.isgeneratorfunction(fn):
 
-            def run(state: Session, *values: Any) -> Any:
-                values_by_name = dict(zip(CONTROL_NAMES, values))
-                seed_value = values_by_name["seed"]
-                values_by_name["seed"] = None if seed_value is None or seed_value < 0 else int(seed_value)
-                values_by_name["max_new_tokens"] = int(values_by_name["max_new_tokens"])
-                yield from fn(engine, settings, state, Controls(**values_by_name))
+                def run(state: Session, kept: Any, *values: Any) -> Any:
+                    state.adopt(kept)
+                    yield from fn(state, *values)
 
-            run.__name__ = fn.__name__
-            return event(run)
+            else:
 
-        control_inputs = [session, *controls.values()]
+                def run(state: Session, kept: Any, *values: Any) -> Any:
+                    state.adopt(kept)
+                    return fn(state, *values)
+
+            run.__name__ = _name(fn)
+            return run
+
+        def with_controls(fn: Callable[..., Any], *extra: Any) -> tuple[Callable[..., Any], list[Any], list[Any]]:
+            """``fn(session, controls, *extra values)`` adapted to Gradio, its outputs and its inputs
+            (the session, the saved conversation, every control, then ``extra``): Gradio checks every
+            control's value before ``fn`` runs, so a rejected value rejects the whole event."""
+            n = len(CONTROL_NAMES)
+            if inspect.isgeneratorfunction(fn):
+
+                def run(state: Session, *values: Any) -> Any:
+                    yield from fn(state, _controls_of(values[:n]), *values[n:])
+
+            else:
+
+                def run(state: Session, *values: Any) -> Any:
+                    return fn(state, _controls_of(values[:n]), *values[n:])
+
+            run.__name__ = _name(fn)
+            adapted, targets = event(adopting(run))
+            return adapted, targets, [session, saved, *controls.values(), *extra]
 
         status_fn, status_out = event(functools.partial(handlers.page_status, engine, settings))
-        demo.load(status_fn, [session], status_out, **QUICK)
-        timer.tick(status_fn, [session], status_out, **QUICK)
+        demo.load(status_fn, None, status_out, **QUICK)
+        timer.tick(status_fn, None, status_out, **QUICK)
+        restore_fn, restore_out = event(handlers.restore_chat)
+        demo.load(restore_fn, [session, saved, highlight], restore_out, **QUICK)
+        demo.load(None, js=paths.JS_FILE.read_text(encoding="utf-8"))  # keys, plain-text copy and edit
 
-        add_fn, add_out = event(functools.partial(handlers.add_user, engine))
-        reply_fn, reply_out = with_controls(handlers.respond)
-        sent = gr.on([message.submit, send.click], add_fn, [session, message, highlight], add_out, **QUICK)
-        replying = sent.then(reply_fn, control_inputs, reply_out, **MODEL_QUEUE)
-        regenerate_fn, regenerate_out = event(functools.partial(handlers.regenerate, engine))
-        regenerating = regenerate.click(regenerate_fn, [session, highlight], regenerate_out, **QUICK).then(
-            reply_fn, control_inputs, reply_out, **MODEL_QUEUE
+        # A reply runs only after its send (or Regenerate, or an edit) succeeded: a refused one leaves no pending turn.
+        add_fn, add_out, add_in = with_controls(functools.partial(handlers.add_user, engine), message)
+        reply_fn, reply_out, reply_in = with_controls(functools.partial(handlers.respond, engine, settings))
+        sent = gr.on([message.submit, send.click], add_fn, add_in, add_out, **QUICK)
+        replying = sent.success(reply_fn, reply_in, reply_out, **MODEL_QUEUE)
+        regenerate_fn, regenerate_out, regenerate_in = with_controls(functools.partial(handlers.regenerate, engine))
+        regenerating = regenerate.click(regenerate_fn, regenerate_in, regenerate_out, **QUICK).success(
+            reply_fn, reply_in, reply_out, **MODEL_QUEUE
         )
-        compare_fn, compare_out = with_controls(handlers.compare)
-        comparing = compare.click(compare_fn, control_inputs, compare_out, **MODEL_QUEUE)
-        running = [replying, regenerating, comparing]
-        stop_fn, stop_out = event(functools.partial(handlers.stop, engine))
-        stop.click(stop_fn, [session, highlight], stop_out, cancels=running, **QUICK)
+        edit_handler = functools.partial(handlers.edit_user, engine)
+
+        def edit_user(state: Session, evt: gr.EditData, kept: Any, *values: Any) -> Any:
+            state.adopt(kept)
+            return edit_handler(state, _controls_of(values), evt.index, evt.value)
+
+        edit_fn, edit_out = event(edit_user)
+        editing = chatbot.edit(edit_fn, [session, saved, *controls.values()], edit_out, **QUICK).success(
+            reply_fn, reply_in, reply_out, **MODEL_QUEUE
+        )
+        compare_fn, compare_out, compare_in = with_controls(functools.partial(handlers.compare, engine, settings))
+        comparing = compare.click(compare_fn, compare_in, compare_out, **MODEL_QUEUE)
+        running = [replying, regenerating, editing, comparing]
+        stop_fn, stop_out = event(adopting(functools.partial(handlers.stop, engine)))
+        stop.click(stop_fn, [session, saved, highlight], stop_out, cancels=running, **QUICK)
         clear_fn, clear_out = event(functools.partial(handlers.clear, engine))
         clear.click(clear_fn, [session], clear_out, cancels=running, **QUICK)
         chatbot.clear(clear_fn, [session], clear_out, cancels=running, **QUICK)  # the chat's own trash icon
 
-        rerender_fn, rerender_out = event(handlers.rerender_chat)
-        highlight.change(rerender_fn, [session, highlight], rerender_out, **QUICK)
+        rerender_fn, rerender_out = event(adopting(handlers.rerender_chat))
+        highlight.change(rerender_fn, [session, saved, highlight], rerender_out, **QUICK)
         step_fn, step_out = event(functools.partial(handlers.show_step, engine))
-        step_slider.release(step_fn, [session, step_slider], step_out, **QUICK)
+        # Arrow keys and typed digits fire `input`, a drag or a typed number's blur `release`. The value
+        # is passed unchecked (preprocess=False): show_step clamps an out-of-range number instead of
+        # Gradio rejecting it with an error.
+        gr.on([step_slider.input, step_slider.release], step_fn, [session, step_slider], step_out,
+              preprocess=False, trigger_mode="always_last", **QUICK)
         tree.change(lambda t: gr.Textbox(visible=t == CUSTOM_TREE), [tree], [custom_tree], **QUICK)
         check_fn, check_out = event(functools.partial(handlers.check_tree, engine))
         gr.on([tree.change, custom_tree.blur, custom_tree.submit], check_fn, [tree, custom_tree], check_out, **QUICK)
-        export_fn, export_out = event(functools.partial(handlers.export_csv, settings))
-        export.click(export_fn, [session], export_out, **QUICK).then(None, [csv_file], None, js=DOWNLOAD_JS)
+        explain_fn, explain_out = event(handlers.explain_controls)
+        gr.on([demo.load, medusa.change, temperature.change, sampling.change], explain_fn, [medusa, temperature, sampling], explain_out, **QUICK)
+        for button, handler in (
+            (export, functools.partial(handlers.export_csv, settings)),
+            (export_md, functools.partial(handlers.export_transcript, engine, settings, fmt="md")),
+            (export_json, functools.partial(handlers.export_transcript, engine, settings, fmt="json")),
+        ):
+            export_fn, export_out = event(handler)
+            inputs = [session] if button is export else [session, system_prompt]
+            button.click(export_fn, inputs, export_out, **QUICK).then(None, [export_file], None, js=DOWNLOAD_JS)
     return demo

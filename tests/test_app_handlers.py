@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import json
+import re
 from pathlib import Path
 
 import gradio as gr
@@ -18,9 +20,10 @@ from tiny_models import write_tiny_medusa
 from app import handlers
 from app.engine import Engine
 from app.handlers import CUSTOM_TREE, Controls
-from app.session import Session
+from app.handlers.generation import fit_prompt
+from app.session import Session, Turn
 from app.settings import AppSettings
-from app.stats import CSV_COLUMNS
+from app.stats import CSV_COLUMNS, summarize, summary_markdown
 from app.ui import build_ui
 from medusa_core import load_medusa_model
 
@@ -43,7 +46,7 @@ def controls(settings) -> Controls:
 
 
 def send(engine, settings, session, controls, message="def add"):
-    handlers.add_user(engine, session, message, controls.highlight)
+    handlers.add_user(engine, session, controls, message)
     return list(handlers.respond(engine, settings, session, controls))
 
 
@@ -54,7 +57,7 @@ def reply_html(update) -> str:
 def greedy_reference(engine, session, controls, index=-1) -> str:
     """The reply plain medusa_core gives for the same prompt, decoded in one go."""
     model = engine.model
-    ids, _ = handlers._fit_prompt(model, controls, session.history(len(session.turns) + index), session.turns[index].user)
+    ids, _ = fit_prompt(model, controls, session.history(len(session.turns) + index), session.turns[index].user)
     tokens = [t for r in model.generate(ids, max_new_tokens=controls.max_new_tokens, tree=controls.tree) for t in r.token_ids]
     return model.tokenizer.decode(tokens, skip_special_tokens=True)
 
@@ -70,8 +73,10 @@ def test_a_reply_streams_step_by_step_and_equals_the_engines_greedy_output(engin
     assert turn.reply.text == greedy_reference(engine, session, controls)
     assert len(session.rows) == len(session.last_records) > 1
     assert sum(r.accepted_tokens for r in session.rows) == session.rows[-1].total_tokens
-    final = updates[-1]
-    assert {"tree_plot", "step_slider", "speed_plot", "summary", "model_panel"} <= set(final)
+    final = {}
+    for update in updates:  # what the page shows at the end: the latest value of every output
+        final |= update
+    assert {"tree_plot", "step_slider", "speed_plot", "summary", "model_panel", "send", "saved"} <= set(final)
     shown = max(i for i, r in enumerate(session.last_records) if r.tree_nodes > 1)  # not a trailing one-token step
     assert final["tree_plot"].layout["title"]["text"].startswith(f"step {shown} ")
     assert final["step_slider"].value == shown
@@ -90,7 +95,7 @@ def test_the_highlight_marks_exactly_the_tokens_accepted_from_the_heads(engine, 
 
 def test_stop_ends_the_reply_after_the_current_step_and_keeps_the_partial_reply(engine, settings, controls):
     session = Session()
-    handlers.add_user(engine, session, "def add", False)
+    handlers.add_user(engine, session, controls, "def add")
     stream = handlers.respond(engine, settings, session, controls)
     next(stream)
     next(stream)
@@ -107,7 +112,7 @@ def test_stop_ends_the_reply_after_the_current_step_and_keeps_the_partial_reply(
 
 def test_a_cancelled_stream_keeps_its_text_and_frees_the_session(engine, settings, controls):
     session = Session()
-    handlers.add_user(engine, session, "def add", False)
+    handlers.add_user(engine, session, controls, "def add")
     stream = handlers.respond(engine, settings, session, controls)
     next(stream)
     next(stream)
@@ -126,7 +131,7 @@ def test_regenerate_replaces_the_last_reply(engine, settings, controls):
     session = Session()
     send(engine, settings, session, controls)
     first = session.turns[0].reply.text
-    updates = handlers.regenerate(engine, session, False)
+    updates = handlers.regenerate(engine, session, controls)
     assert updates["chatbot"][-1]["role"] == "user"  # the old reply is gone
     list(handlers.respond(engine, settings, session, controls))
     assert len(session.turns) == 1 and session.turns[0].state == "done"
@@ -151,7 +156,8 @@ def test_the_sampling_control_reaches_the_engine_and_the_page_marks_rejected_nod
     sampled = dataclasses.replace(controls, temperature=1.0, seed=3)
     send(engine, settings, session, sampled)
     typical = [r for r in session.last_records if r.tree_nodes > 1]
-    final = send(engine, settings, session, dataclasses.replace(sampled, sampling="exact"))[-1]
+    updates = send(engine, settings, session, dataclasses.replace(sampled, sampling="exact"))
+    final = {k: v for u in updates for k, v in u.items()}  # each component as the page shows it at the end
     exact = [r for r in session.last_records if r.tree_nodes > 1]
     assert {r.sampling for r in typical} == {"typical"} and {r.sampling for r in exact} == {"exact"}
     assert all(len(r.node_status) == r.tree_nodes for r in exact) and not any(r.node_status for r in typical)
@@ -176,8 +182,8 @@ def test_export_writes_every_column_and_one_row_per_step(engine, settings, contr
     send(engine, settings, session, controls)
     send(engine, settings, session, dataclasses.replace(controls, medusa=False), "return")
     out = handlers.export_csv(settings, session)
-    path = Path(out["csv_file"])
-    assert path.parent == settings.exports_dir and str(path) in out["csv_path"]
+    path = Path(out["export_file"])
+    assert path.parent == settings.exports_dir and str(path) in out["export_path"]
     with path.open() as f:
         rows = list(csv.DictReader(f))
     assert tuple(rows[0]) == CSV_COLUMNS
@@ -192,20 +198,20 @@ def test_export_writes_every_column_and_one_row_per_step(engine, settings, contr
 
 def test_export_while_a_reply_streams_gives_the_steps_so_far(engine, settings, controls):
     session = Session()
-    handlers.add_user(engine, session, "def add", False)
+    handlers.add_user(engine, session, controls, "def add")
     stream = handlers.respond(engine, settings, session, controls)
-    for _ in range(3):
+    while len(session.rows) < 2:
         next(stream)
-    with Path(handlers.export_csv(settings, session)["csv_file"]).open() as f:
+    with Path(handlers.export_csv(settings, session)["export_file"]).open() as f:
         assert len(list(csv.DictReader(f))) == len(session.rows) >= 2
     stream.close()
 
 
 def test_an_empty_message_is_ignored(engine, settings, controls):
     session = Session()
-    assert handlers.add_user(engine, session, "   \n", False) == {"message": ""}
+    assert handlers.add_user(engine, session, controls, "   \n") == {"message": ""}
     assert session.turns == []
-    assert list(handlers.respond(engine, settings, session, controls)) == [{}]
+    assert list(handlers.respond(engine, settings, session, controls)) == [{"reply_status": gr.skip()}]
 
 
 def test_a_prompt_longer_than_the_context_gets_a_message_and_the_chat_continues(engine, settings, controls):
@@ -275,7 +281,7 @@ def test_compare_runs_medusa_off_then_on_and_reports_identical_greedy_replies(en
     compare_rows = [r for r in session.rows if r.source == "compare"]
     assert {r.mode for r in compare_rows} == {"baseline", "medusa"}
     assert {r.temperature for r in compare_rows} == {0.0}
-    assert updates[-1]["summary"].count("–") < handlers.summary_markdown(handlers.summarize([], 4)).count("–")
+    assert updates[-1]["summary"].count("–") < summary_markdown(summarize([], 4)).count("–")
 
 
 def test_compare_without_a_message_says_what_to_do(engine, settings, controls):
@@ -286,18 +292,24 @@ def test_compare_without_a_message_says_what_to_do(engine, settings, controls):
 def test_the_step_slider_shows_any_step_of_the_latest_reply(engine, settings, controls):
     session = Session()
     updates = send(engine, settings, session, controls)
-    slider = updates[-1]["step_slider"]
+    slider = [u["step_slider"] for u in updates if "step_slider" in u][-1]
     assert slider.maximum == len(session.last_records) - 1
     shown = handlers.show_step(engine, session, 1)["tree_plot"]
     assert shown.layout["title"]["text"].startswith("step 1 ")
     assert handlers.show_step(engine, session, 999)["tree_plot"].layout["title"]["text"].startswith(f"step {slider.maximum} ")
 
 
-def test_tree_choices_offer_model_trees_presets_chain_dense_and_custom(engine):
-    values = [v for _, v in handlers.tree_choices(engine.model)]
-    assert values[:len(engine.model.tree_names())] == engine.model.tree_names()
+def test_tree_choices_put_the_models_own_trees_first_and_the_published_63_node_trees_last(engine):
+    choices = handlers.tree_choices(engine.model)
+    values = [v for _, v in choices]
+    own = list(engine.model.trees)
+    assert values[: len(own)] == own
     assert {"chain_1", "chain_4", "dense_3x2x2", "dense_2x2x2x2", CUSTOM_TREE} <= set(values)
     assert "dense_3x3x2x2x1" not in values  # deeper than the 4 heads
+    published = [i for i, (label, _) in enumerate(choices) if "sized for 7B–33B models on GPUs" in label]
+    assert "vicuna_7b_stage2" in [values[i] for i in published]
+    assert published == list(range(len(choices) - 1 - len(published), len(choices) - 1))  # a group just before custom
+    assert all(re.search(r"\(\d+ nodes", label) for label, v in choices if v != CUSTOM_TREE)
 
 
 def test_the_model_panel_shows_names_precision_device_heads_and_memory(engine):
@@ -317,17 +329,17 @@ def test_while_the_model_loads_messages_wait_and_the_page_shows_progress(setting
     warnings = []
     monkeypatch.setattr(gr, "Warning", lambda msg, *a, **k: warnings.append(msg))
     session = Session()
-    assert handlers.add_user(loading, session, "hi", False) == {} and session.turns == []
+    assert handlers.add_user(loading, session, controls, "hi") == {"message": gr.skip()} and session.turns == []
     assert "Loading demo (nf4)" in warnings[0]
-    assert handlers.page_status(loading, settings, session)["banner"].startswith("Loading demo (nf4)")
+    assert handlers.page_status(loading, settings)["banner"].startswith("**Loading demo (nf4)")
     with pytest.raises(ValueError):
         loading.load(lambda: (_ for _ in ()).throw(ValueError("no such folder")))
-    failed = handlers.page_status(loading, settings, session)
+    failed = handlers.page_status(loading, settings)
     assert "no such folder" in failed["banner"] and "timer" in failed
 
 
 def test_page_status_fills_the_tree_choices_once_ready(engine, settings):
-    updates = handlers.page_status(engine, settings, Session())
+    updates = handlers.page_status(engine, settings)
     assert updates["banner"] == "" and updates["tree"].value == engine.model.default_tree
 
 
@@ -340,21 +352,21 @@ def test_session_state_copies_are_independent_and_usable():
     import copy
 
     original = Session()
-    original.turns.append(handlers.Turn(user="x"))
+    original.turns.append(Turn(user="x"))
     copied = copy.deepcopy(original)
     assert copied.turns[0].user == "x" and copied.turns is not original.turns
     assert not copied.busy and copied.id != original.id
 
 
 def test_prompts_are_built_on_the_cpu_host_side(engine, controls):
-    ids, dropped = handlers._fit_prompt(engine.model, controls, [], "def add")
+    ids, dropped = fit_prompt(engine.model, controls, [], "def add")
     assert ids.dtype == torch.long and ids.shape[0] == 1 and dropped == 0
 
 
 def test_generations_share_one_model_queue_and_stop_cancels_them(engine, settings):
     fns = list(build_ui(engine, settings).fns.values())
     generating = [f for f in fns if f.name in ("respond", "compare")]
-    assert len(generating) == 3  # reply after send, reply after regenerate, compare
+    assert len(generating) == 4  # reply after send, after regenerate, after an edit; compare
     assert {(f.concurrency_id, f.concurrency_limit, f.queue) for f in generating} == {("model", 1, True)}
     generating_ids = {i for i, f in enumerate(fns) if f in generating}
     cancellers = [f for f in fns if f.cancels]
@@ -369,7 +381,7 @@ def test_stop_during_compare_ends_it_and_says_so(engine, settings, controls):
     next(stream)
     session.stop_requested.set()
     final = list(stream)[-1]["compare_result"]
-    assert "Stopped before both runs finished." in final and "Medusa on" not in final
+    assert "Stopped before both runs finished" in final and "Medusa on" not in final
     assert not session.busy
 
 
@@ -385,21 +397,21 @@ def test_a_stop_pressed_after_a_reply_ended_does_not_stop_the_next_one(engine, s
 
 def test_the_status_line_follows_the_latest_reply(engine, settings, controls):
     session = Session()
-    assert handlers.add_user(engine, session, "def add", False)["reply_status"] == "Waiting for the model…"
+    assert handlers.add_user(engine, session, controls, "def add")["reply_status"] == "Waiting for the model…"
     stream = handlers.respond(engine, settings, session, controls)
     assert next(stream)["reply_status"] == "Generating…"
     final = list(stream)[-1]["reply_status"]
     tokens = sum(r.accepted_tokens for r in session.rows)
-    assert final.startswith(f"Latest reply: {tokens} tokens in ") and "(Medusa, sparse_16)" in final
-    handlers.add_user(engine, session, "def add " * 400, False)
+    assert final.startswith(f"Latest reply: {tokens} tokens · ") and "tree sparse_16" in final
+    handlers.add_user(engine, session, controls, "def add " * 400)
     assert list(handlers.respond(engine, settings, session, controls))[-1]["reply_status"] == "Latest reply: not generated (see the chat)."
-    handlers.add_user(engine, session, "return", False)
+    handlers.add_user(engine, session, controls, "return")
     stream = handlers.respond(engine, settings, session, dataclasses.replace(controls, medusa=False))
     next(stream)
     session.stop_requested.set()  # the Stop handler's first act; the reply ends after this step
     list(stream)
     shown = handlers.stop(engine, session, False)["reply_status"]
-    assert shown.endswith("(Medusa off) · stopped")
+    assert "Medusa off" in shown and shown.endswith(" · stopped")
 
 
 def test_every_handler_returns_only_the_outputs_its_event_declares(engine, settings, controls):
@@ -409,14 +421,14 @@ def test_every_handler_returns_only_the_outputs_its_event_declares(engine, setti
     def note(name, updates):
         returned.setdefault(name, set()).update(updates)
 
-    note("page_status", handlers.page_status(engine, settings, session))
-    note("add_user", handlers.add_user(engine, session, "def add", False))
+    note("page_status", handlers.page_status(engine, settings))
+    note("add_user", handlers.add_user(engine, session, controls, "def add"))
     for u in handlers.respond(engine, settings, session, controls):
         note("respond", u)
-    note("regenerate", handlers.regenerate(engine, session, False))
+    note("regenerate", handlers.regenerate(engine, session, controls))
     for u in handlers.respond(engine, settings, session, dataclasses.replace(controls, tree=CUSTOM_TREE, custom_tree="[[")):
         note("respond", u)
-    handlers.regenerate(engine, session, False)
+    handlers.regenerate(engine, session, controls)
     for u in handlers.respond(engine, settings, session, controls):
         note("respond", u)
     for u in handlers.compare(engine, settings, session, controls):
@@ -426,7 +438,126 @@ def test_every_handler_returns_only_the_outputs_its_event_declares(engine, setti
     note("show_step", handlers.show_step(engine, session, 0))
     note("check_tree", handlers.check_tree(engine, CUSTOM_TREE, "[[0]]"))
     note("export_csv", handlers.export_csv(settings, session))
+    note("export_transcript", handlers.export_transcript(engine, settings, session, "sys", fmt="md"))
+    note("explain_controls", handlers.explain_controls(True, 0.0))
+    note("edit_user", handlers.edit_user(engine, session, controls, 0, "def sub"))
+    for u in handlers.respond(engine, settings, session, controls):
+        note("respond", u)
+    note("restore_chat", handlers.restore_chat(Session(), session.saved(), False))
     note("clear", handlers.clear(engine, session))
     assert set(returned) == set(handlers.OUTPUTS)
     for name, keys in returned.items():
         assert keys <= set(handlers.OUTPUTS[name]), name
+
+
+def test_stop_during_compares_medusa_on_run_says_stopped_and_draws_no_verdict(engine, settings, controls):
+    session = Session()
+    send(engine, settings, session, controls)
+    stream = handlers.compare(engine, settings, session, controls)
+    for update in stream:
+        if any(r.source == "compare" and r.mode == "medusa" for r in session.rows):
+            break
+    session.stop_requested.set()
+    final = list(stream)[-1]["compare_result"]
+    assert "Stopped" in final
+    assert "Identical" not in final and "Speedup" not in final
+    assert "Stopped" in handlers.stop(engine, session, False)["compare_result"]  # also when Stop cancelled the stream
+
+
+def test_each_reply_shows_its_stats_with_ttft_and_wall_time_from_send_to_last_token(engine, settings, controls):
+    session = Session()
+    handlers.add_user(engine, session, controls, "def add")
+    live = [u["chatbot"][-1]["content"] for u in handlers.respond(engine, settings, session, controls) if "chatbot" in u]
+    assert any("generating…" in c and "tokens/s" in c for c in live[:-1])  # live tokens/s while it streams
+    turn = session.turns[0]
+    tokens = sum(r.accepted_tokens for r in session.rows)
+    assert turn.stats.startswith(f"{tokens} tokens · ") and "TTFT" in turn.stats and "s total" in turn.stats
+    assert 0 <= turn.first_token_at - turn.sent_at <= turn.last_token_at - turn.sent_at
+    assert f'<p class="medusa-stats">{turn.stats}</p>' in live[-1]
+    send(engine, settings, session, controls, "return")
+    first = handlers.rerender_chat(session, False)["chatbot"][1]["content"]
+    assert turn.stats in first  # kept per message
+
+
+def test_send_is_disabled_while_a_reply_streams_and_enabled_when_it_ends_or_is_stopped(engine, settings, controls):
+    session = Session()
+    assert handlers.add_user(engine, session, controls, "def add")["send"].interactive is False
+    assert list(handlers.respond(engine, settings, session, controls))[-1]["send"].interactive is True
+    handlers.regenerate(engine, session, controls)
+    stream = handlers.respond(engine, settings, session, controls)
+    next(stream)
+    stream.close()
+    assert handlers.stop(engine, session, False)["send"].interactive is True
+
+
+def test_editing_a_user_message_replaces_the_conversation_from_there_and_resends_it(engine, settings, controls):
+    session = Session()
+    send(engine, settings, session, controls, "def add")
+    send(engine, settings, session, controls, "return")
+    send(engine, settings, session, controls, "class")
+    edited = handlers.edit_user(engine, session, controls, 2, '<pre class="medusa-user">\nwhile a &lt; b</pre>')  # the 2nd user message
+    assert [t.user for t in session.turns] == ["def add", "while a < b"] and session.turns[1].state == "pending"
+    assert edited["chatbot"][-1] == {"role": "user", "content": '<pre class="medusa-user">\nwhile a &lt; b</pre>'}
+    list(handlers.respond(engine, settings, session, controls))
+    assert session.turns[1].state == "done" and session.turns[1].reply.text
+
+
+def test_an_edit_is_refused_while_a_reply_streams_and_the_chat_shows_the_old_text(engine, settings, controls, monkeypatch):
+    warnings = []
+    monkeypatch.setattr(gr, "Warning", lambda msg, *a, **k: warnings.append(msg))
+    session = Session()
+    send(engine, settings, session, controls, "def add")
+    session.begin()
+    shown = handlers.edit_user(engine, session, controls, 0, "changed")
+    session.end()
+    assert "still streaming" in warnings[0] and session.turns[0].user == "def add"
+    assert "def add" in shown["chatbot"][0]["content"]
+
+
+def test_the_conversation_survives_a_reload_through_the_browsers_storage(engine, settings, controls):
+    session = Session()
+    send(engine, settings, session, controls, "def add")
+    saved = json.loads(json.dumps(session.saved()))  # what the browser keeps
+    reloaded = Session()
+    shown = handlers.restore_chat(reloaded, saved, True)["chatbot"]
+    assert [t.user for t in reloaded.turns] == ["def add"]
+    assert reloaded.turns[0].reply.runs == session.turns[0].reply.runs and reloaded.turns[0].stats == session.turns[0].stats
+    assert shown == handlers.rerender_chat(session, True)["chatbot"]
+    send(engine, settings, reloaded, controls, "return")  # the restored turns are the next prompt's history
+    assert reloaded.history(1) == [("def add", session.turns[0].reply.text)]
+    assert handlers.restore_chat(Session(), "not a conversation", False)["chatbot"] == gr.skip()
+
+
+def test_the_transcript_exports_as_markdown_and_json_with_plain_text_and_stats(engine, settings, controls):
+    session = Session()
+    send(engine, settings, session, controls, "print('<b>')")
+    reply = session.turns[0].reply.text
+    md = Path(handlers.export_transcript(engine, settings, session, "be brief", fmt="md")["export_file"])
+    text = md.read_text()
+    assert md.suffix == ".md" and md.parent == settings.exports_dir
+    assert "## System" in text and "print('<b>')" in text and reply in text and session.turns[0].stats in text
+    data = json.loads(Path(handlers.export_transcript(engine, settings, session, "be brief", fmt="json")["export_file"]).read_text())
+    assert [m["role"] for m in data["messages"]] == ["system", "user", "assistant"]
+    assert data["messages"][2]["content"] == reply and data["messages"][2]["stats"] == session.turns[0].stats
+
+
+def test_epsilon_and_delta_are_inactive_with_the_reason_at_temperature_0_and_tree_too_with_medusa_off():
+    greedy = handlers.explain_controls(True, 0.0)
+    assert greedy["tree"].interactive is True
+    assert greedy["posterior_threshold"].interactive is False and "temperature 0" in greedy["posterior_threshold"].info
+    sampled = handlers.explain_controls(True, 0.7)
+    assert sampled["posterior_alpha"].interactive is True
+    exact = handlers.explain_controls(True, 0.7, "exact")
+    assert exact["posterior_threshold"].interactive is False and "exact sampling" in exact["posterior_alpha"].info
+    off = handlers.explain_controls(False, 0.7)
+    assert all(off[k].interactive is False and "Medusa is off" in off[k].info for k in ("tree", "posterior_threshold", "posterior_alpha"))
+
+
+def test_while_loading_the_page_shows_a_progress_bar_against_the_last_load_time(settings, engine, monkeypatch):
+    loading = Engine(engine.description)
+    first = handlers.page_status(loading, settings)["banner"]
+    assert first.startswith("**Loading ") and "no estimate yet" in first
+    monkeypatch.setattr(engine, "load_seconds", 20.0)
+    handlers.page_status(engine, settings)  # ready: its load time is kept for the next start
+    later = handlers.page_status(loading, settings)["banner"]
+    assert "of about 20 s (the last load)" in later and "<progress" in later

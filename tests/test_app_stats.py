@@ -102,7 +102,7 @@ def test_tree_figure_is_valid_plotly_and_draws_the_accepted_path_in_red():
     names = [t["name"] for t in fig.data if t.get("mode") == "markers+text"]
     assert names == ["backbone", "head 1", "head 2", "head 3"]  # shown 1-based, as in the paper
     head1 = fig.data[names.index("head 1") + 2]
-    assert head1["text"] == ["a", "b"] and head1["customdata"][1] == [12, 1, 1, "not accepted"]
+    assert head1["text"] == ["a", "b"] and head1["customdata"][1] == ["b", 12, 1, 1, 2, "not accepted"]
     assert "step 0" in fig.layout["title"]["text"] and "2 from heads" in fig.layout["title"]["text"]
     assert set(head1["marker"]["symbol"]) == {"circle"}  # only exact sampling knows what was tried
 
@@ -113,8 +113,8 @@ def test_tree_figure_marks_the_candidates_exact_sampling_tried_and_rejected():
     go.Figure(fig.to_dict())
     by_name = {t["name"]: t for t in fig.data if t.get("mode") == "markers+text"}
     assert list(by_name["head 1"]["marker"]["symbol"]) == ["x", "circle"]  # nodes 1 (rejected), 2 (accepted)
-    assert [c[3] for c in by_name["head 1"]["customdata"]] == ["rejected", "accepted"]
-    assert [c[3] for c in by_name["head 2"]["customdata"]] == ["untried", "untried"]  # children of node 1
+    assert [c[5] for c in by_name["head 1"]["customdata"]] == ["rejected", "accepted"]
+    assert [c[5] for c in by_name["head 2"]["customdata"]] == ["untried", "untried"]  # children of node 1
     assert "exact" in fig.layout["title"]["text"]
 
 
@@ -156,3 +156,66 @@ def test_speed_figure_draws_dots_only_for_the_latest_steps_but_lines_for_all():
     by_name = {t["name"]: t for t in speed_figure(rows).data}
     assert by_name["medusa tokens/s"]["x"][0] == 50 and len(by_name["medusa tokens/s"]["x"]) == MAX_MARKERS
     assert len(by_name["medusa rolling mean (8 steps)"]["x"]) == MAX_MARKERS + 50
+
+
+def test_head_tokens_are_counted_after_the_cut_at_the_token_limit():
+    # The tree accepted 3 head tokens (path 0-1-3-5) but the token limit kept only the first 2 tokens.
+    cut = dataclasses.replace(record(accepted=(0, 1, 3, 5), stop="max_new_tokens"), token_ids=(10, 11), total_tokens=2)
+    r = row(cut)
+    assert (r.accepted_tokens, r.head_tokens) == (2, 1)
+    assert summarize([r], num_heads=3).head_acceptance == (1.0, 0.0, 0.0)
+    title = tree_figure(cut, [str(t) for t in cut.node_token_ids]).layout["title"]["text"]
+    assert "+2 tokens (1 from heads" in title and "2 cut at the token limit" in title
+
+
+def test_every_figure_has_a_transparent_background_so_it_follows_the_pages_light_or_dark_theme():
+    rows = [row(record(0)), row(record(1))]
+    for fig in (tree_figure(record(), list("rabcde")), speed_figure(rows), speed_figure([]), empty_figure("x")):
+        for key in ("paper_bgcolor", "plot_bgcolor"):
+            assert fig.layout.get(key) == "rgba(0,0,0,0)", key
+
+
+def big_record() -> StepRecord:
+    """A published 63-node tree (64 nodes): 4 heads, up to 10 ranks at depth 1."""
+    from medusa_core import TREE_PRESETS
+
+    choices = TREE_PRESETS["vicuna_7b_stage2"]
+    paths = sorted(choices, key=lambda p: (len(p), p))
+    index = {tuple(p): i + 1 for i, p in enumerate(paths)}
+    parents = (-1, *[index.get(tuple(p[:-1]), 0) for p in paths])
+    heads = (-1, *[len(p) - 1 for p in paths])
+    ranks = (0, *[p[-1] for p in paths])
+    accepted = (0, index[(0,)], index[(0, 0)])
+    return StepRecord(
+        step=3, mode="medusa", tree_name="vicuna_7b_stage2", tree_nodes=len(parents), node_token_ids=tuple(range(100, 100 + len(parents))),
+        node_parents=parents, node_heads=heads, node_ranks=ranks, accepted_nodes=accepted, token_ids=tuple(100 + i for i in accepted),
+        accept_length=2, latency_s=0.05, total_tokens=10, sampling="greedy",
+    )
+
+
+def test_a_64_node_tree_shows_no_overlapping_labels_and_always_labels_the_accepted_path():
+    rec = big_record()
+    fig = tree_figure(rec, [f"tok{i}" for i in range(rec.tree_nodes)])
+    go.Figure(fig.to_dict())
+    x, y = tree_layout(rec.node_parents)
+    plot_px = fig.layout["height"] - fig.layout["margin"]["t"] - fig.layout["margin"]["b"]
+    px_per_unit = plot_px / (max(y) - min(y))
+    shown = {}  # node -> label shown next to it
+    for trace in fig.data:
+        for node, text in zip(trace.get("customdata") and [c[4] for c in trace["customdata"]] or [], trace.get("text") or []):
+            if text:
+                shown[node] = text
+    assert set(rec.accepted_nodes) <= set(shown)
+    for a in shown:
+        for b in shown:
+            if a < b and x[a] == x[b]:
+                assert abs(y[a] - y[b]) * px_per_unit >= 12, (a, b)  # 11 px text needs about 12 px
+
+
+def test_the_tree_plot_labels_its_rank_axis_and_its_legend_shows_no_accepted_ring():
+    fig = tree_figure(record(accepted=(0, 1, 3)), list("rabcde"))
+    assert "rank" in fig.layout["yaxis"]["title"]["text"]
+    for trace in fig.data:
+        if trace.get("showlegend", True) and trace.get("mode", "").startswith("markers"):
+            line = trace["marker"].get("line", {})
+            assert not isinstance(line.get("color"), list) and line.get("color") != "#d62728", trace["name"]

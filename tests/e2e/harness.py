@@ -140,11 +140,59 @@ def send(page, text: str, timeout_s: float = 60.0, screenshot: Path | None = Non
     return [length for count, length in seen if count == expected]
 
 
-def download_csv(page, target: Path) -> list[dict[str, str]]:
-    """Press Export (on the Export tab) and read the downloaded CSV's rows."""
+def download(page, button: str, target: Path) -> Path:
+    """Press an Export button (``#export``, ``#export-md``, ``#export-json``) on the Export tab and
+    save the file the browser downloads to ``target``."""
     page.get_by_role("tab", name="Export").click()
     with page.expect_download(timeout=30_000) as download:
-        page.locator("#export").click()
+        page.locator(f"#{button}").click()
     download.value.save_as(target)
-    with target.open() as f:
+    return target
+
+
+def download_csv(page, target: Path) -> list[dict[str, str]]:
+    """Press Export (on the Export tab) and read the downloaded CSV's rows."""
+    with download(page, "export", target).open() as f:
         return list(csv.DictReader(f))
+
+
+# The page's longest main-thread stalls from now on: long tasks (PerformanceObserver 'longtask',
+# any task over 50 ms) and gaps between animation frames (what a user sees as a frozen page), and
+# which parts of the page changed during the longest task.
+WATCH_STALLS_JS = """
+() => {
+  const s = window.__stalls = {longest_task_ms: 0, tasks: 0, longest_frame_gap_ms: 0, frames: 0, longest_task_parts: []};
+  const changes = [];
+  let longest = null;
+  if (window.__stallObservers) window.__stallObservers.forEach((o) => o.disconnect());
+  const task = new PerformanceObserver((list) => {
+    for (const e of list.getEntries()) {
+      s.tasks += 1;
+      if (e.duration > s.longest_task_ms) { s.longest_task_ms = e.duration; longest = [e.startTime, e.duration]; }
+    }
+  });
+  task.observe({type: "longtask"});
+  window.__stallObservers = [task];
+  for (const id of ["#chat", "#tree-plot", "#speed-plot", "#step-slider", "#summary", "#reply-status", "#model-panel", "#send"]) {
+    const el = document.querySelector(id);
+    if (!el) continue;
+    const o = new MutationObserver(() => changes.push([performance.now(), id]));
+    o.observe(el, {subtree: true, childList: true, characterData: true, attributes: id === "#send"});
+    window.__stallObservers.push(o);
+  }
+  s.parts = () => longest ? [...new Set(changes.filter(([t]) => t >= longest[0] - 5 && t <= longest[0] + longest[1] + 5).map(([, id]) => id))] : [];
+  let last = performance.now();
+  const frame = (t) => {
+    s.frames += 1;
+    s.longest_frame_gap_ms = Math.max(s.longest_frame_gap_ms, t - last);
+    last = t;
+    if (window.__stalls === s) requestAnimationFrame(frame);
+  };
+  requestAnimationFrame(frame);
+}
+"""
+
+
+def stalls(page) -> dict[str, float]:
+    """What ``WATCH_STALLS_JS`` measured since it was installed."""
+    return page.evaluate("() => ({...window.__stalls, longest_task_parts: window.__stalls.parts()})")

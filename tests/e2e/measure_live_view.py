@@ -10,6 +10,11 @@ timestamps of its CSV export, the engine's from the same moments in this process
 (engine, app, engine, app, ...) so slow drifts of a shared machine hit both; each prompt runs
 ``--rounds`` times per side and the table shows medians. Prints a table and writes it as CSV to
 ``out/live_view_cost.csv``.
+
+Then one long reply (``--stall-tokens``, 600 by default) measures what the page's main thread
+goes through while it streams: the longest task (PerformanceObserver 'longtask') and the longest gap
+between animation frames (what a user sees as a frozen page; target ≤ 200 ms), and the browser's
+main-thread time per streamed update (Chrome's TaskDuration over the reply / chat renders).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import REPO, chromium, download_csv, launched_app, send, tiny_model  # noqa: E402
+from harness import REPO, WATCH_STALLS_JS, chromium, download_csv, launched_app, send, stalls, tiny_model  # noqa: E402
 
 sys.path.insert(0, str(REPO))
 PROMPTS = (
@@ -67,6 +72,8 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=len(PROMPTS))
     parser.add_argument("--rounds", type=int, default=3, help="times each prompt runs on each side")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads on both sides (default 1; the app's default is the physical cores)")
+    parser.add_argument("--app-arg", action="append", default=[], help="extra flag for launch.py, e.g. --app-arg=--redraw-interval-s=1 (repeatable)")
+    parser.add_argument("--stall-tokens", type=int, default=600, help="length of the reply whose page stalls are measured (0: skip)")
     parser.add_argument("--out", type=Path, default=REPO / "out" / "live_view_cost.csv")
     args = parser.parse_args()
 
@@ -76,7 +83,7 @@ def main() -> int:
     from medusa_core import load_medusa_model
 
     torch.set_num_threads(args.threads)
-    app_args = ["--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads)]
+    app_args = ["--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads), *args.app_arg]
 
     home = Path(tempfile.mkdtemp(prefix="medusa-live-cost-"))
     model_path = tiny_model(home / "tiny") if args.model == "tiny" else args.model
@@ -99,6 +106,18 @@ def main() -> int:
                 page.locator("#clear").click()  # same prompt as the engine's: no history
                 page.wait_for_timeout(300)
         app = app_runs(download_csv(page, home / "session.csv"))
+        if args.stall_tokens:
+            stall = stall_run(page, args.stall_tokens)
+            print(
+                f"page while {stall['tokens']} tokens streamed ({stall['replies']} replies, {stall['updates']} chat renders, "
+                f"{stall['seconds']:.1f} s): "
+                f"longest main-thread task {stall['longest_task_ms']:.0f} ms ({stall['tasks']} tasks over 50 ms; "
+                f"it changed {', '.join(stall['longest_task_parts']) or 'nothing watched'}), "
+                f"longest gap between frames {stall['longest_frame_gap_ms']:.0f} ms, "
+                f"main-thread time per update {stall['ms_per_update']:.1f} ms"
+            )
+    if not args.rounds:
+        return 0
     table = []
     for i, prompt in enumerate(prompts):
         runs = range(i, len(engine), len(prompts))
@@ -120,6 +139,45 @@ def main() -> int:
         writer.writerows(table)
     print(f"wrote {args.out}")
     return 0
+
+
+STALL_PROMPTS = (
+    "Write a long Python module with several classes, each with docstrings and methods.",
+    "Write a command-line tool that parses arguments, reads files and prints a report.",
+    "Write a class for a bank account with deposit, withdraw and transfer, and its tests.",
+    "Write a tokenizer for arithmetic expressions and an evaluator for them.",
+)
+
+
+def stall_run(page, tokens: int) -> dict[str, float]:
+    """Replies of up to ``tokens`` tokens on a fresh chat, watched for main-thread stalls (see the
+    module docstring), until ``tokens`` tokens have streamed (a small model may end a reply early;
+    the chat keeps the earlier replies, so later renders carry more text). Returns the figures,
+    with the tokens, replies and seconds."""
+    page.locator("#clear").click()
+    page.get_by_role("tab", name="Controls").click()
+    limit = page.locator("#max-new-tokens input[type=number]")
+    limit.fill(str(tokens))
+    limit.blur()
+    page.wait_for_timeout(300)
+    cdp = page.context.new_cdp_session(page)
+    cdp.send("Performance.enable")
+
+    def busy_s() -> float:
+        return next(m["value"] for m in cdp.send("Performance.getMetrics")["metrics"] if m["name"] == "TaskDuration")
+
+    page.evaluate(WATCH_STALLS_JS)
+    before, start = busy_s(), time.monotonic()
+    streamed = renders = replies = 0
+    while streamed < tokens:
+        renders += len(send(page, STALL_PROMPTS[replies % len(STALL_PROMPTS)], timeout_s=600))
+        status = page.locator("#reply-status").inner_text()
+        streamed += int(status.split("Latest reply: ")[1].split(" tokens")[0])
+        replies += 1
+    seconds, busy = time.monotonic() - start, busy_s() - before
+    figures = stalls(page)
+    figures.update(tokens=streamed, replies=replies, seconds=seconds, updates=renders, ms_per_update=busy * 1e3 / max(renders, 1))
+    return figures
 
 
 if __name__ == "__main__":

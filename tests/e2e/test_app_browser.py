@@ -1,9 +1,14 @@
 """End-to-end test: the real ``python launch.py`` on the demo model, driven in headless Chromium.
 
-Sends a prompt and watches the reply stream, checks the tree plot and the charts render, moves the
-step slider, turns Medusa off and sends again, stops a reply midway, presses Compare, downloads
-the CSV and checks its rows. Screenshots go to ``screenshots-tmp/e2e`` (or ``$MEDUSA_CHAT_E2E_SCREENSHOTS``);
-``MEDUSA_CHAT_E2E_UPDATE_SCREENSHOT=1`` also refreshes ``assets/screenshots/app.png``.
+One browser session as a new user would have it, asserting on behaviour, never on the model's text:
+the live tree and speed chart beside the streaming reply at 1440×900 and Send disabled meanwhile;
+per-message stats; the step slider (typed number, arrow key); copy as plain text; Medusa off (tree,
+ε, δ inactive); Esc stops; Ctrl+Enter regenerates; Compare; the statistics CSV and the Markdown and
+JSON transcripts; edit and resend; a reload keeps the chat; dark mode contrast; the layout at 800 px.
+
+Screenshots go to ``screenshots-tmp/e2e`` (or ``$MEDUSA_CHAT_E2E_SCREENSHOTS``): mid-stream at
+1440×900, after the reply, Compare, dark mode, 800 px wide. ``MEDUSA_CHAT_E2E_UPDATE_SCREENSHOT=1``
+also refreshes ``assets/screenshots/app.png``.
 
 Uses Debian's ``chromium`` (``/usr/bin/chromium``, or ``$MEDUSA_CHAT_E2E_CHROMIUM``); Playwright never
 downloads a browser. ``MEDUSA_CHAT_E2E_MODEL`` overrides the model (``tiny`` builds a tiny random one,
@@ -12,13 +17,14 @@ any other value is passed to ``--model``) and ``MEDUSA_CHAT_E2E_QUANTIZATION`` i
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 from pathlib import Path
 
 import pytest
-from harness import CHROMIUM, REPO, chromium, download_csv, launched_app, send, tiny_model
+from harness import CHROMIUM, REPO, chromium, download, download_csv, launched_app, send, tiny_model
 
 pytestmark = pytest.mark.e2e
 
@@ -28,9 +34,13 @@ PROMPTS = (
     "Return the sum of two numbers.",
     "Return True if the string is a palindrome.",
     "Parse a configuration file and return a dictionary of its sections and options.",
+    "Return the largest of three numbers.",
 )
 MAX_NEW_TOKENS = 96
-REPLY_TIMEOUT_S = 60
+REPLY_TIMEOUT_S = 90
+READY = re.compile(r"\(\d+ nodes")  # the tree dropdown is filled: the model is loaded
+# The reply has ended and the page is ready for the next message.
+IDLE_JS = "() => !document.querySelector('#send').disabled && document.querySelector('#reply-status').textContent.trim().startsWith('Latest reply')"
 
 
 @pytest.fixture(scope="module")
@@ -54,18 +64,62 @@ def _send(page, text: str) -> list[int]:
     return send(page, text, REPLY_TIMEOUT_S, screenshot=SCREENSHOTS / "timeout.png")
 
 
-def test_chat_live_view_compare_and_csv_export_in_headless_chromium(app_url, tmp_path):
+def _idle(page) -> None:
+    page.wait_for_function(IDLE_JS, polling=200, timeout=REPLY_TIMEOUT_S * 1000)
+
+
+def _open(page, url: str) -> None:
+    from playwright.sync_api import expect
+
+    page.goto(url)
+    expect(page.locator("#tree input")).to_have_value(READY, timeout=60_000)
+
+
+def _box(page, selector: str) -> dict[str, float]:
+    return page.locator(selector).bounding_box()
+
+
+def _overlap(a: dict[str, float], b: dict[str, float]) -> bool:
+    return a["x"] < b["x"] + b["width"] and b["x"] < a["x"] + a["width"] and a["y"] < b["y"] + b["height"] and b["y"] < a["y"] + a["height"]
+
+
+# WCAG contrast ratio of an element's text colour against the background it is drawn on (its own,
+# or the nearest ancestor's that is not transparent).
+CONTRAST_JS = """
+(el) => {
+  const rgb = (c) => c.match(/[\\d.]+/g).slice(0, 3).map(Number);
+  const opaque = (c) => { const v = c.match(/[\\d.]+/g).map(Number); return v.length < 4 || v[3] > 0; };
+  const lum = (c) => {
+    const [r, g, b] = rgb(c).map((v) => { v /= 255; return v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4; });
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b;
+  };
+  let bg = el;
+  while (bg.parentElement && !opaque(getComputedStyle(bg).backgroundColor)) bg = bg.parentElement;
+  const [a, b] = [lum(getComputedStyle(el).color), lum(getComputedStyle(bg).backgroundColor)].sort((x, y) => y - x);
+  return (a + 0.05) / (b + 0.05);
+}
+"""
+
+
+def test_a_new_users_session_in_headless_chromium(app_url, tmp_path):
     from playwright.sync_api import expect
 
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     with chromium() as browser:
-        page = browser.new_page(viewport={"width": 1440, "height": 1300}, accept_downloads=True)
+        context = browser.new_context(
+            viewport={"width": 1440, "height": 900}, accept_downloads=True, permissions=["clipboard-read", "clipboard-write"]
+        )
+        page = context.new_page()
         errors: list[str] = []
         page.on("pageerror", lambda e: errors.append(str(e)))
-        page.goto(app_url)
-        expect(page.locator("#tree input")).to_have_value(re.compile(r"\(\d+ nodes"), timeout=30_000)  # model ready
+        _open(page, app_url)
 
-        # Pick a 17-node tree from the dropdown (the demo's own default for CPUs is a 5-node chain).
+        # At 1440×900 the live tree and the speed chart sit beside the chat, inside the window.
+        chat, tree_box, speed_box = _box(page, "#chat"), _box(page, "#tree-plot"), _box(page, "#speed-plot")
+        assert tree_box["x"] >= chat["x"] + chat["width"] and speed_box["x"] >= chat["x"] + chat["width"]
+        assert tree_box["y"] + tree_box["height"] <= 900 and speed_box["y"] + speed_box["height"] <= 900
+
+        # Pick a 17-node tree from the dropdown (the demo's own default for CPUs is smaller).
         tree_input = page.locator("#tree input")
         tree_input.click()
         tree_input.fill("sparse_16")
@@ -73,11 +127,22 @@ def test_chat_live_view_compare_and_csv_export_in_headless_chromium(app_url, tmp
         expect(tree_input).to_have_value("sparse_16 (17 nodes)")
         page.locator("#highlight input[type=checkbox]").check()
 
-        # A reply streams into the chat: several different partial lengths before the end.
-        lengths = _send(page, PROMPTS[0])
-        partial = {n for n in lengths if 0 < n < lengths[-1]}
-        assert len(partial) >= 2, f"the reply did not stream: text lengths seen {lengths}"
-        expect(page.locator("#chat [data-testid=bot]")).to_have_count(1)
+        # While the reply streams, Send is disabled and the tree is drawn beside it.
+        page.locator("#message textarea").fill(PROMPTS[0])
+        page.locator("#message textarea").press("Enter")
+        page.wait_for_function(
+            "() => document.querySelector('#send').disabled && document.querySelectorAll('#chat [data-testid=bot]').length === 1"
+            " && document.querySelector('#tree-plot .gtitle')",
+            polling=100, timeout=REPLY_TIMEOUT_S * 1000,
+        )
+        page.screenshot(path=str(SCREENSHOTS / "1-streaming-1440x900.png"))
+        _idle(page)
+        expect(page.locator("#send")).to_be_enabled()
+
+        # Stats under the reply: tokens, tokens/s, time to first token, wall time; the status line agrees.
+        stats = page.locator("#chat [data-testid=bot] .medusa-stats").last.inner_text()
+        assert re.match(r"\d+ tokens · [\d.]+ tokens/s · TTFT [\d.]+ s · [\d.]+ s total · [\d.]+ tokens/step · tree sparse_16 · ", stats), stats
+        expect(page.locator("#reply-status")).to_contain_text(stats.split(" · ")[0])
 
         # The tree plot and the speed charts render with plotly, and the summary fills in.
         tree_title = page.locator("#tree-plot .gtitle")
@@ -85,36 +150,44 @@ def test_chat_live_view_compare_and_csv_export_in_headless_chromium(app_url, tmp
         assert page.locator("#tree-plot .scatterlayer .trace").count() >= 2  # accepted path, nodes
         assert page.locator("#speed-plot .scatterlayer .trace").count() >= 3  # tokens/s, its rolling mean, tokens/step
         expect(page.locator("#summary")).to_contain_text("tokens / step")
-        page.screenshot(path=str(SCREENSHOTS / "1-reply.png"), full_page=True)
+        page.screenshot(path=str(SCREENSHOTS / "2-reply-1440x900.png"))
 
-        # The step slider shows every step of the last reply.
+        # The step slider: a typed number and an arrow key both redraw the tree.
         steps = int(re.search(r"\((\d+) steps\)", page.locator("#step-slider").inner_text()).group(1))
         assert steps >= 2
-        assert int(number_value := page.locator("#step-slider input[type=number]").input_value()) <= steps - 1
-        assert tree_title.text_content().startswith(f"step {number_value} ")
         number = page.locator("#step-slider input[type=number]")
         number.fill("0")
         number.blur()
         expect(tree_title).to_contain_text(re.compile(r"^step 0 · sparse_16 \(17 nodes\)"))
-        assert page.locator("#tree-plot .scatterlayer .trace").count() >= 4  # edges, path, root, head-1 nodes
+        page.locator("#step-slider input[type=range]").focus()
+        page.keyboard.press("ArrowRight")
+        expect(tree_title).to_contain_text(re.compile(r"^step 1 · "))
 
         # Highlighting marks the tokens accepted from the heads (if this reply accepted any).
-        summary = page.locator("#summary").inner_text()
-        rate = float(re.search(r"acceleration rate\)\s+([\d.]+)", summary).group(1))
+        rate = float(re.search(r"acceleration rate\)\s+([\d.]+)", page.locator("#summary").inner_text()).group(1))
         if rate > 1.0:
             expect(page.locator("#chat mark.medusa-free").first).to_be_visible()
-        page.screenshot(path=str(SCREENSHOTS / "2-step-0.png"), full_page=True)
 
-        # Medusa off: the next reply decodes one token per step and is charted as baseline.
+        # Copy gives the reply as plain text: no HTML, no stats line.
+        reply_text = page.locator("#chat pre.medusa-reply").last.text_content().removeprefix("\n")
+        page.locator("#chat [data-testid=bot]").last.hover()
+        page.locator("#chat").get_by_label("Copy message").last.click()
+        assert page.evaluate("() => navigator.clipboard.readText()") == reply_text
+
+        # Medusa off: the tree, ε and δ are shown inactive; the next reply is charted as baseline.
         page.locator("#medusa input[type=checkbox]").uncheck()
+        expect(page.locator("#tree input")).to_be_disabled()
+        expect(page.locator("#epsilon input[type=number]")).to_be_disabled()
+        expect(page.locator("#epsilon")).to_contain_text("Medusa is off")
         _send(page, PROMPTS[1])
         expect(page.locator("#chat [data-testid=bot]")).to_have_count(2)
         expect(page.locator("#speed-plot .legend")).to_contain_text("baseline tokens/s")
         expect(tree_title).to_contain_text("baseline (1 nodes)")
         expect(page.locator("#summary")).to_contain_text(re.compile(r"Speedup vs this session's baseline replies: [\d.]+×"))
-
-        # Stop mid-reply keeps the partial reply (unless the model finished before the click landed).
         page.locator("#medusa input[type=checkbox]").check()
+        expect(page.locator("#epsilon")).to_contain_text("inactive at temperature 0")
+
+        # Esc stops a long reply midway and keeps the partial reply (unless it finished first).
         max_tokens = page.locator("#max-new-tokens input[type=number]")
         max_tokens.fill("1000")
         max_tokens.blur()
@@ -122,18 +195,27 @@ def test_chat_live_view_compare_and_csv_export_in_headless_chromium(app_url, tmp
         page.locator("#message textarea").fill(PROMPTS[2])
         page.locator("#message textarea").press("Enter")
         expect(bots).to_have_count(3, timeout=REPLY_TIMEOUT_S * 1_000)  # the reply has started streaming
-        page.locator("#stop").dispatch_event("click")  # at once: no waiting for the button to be "stable"
-        status = page.locator("#reply-status")
-        expect(status).to_contain_text("Latest reply", timeout=REPLY_TIMEOUT_S * 1_000)
-        stopped = status.inner_text().endswith("· stopped")
-        print(f"e2e: Stop {'ended the reply midway' if stopped else 'came after the reply had ended'}")
+        page.keyboard.press("Escape")
+        _idle(page)
+        stopped = page.locator("#reply-status").inner_text().endswith("· stopped")
+        print(f"e2e: Esc {'ended the reply midway' if stopped else 'came after the reply had ended'}")
         if stopped:
             expect(bots.last).to_contain_text("(stopped)")
-            assert len(bots.last.inner_text().replace("(stopped)", "").strip()) > 0
-        else:  # a fast machine can finish the reply before the click lands
-            expect(bots.last).not_to_contain_text("(stopped)")
+            assert len(bots.last.locator("pre.medusa-reply").inner_text().strip()) > 0
         max_tokens.fill(str(MAX_NEW_TOKENS))
         max_tokens.blur()
+
+        # Ctrl+Enter regenerates the last reply (and sends nothing).
+        before = bots.last.locator(".medusa-stats").inner_text()
+        page.locator("#message textarea").focus()
+        page.keyboard.press("Control+Enter")
+        page.wait_for_function(
+            "(before) => { const s = [...document.querySelectorAll('#chat [data-testid=bot] .medusa-stats')].pop();"
+            " return s && s.textContent !== before && !document.querySelector('#send').disabled; }",
+            arg=before, polling=200, timeout=REPLY_TIMEOUT_S * 1000,
+        )
+        expect(bots).to_have_count(3)
+        expect(page.locator("#chat [data-testid=user]")).to_have_count(3)
 
         # Compare re-runs the last prompt with Medusa off, then on.
         page.get_by_role("tab", name="Compare").click()
@@ -143,33 +225,90 @@ def test_chat_live_view_compare_and_csv_export_in_headless_chromium(app_url, tmp
         expect(result).to_contain_text(re.compile(r"Speedup: [\d.]+×"))
         page.screenshot(path=str(SCREENSHOTS / "3-compare.png"), full_page=True)
 
-        # Export downloads one row per step of the session and saves a copy whose path is shown.
+        # The statistics CSV: one row per step of the session, and a saved copy whose path is shown.
         downloaded = tmp_path / "session.csv"
         rows = download_csv(page, downloaded)
         for column in ("session_id", "reply_index", "step", "mode", "tree_name", "tree_nodes", "temperature",
-                       "posterior_threshold", "posterior_alpha", "accepted_tokens", "step_latency_ms",
+                       "posterior_threshold", "posterior_alpha", "accepted_tokens", "head_tokens", "step_latency_ms",
                        "tokens_per_s", "timestamp"):
             assert column in rows[0], column
-        replies = {}
+        replies: dict[int, list[dict[str, str]]] = {}
         for r in rows:
             replies.setdefault(int(r["reply_index"]), []).append(r)
-        assert sorted(replies) == [0, 1, 2, 3, 4]  # three chat replies, then compare's off and on runs
-        assert [r["source"] for r in rows if r["step"] == "0"] == ["chat", "chat", "chat", "compare", "compare"]
+        assert sorted(replies) == [0, 1, 2, 3, 4, 5]  # four chat replies (one regenerated), then compare's off and on runs
+        assert [r["source"] for r in rows if r["step"] == "0"] == ["chat"] * 4 + ["compare"] * 2
         assert len(replies[0]) == steps
-        assert {r["mode"] for r in replies[1]} == {r["mode"] for r in replies[3]} == {"baseline"}
-        assert {r["mode"] for r in replies[2]} == {r["mode"] for r in replies[4]} == {"medusa"}
+        assert {r["mode"] for r in replies[1]} == {r["mode"] for r in replies[4]} == {"baseline"}
         assert (replies[2][-1]["stop_reason"] == "stopped") == stopped
         for reply in replies.values():
             assert [int(r["step"]) for r in reply] == list(range(len(reply)))
             assert sum(int(r["accepted_tokens"]) for r in reply) == int(reply[-1]["total_tokens"])
-        assert len({r["session_id"] for r in rows}) == 1
-        saved = Path(re.search(r"to (/\S+\.csv)", page.locator("#csv-path").inner_text()).group(1))
+            assert all(int(r["head_tokens"]) < int(r["accepted_tokens"]) or r["accepted_tokens"] == "0" for r in reply)
+        saved = Path(re.search(r"to `?(/\S+\.csv)", page.locator("#export-path").inner_text()).group(1))
         assert saved.read_text() == downloaded.read_text()
 
+        # The transcript, as Markdown and as JSON: every message as plain text, with the replies' stats.
+        markdown = download(page, "export-md", tmp_path / "t.md").read_text()
+        assert all(p in markdown for p in PROMPTS[:3]) and "<pre" not in markdown and stats in markdown
+        transcript = json.loads(download(page, "export-json", tmp_path / "t.json").read_text())
+        roles = [m["role"] for m in transcript["messages"]]
+        assert roles == ["system"] + ["user", "assistant"] * 3
+        assert transcript["messages"][2]["content"] == reply_text and transcript["messages"][2]["stats"] == stats
+
+        # Edit and resend the first message: the conversation restarts from it.
         page.get_by_role("tab", name="Controls").click()
-        page.locator("#step-slider").scroll_into_view_if_needed()
-        page.screenshot(path=str(SCREENSHOTS / "4-final.png"), full_page=True)
+        page.locator("#chat [data-testid=user]").first.hover()
+        page.locator("#chat").get_by_label("Edit").first.click()
+        edit_box = page.locator("#chat textarea")
+        expect(edit_box).to_have_value(PROMPTS[0])  # plain text, not the HTML the chat renders
+        edit_box.fill(PROMPTS[3])
+        page.locator("#chat").get_by_label("Submit").click()
+        expect(page.locator("#chat [data-testid=user]")).to_have_count(1)
+        _idle(page)
+        expect(page.locator("#chat [data-testid=user]")).to_have_text([re.compile(re.escape(PROMPTS[3]))])
+        chat_before = page.locator("#chat").inner_text()
+
+        # A reload keeps the conversation (it lives in the browser's storage).
+        page.reload()
+        expect(page.locator("#tree input")).to_have_value(READY, timeout=60_000)
+        expect(page.locator("#chat [data-testid=bot]")).to_have_count(1)
+        assert page.locator("#chat").inner_text() == chat_before
+        assert not errors, errors
+
+        # Dark mode: highlighted tokens stay readable, the plots take the page's background.
+        dark = context.new_page()
+        dark.on("pageerror", lambda e: errors.append(str(e)))
+        _open(dark, f"{app_url}/?__theme=dark")
+        expect(dark.locator("#chat [data-testid=bot]")).to_have_count(1)  # the conversation, from the browser's storage
+        dark.locator("#highlight input[type=checkbox]").check()
+        _send(dark, PROMPTS[0])
+        for el in dark.locator("#chat mark.medusa-free").all()[:3]:
+            assert el.evaluate(CONTRAST_JS) >= 4.5
+        assert dark.locator("#chat pre.medusa-reply").last.evaluate(CONTRAST_JS) >= 4.5
+        for plot in ("#tree-plot", "#speed-plot"):
+            assert dark.locator(f"{plot} .main-svg").first.evaluate("(e) => getComputedStyle(e).backgroundColor") == "rgba(0, 0, 0, 0)"
+            fill = dark.locator(f"{plot} .ytitle").first.evaluate("(e) => getComputedStyle(e).fill")
+            assert sum(map(int, re.findall(r"\d+", fill)[:3])) > 3 * 128, f"{plot} axis title is dark on dark: {fill}"
+        dark.screenshot(path=str(SCREENSHOTS / "5-dark-1440x900.png"))
+
+        # At 800 px the columns stack: a full-width chat with a wide message box, then the live view.
+        narrow = context.new_page()
+        narrow.on("pageerror", lambda e: errors.append(str(e)))
+        narrow.set_viewport_size({"width": 800, "height": 900})
+        _open(narrow, app_url)
+        expect(narrow.locator("#chat [data-testid=bot]")).to_have_count(2)
+        _send(narrow, PROMPTS[1])
+        chat, tree_box = _box(narrow, "#chat"), _box(narrow, "#tree-plot")
+        assert tree_box["y"] >= chat["y"] + chat["height"]
+        assert _box(narrow, "#message textarea")["width"] >= 300
+        title, legend = _box(narrow, "#tree-plot .gtitle"), _box(narrow, "#tree-plot .legend")
+        assert not _overlap(title, legend)
+        assert title["x"] + title["width"] <= tree_box["x"] + tree_box["width"]
+        one_line = "(e) => { const r = document.createRange(); r.selectNodeContents(e); return r.getClientRects().length <= 1; }"
+        for header in narrow.locator("#summary th").all():
+            assert header.evaluate(one_line), f"table header {header.inner_text()!r} breaks over lines"
+        narrow.screenshot(path=str(SCREENSHOTS / "6-800px.png"), full_page=True)
         assert not errors, errors
     if os.environ.get("MEDUSA_CHAT_E2E_UPDATE_SCREENSHOT") == "1":
         README_SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(SCREENSHOTS / "1-reply.png", README_SCREENSHOT)
+        shutil.copy(SCREENSHOTS / "2-reply-1440x900.png", README_SCREENSHOT)

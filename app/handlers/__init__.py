@@ -1,0 +1,55 @@
+"""Event handlers of the page, grouped by feature, as plain functions of (engine, settings, session,
+controls, values).
+
+Every handler returns (or yields, for the streaming ones) a dict of named outputs, e.g.
+``{"chatbot": [...], "tree_plot": Figure}``; ``app.ui`` maps names to components, so a handler never
+depends on the order of an outputs list and tests read results by name. A handler that changes
+nothing still returns a name (with ``gr.skip()``): Gradio reads an empty dict as a missing output.
+
+| module | what |
+|---|---|
+| ``controls`` | ``Controls`` (what a reply reads when it starts), tree choices, custom-tree check, inactive controls |
+| ``views`` | chat messages, status line, live view, model panel |
+| ``generation`` | the prompt that fits the context, recording the engine's steps |
+| ``chat`` | send, reply, Stop, Regenerate, edit and resend, Clear, restore after a reload, step slider, highlight |
+| ``compare`` | Compare Medusa off / on |
+| ``export`` | CSV statistics, Markdown and JSON transcripts |
+| ``loading`` | the page while the model loads |
+"""
+
+from __future__ import annotations
+
+from .chat import add_user, clear, edit_user, regenerate, rerender_chat, respond, restore_chat, show_step, stop
+from .compare import compare
+from .controls import CONTROL_NAMES, CUSTOM_TREE, Controls, check_tree, explain_controls, tree_choices
+from .export import export_csv, export_transcript
+from .loading import page_status
+from .views import model_panel
+
+LIVE_VIEW = ("tree_plot", "step_slider", "speed_plot", "summary")
+#: The named outputs each handler may return. Each event updates only these components: every extra
+#: output costs the browser work at every streamed update. ``saved`` is the conversation in the
+#: browser's storage (``gr.BrowserState``), written when a reply ends, not while it streams.
+OUTPUTS: dict[str, tuple[str, ...]] = {
+    "page_status": ("banner", "timer", "tree", "model_panel", "tree_status"),
+    "restore_chat": ("chatbot", "reply_status"),
+    "add_user": ("message", "chatbot", "reply_status", "send"),
+    "respond": ("chatbot", "tree_status", "reply_status", "model_panel", "send", "saved", *LIVE_VIEW),
+    "regenerate": ("chatbot", "reply_status", "send"),
+    "edit_user": ("chatbot", "reply_status", "send"),
+    "compare": ("compare_result", "model_panel", *LIVE_VIEW),
+    "stop": ("chatbot", "reply_status", "model_panel", "compare_result", "send", "saved", *LIVE_VIEW),
+    "clear": ("chatbot", "message", "reply_status", "send", "saved", *LIVE_VIEW),
+    "rerender_chat": ("chatbot",),
+    "show_step": ("tree_plot", "step_slider"),
+    "check_tree": ("tree_status",),
+    "explain_controls": ("tree", "posterior_threshold", "posterior_alpha"),
+    "export_csv": ("export_file", "export_path"),
+    "export_transcript": ("export_file", "export_path"),
+}
+
+__all__ = [
+    "CONTROL_NAMES", "CUSTOM_TREE", "OUTPUTS", "Controls", "add_user", "check_tree", "clear", "compare", "edit_user",
+    "explain_controls", "export_csv", "export_transcript", "model_panel", "page_status", "regenerate", "rerender_chat",
+    "respond", "restore_chat", "show_step", "stop", "tree_choices",
+]

@@ -1,0 +1,240 @@
+"""Chat handlers: send (add the user's message, then stream the reply), Stop, Regenerate, Clear,
+the step slider and the highlight toggle.
+
+``respond`` runs the engine in the handler's own generator and hands an update to the page at most
+every ``settings.stream_interval_s`` (chat text) and ``settings.redraw_interval_s`` (plots,
+summary): the engine keeps decoding between updates.
+"""
+
+from __future__ import annotations
+
+import html
+import logging
+import math
+import time
+from contextlib import closing
+from typing import Any, Iterator
+
+import gradio as gr
+from jinja2 import TemplateError
+
+from medusa_core import StepRecord
+
+from ..charts import tree_figure
+from ..engine import Engine
+from ..session import Session, Turn
+from ..settings import AppSettings
+from ..text import ReplyText, plain_text
+from .compare import compare_table
+from .controls import Controls, tree_argument
+from .generation import fit_prompt, record_steps
+from .views import Updates, chat_view, labels, live_view, message_turn, model_panel, reply_status, speed_view, turn_stats
+
+log = logging.getLogger(__name__)
+
+STOP_WAIT_S = 30.0  # how long Stop and Clear wait for a running reply to finish its current step
+
+
+STREAMING_SLIDER = gr.Slider(interactive=False, label="Step of the latest reply (browse its steps once it ends)")
+#: The speed chart and summary redraw at every SPEED_REDRAWS-th tree redraw while a reply streams:
+#: a plotly redraw costs the browser tens of ms, and the tree is what changes at every step.
+SPEED_REDRAWS = 4
+SEND_OFF = gr.Button(interactive=False)  # Send while a reply is pending or streaming
+SEND_ON = gr.Button(interactive=True)
+#: Why a send or Regenerate is refused; shown as a warning, and nothing else changes.
+STILL_STREAMING = "A reply is still streaming: wait for it or press Stop (Esc)."
+NOTHING_TO_REGENERATE = "Nothing to regenerate: send a message first."
+
+
+def add_user(engine: Engine, session: Session, controls: Controls, message: str) -> Updates:
+    """Append the user's message (Enter or Send). Empty messages are ignored; while the model loads
+    or a reply runs, the message stays in the box and a warning says why.
+
+    The send event reads the controls too, so a value a control rejects (e.g. seed −5) rejects the
+    whole send before the message joins the conversation.
+    """
+    text = (message or "").strip()
+    if not text:
+        return {"message": ""}
+    refused = _refusal(engine, session)
+    if refused:
+        gr.Warning(refused)
+        return {"message": gr.skip()}
+    session.turns.append(Turn(user=text, sent_at=time.monotonic()))
+    return {"message": "", "chatbot": chat_view(session, controls.highlight), "reply_status": reply_status(session), "send": SEND_OFF}
+
+
+def _refusal(engine: Engine, session: Session) -> str:
+    """Why a new reply cannot start now ("" when it can)."""
+    if not engine.ready:
+        return engine.status()
+    if session.busy or any(t.state == "pending" for t in session.turns):
+        return STILL_STREAMING
+    return ""
+
+
+def respond(engine: Engine, settings: AppSettings, session: Session, controls: Controls) -> Iterator[Updates]:
+    """Stream the reply to the pending user message: chat text, live tree, charts, summary."""
+    index = next((i for i, t in enumerate(session.turns) if t.state == "pending"), None)
+    if index is None or engine.model is None or session.busy:  # the send was refused: nothing to answer
+        yield {"reply_status": gr.skip()}
+        return
+    model, turn = engine.model, session.turns[index]
+    try:
+        tree = tree_argument(model, controls.tree, controls.custom_tree) if controls.medusa else None
+        ids, dropped = fit_prompt(model, controls, session.history(index), turn.user)
+        steps = model.generate(
+            ids,
+            max_new_tokens=controls.max_new_tokens,
+            tree=tree,
+            temperature=controls.temperature,
+            posterior_threshold=controls.posterior_threshold,
+            posterior_alpha=controls.posterior_alpha,
+            medusa=controls.medusa,
+            seed=controls.seed,
+            sampling=controls.sampling,
+        )
+    except (ValueError, TemplateError) as e:  # too-long prompt, invalid tree, bad control value, template error
+        turn.state, turn.error = "error", f"Not sent: {e}"
+        yield {
+            "chatbot": chat_view(session, controls.highlight), "tree_status": f"⚠ {html.escape(str(e))}",
+            "reply_status": reply_status(session), "send": SEND_ON, "saved": session.saved(),
+        }
+        return
+    if dropped:
+        turn.note = f"{dropped} earlier turn{'s' if dropped > 1 else ''} left out to fit the {model.max_context}-token context"
+    turn.state, turn.reply = "streaming", ReplyText()
+    session.begin()
+    try:
+        yield from _stream(engine, settings, session, controls, steps, turn)
+    finally:  # also when Stop cancels this generator
+        if turn.state == "streaming":
+            turn.state = "stopped"
+        turn.stats = turn_stats(session, turn)
+        session.end()
+    # Three updates, so the browser renders them as three shorter tasks: the tree, the speed chart
+    # with the slider, then the chat.
+    view = live_view(engine, session, final=True)
+    yield {"tree_plot": view.pop("tree_plot"), "model_panel": model_panel(engine, session)}
+    yield view
+    yield {"chatbot": chat_view(session, controls.highlight), "reply_status": reply_status(session), "send": SEND_ON, "saved": session.saved()}
+
+
+def _stream(
+    engine: Engine, settings: AppSettings, session: Session, controls: Controls, steps: Iterator[StepRecord], turn: Turn
+) -> Iterator[Updates]:
+    """Record the reply's steps and yield throttled page updates; failures end up in the chat."""
+    last_chat = last_plot = last_speed = 0.0
+    try:
+        turn.reply_index = session.new_reply()
+        with closing(record_steps(engine, session, steps, controls, "chat", turn.reply_index, turn.reply)) as records:
+            for _ in records:
+                now = turn.last_token_at = time.monotonic()
+                if turn.first_token_at is None:
+                    turn.first_token_at = now
+                if now - last_plot >= settings.redraw_interval_s:
+                    # The first update says the reply is generating and parks the step slider: it
+                    # browses a reply's steps once the reply has ended (its re-render is costly).
+                    first = {"reply_status": reply_status(session), "step_slider": STREAMING_SLIDER} if last_plot == 0.0 else {}
+                    speed = now - last_speed >= SPEED_REDRAWS * settings.redraw_interval_s
+                    last_plot = last_chat = now
+                    last_speed = now if speed else last_speed
+                    # Chat, tree and speed chart as separate updates: the browser renders each as its
+                    # own, shorter task (one update with all of them stalled the page 2-3× longer).
+                    yield {"chatbot": chat_view(session, controls.highlight), **first}
+                    yield {"tree_plot": live_view(engine, session, speed=False)["tree_plot"]}
+                    if speed:
+                        yield speed_view(engine, session)
+                elif now - last_chat >= settings.stream_interval_s:
+                    last_chat = now
+                    yield {"chatbot": chat_view(session, controls.highlight)}
+        turn.state = "stopped" if session.rows[-1].stop_reason == "stopped" else "done"
+    except Exception as e:  # noqa: BLE001 - any failure inside the model is shown in the chat; the app keeps serving
+        log.exception("generation failed")
+        turn.state, turn.error = "error", f"Generation failed: {type(e).__name__}: {e}"
+
+
+
+def stop(engine: Engine, session: Session, highlight: bool) -> Updates:
+    """Stop the running reply after its current step, keeping everything streamed so far."""
+    session.stop_requested.set()
+    session.idle.wait(STOP_WAIT_S)
+    for turn in session.turns:
+        if turn.state == "pending":  # cancelled while waiting for the model
+            turn.state = "stopped"
+    compare = {} if session.compare_runs is None else {"compare_result": compare_table(session.compare_runs, running=None)}
+    return {
+        **compare,
+        "send": SEND_ON,
+        "saved": session.saved(),
+        "chatbot": chat_view(session, highlight),
+        **live_view(engine, session, final=True),
+        "model_panel": model_panel(engine, session),
+        "reply_status": reply_status(session),
+    }
+
+
+def regenerate(engine: Engine, session: Session, controls: Controls) -> Updates:
+    """Drop the last reply and mark its user message pending (``respond`` runs next). Like a send,
+    the event reads the controls, so a rejected control value leaves the reply in place."""
+    refused = _refusal(engine, session) or ("" if session.turns else NOTHING_TO_REGENERATE)
+    if refused:
+        gr.Warning(refused)
+        return {"reply_status": gr.skip()}
+    session.turns[-1] = Turn(user=session.turns[-1].user, sent_at=time.monotonic())
+    return {"chatbot": chat_view(session, controls.highlight), "reply_status": reply_status(session), "send": SEND_OFF}
+
+
+def edit_user(engine: Engine, session: Session, controls: Controls, index: int, value: str) -> Updates:
+    """Edit and resend a user message (the chat's pencil): the conversation from that message on is
+    replaced by the edited message, and ``respond`` answers it next. Refused (with the reason) while
+    a reply runs or the model loads, or for an empty message; the chat then shows the old text again."""
+    turn_index = message_turn(session, index)
+    text = plain_text(value).strip()
+    refused = _refusal(engine, session) or ("" if text else "An empty message cannot be sent.")
+    if turn_index is None:
+        refused = refused or "Only your own messages can be edited."
+    if refused:
+        gr.Warning(refused)
+        return {"chatbot": chat_view(session, controls.highlight)}
+    del session.turns[turn_index:]
+    session.turns.append(Turn(user=text, sent_at=time.monotonic()))
+    return {"chatbot": chat_view(session, controls.highlight), "reply_status": reply_status(session), "send": SEND_OFF}
+
+
+def restore_chat(session: Session, saved: Any, highlight: bool) -> Updates:
+    """On page load: the conversation kept in the browser (``gr.BrowserState``), e.g. after a reload."""
+    session.adopt(saved)
+    if not session.turns:
+        return {"chatbot": gr.skip()}
+    return {"chatbot": chat_view(session, highlight), "reply_status": reply_status(session)}
+
+
+def clear(engine: Engine, session: Session) -> Updates:
+    """Stop any running reply and empty the conversation. The session's statistics are kept."""
+    session.stop_requested.set()
+    session.idle.wait(STOP_WAIT_S)
+    session.turns.clear()
+    session.adopted = True  # a cleared chat stays empty: nothing to take from the browser any more
+    session.last_records = []
+    return {"chatbot": [], "message": "", "reply_status": "", **live_view(engine, session), "send": SEND_ON, "saved": []}
+
+
+def show_step(engine: Engine, session: Session, step: float | None) -> Updates:
+    """The candidate tree of one step of the latest reply (the step slider: drag, arrow keys or a typed
+    number). The value arrives unchecked: one out of range shows the nearest step, and the slider
+    moves there too."""
+    records = session.last_records
+    if not records or step is None or not math.isfinite(step):
+        return {"tree_plot": gr.skip()}
+    shown = min(max(int(step), 0), len(records) - 1)
+    updates: Updates = {"tree_plot": tree_figure(records[shown], labels(engine, session, records[shown]))}
+    if shown != step:
+        updates["step_slider"] = shown
+    return updates
+
+
+def rerender_chat(session: Session, highlight: bool) -> Updates:
+    """Re-render the chat (the highlight toggle)."""
+    return {"chatbot": chat_view(session, highlight)}
+

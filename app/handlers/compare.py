@@ -1,0 +1,110 @@
+"""Compare: re-run the last prompt greedily with Medusa off, then on, and report tokens/s, the
+speedup and whether the two replies are identical (greedy Medusa must reproduce plain greedy
+decoding, paper 2.3.1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import logging
+import time
+from contextlib import closing
+from typing import Iterator
+
+from jinja2 import TemplateError
+
+from medusa_core import StepRecord
+
+from ..engine import Engine
+from ..session import Session
+from ..settings import AppSettings
+from ..text import ReplyText
+from .controls import Controls, tree_argument
+from .generation import fit_prompt, record_steps
+from .views import Updates, live_view, model_panel
+
+log = logging.getLogger(__name__)
+
+
+def compare(engine: Engine, settings: AppSettings, session: Session, controls: Controls) -> Iterator[Updates]:
+    """Re-run the last prompt greedily with Medusa off, then on; report tokens/s, speedup, identity."""
+    index = next((i for i in range(len(session.turns) - 1, -1, -1) if session.turns[i].state != "pending"), None)
+    if engine.model is None or index is None:
+        yield {"compare_result": "Send a message first: Compare re-runs the last prompt."}
+        return
+    if session.busy:
+        yield {"compare_result": "A reply is streaming: Compare runs once it ends."}
+        return
+    model = engine.model
+    greedy = dataclasses.replace(controls, temperature=0.0)
+    try:
+        tree = tree_argument(model, greedy.tree, greedy.custom_tree)
+        ids, _ = fit_prompt(model, greedy, session.history(index), session.turns[index].user)
+        runs = {mode: model.generate(ids, max_new_tokens=greedy.max_new_tokens, tree=tree, medusa=mode == "Medusa on") for mode in ("Medusa off", "Medusa on")}
+    except (ValueError, TemplateError) as e:
+        yield {"compare_result": f"⚠ {html.escape(str(e))}"}
+        return
+    results: dict[str, list[StepRecord]] = {}
+    session.compare_runs = results  # what Stop reports if it cancels this generator
+    session.begin()
+    try:
+        for mode, steps in runs.items():
+            if session.stop_requested.is_set():
+                steps.close()
+                continue
+            done = results[mode] = []
+            last_plot = 0.0
+            with closing(record_steps(engine, session, steps, greedy, "compare", session.new_reply(), ReplyText())) as records:
+                for record in records:
+                    done.append(record)
+                    if time.monotonic() - last_plot >= settings.redraw_interval_s:
+                        last_plot = time.monotonic()
+                        yield {"compare_result": compare_table(results, running=mode), **live_view(engine, session)}
+    except Exception as e:  # noqa: BLE001 - shown in the panel; the app keeps serving
+        log.exception("compare failed")
+        yield {"compare_result": f"⚠ Compare failed: {type(e).__name__}: {html.escape(str(e))}"}
+        return
+    finally:
+        for steps in runs.values():
+            steps.close()
+        session.end()
+    yield {"compare_result": compare_table(results, running=None), **live_view(engine, session, final=True), "model_panel": model_panel(engine, session)}
+
+
+def compare_table(results: dict[str, list[StepRecord]], running: str | None) -> str:
+    """The Compare panel: a row per run so far; once both runs ended by themselves (EOS, token limit,
+    context), the speedup and whether the replies are identical. A stopped Compare draws no verdict:
+    a partial run's speed and text say nothing about the whole reply."""
+    lines = ["| | tokens | steps | tok/step | time (s) | tok/s |", "|---|---|---|---|---|---|"]
+    speed: dict[str, float] = {}
+    for mode, records in results.items():
+        tokens = sum(len(r.token_ids) for r in records)
+        decode_s = sum(r.latency_s - r.prefill_s for r in records)
+        total_s = sum(r.latency_s for r in records)
+        if decode_s > 0:
+            speed[mode] = tokens / decode_s
+        per_step = tokens / len(records) if records else 0.0
+        suffix = " (running…)" if mode == running else ""
+        lines.append(
+            f"| {mode}{suffix} | {tokens} | {len(records)} | {per_step:.2f} | {total_s:.2f} | {speed.get(mode, 0.0):.1f} |"
+        )
+    finished = len(results) == 2 and all(records and records[-1].stop_reason for records in results.values())
+    if running is None and finished:
+        off, on = results["Medusa off"], results["Medusa on"]
+        a = [t for r in off for t in r.token_ids]
+        b = [t for r in on for t in r.token_ids]
+        same = a == b
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        ratio = speed["Medusa on"] / speed["Medusa off"] if speed.get("Medusa off") and "Medusa on" in speed else None
+        lines += [
+            "",
+            f"**Speedup: {ratio:.2f}×**" if ratio else "**Speedup: –**",
+            "Identical replies: **yes** ✓" if same else f"Identical replies: **no**: they differ from token {first}",
+            "",
+            "Greedy decoding, same prompt, tree and token limit; tokens/s leaves out the prompt's prefill.",
+        ]
+    elif running is None:
+        lines += ["", "Stopped before both runs finished: no speedup or identity verdict."]
+    return "\n".join(lines)
+

@@ -1,0 +1,136 @@
+"""The page's generation controls and the tree controls: the ``Controls`` a reply reads when it
+starts, the tree dropdown's choices, and the custom-tree check (paper 2.1.2: a tree is a list of
+paths of head ranks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import json
+from dataclasses import dataclass
+
+import gradio as gr
+
+from medusa_core import TREE_PRESETS, MedusaModel
+
+from ..engine import Engine
+from ..settings import AppSettings
+from .views import Updates
+
+CUSTOM_TREE = "custom"  # the tree dropdown's entry that selects the custom-tree textbox
+
+
+@dataclass(frozen=True)
+class Controls:
+    """The page's generation controls, read when a reply starts (a change applies to the next reply)."""
+
+    medusa: bool
+    temperature: float
+    sampling: str  # "typical" or "exact" (medusa_core.SAMPLING_MODES); matters when temperature > 0
+    posterior_threshold: float  # ε
+    posterior_alpha: float  # δ
+    tree: str | None  # a tree name, CUSTOM_TREE, or None for the model's default tree
+    custom_tree: str  # JSON list of paths, used when tree == CUSTOM_TREE
+    max_new_tokens: int
+    seed: int | None  # None: a fresh seed per reply (only matters when temperature > 0)
+    system_prompt: str
+    highlight: bool  # highlight the tokens accepted from the heads
+
+    @classmethod
+    def from_settings(cls, settings: AppSettings) -> "Controls":
+        """The controls as the page first shows them."""
+        return cls(
+            medusa=True,
+            temperature=settings.temperature,
+            sampling=settings.sampling,
+            posterior_threshold=settings.posterior_threshold,
+            posterior_alpha=settings.posterior_alpha,
+            tree=settings.tree,
+            custom_tree="",
+            max_new_tokens=settings.max_new_tokens,
+            seed=None,
+            system_prompt=settings.system_prompt,
+            highlight=False,
+        )
+
+
+CONTROL_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Controls))
+
+
+TREE_INFO = "the candidate tree verified at each step: the model's own trees first"
+PUBLISHED_TREE_NODES = 64  # the Medusa paper's published trees: 63 candidates + root, tuned for 7B–33B models on GPUs
+
+
+def tree_choices(model: MedusaModel) -> list[tuple[str, str]]:
+    """(label, value) pairs for the tree dropdown, each with its node count, in three groups: the
+    model's own trees (calibrated, machine-tuned); trees sized for small models and CPUs (presets,
+    chain and dense trees); the published 63-node trees, marked as sized for 7B–33B models on GPUs.
+    Then the custom tree."""
+    k = model.num_heads
+    names = model.tree_names()
+    names += [f"chain_{d}" for d in range(1, k + 1) if f"chain_{d}" not in names]
+    dense = {"dense_4x2": 2, "dense_3x2x2": 3, "dense_2x2x2x2": 4, "dense_3x3x2x2x1": 5}
+    names += [n for n, depth in dense.items() if depth <= k]
+    groups: tuple[list[tuple[str, str]], ...] = ([], [], [])
+    for name in names:
+        try:
+            nodes = len(model.resolve_tree(name)[1]) + 1
+        except ValueError:  # a model tree deeper than its heads: not offered
+            continue
+        if name in model.trees:
+            groups[0].append((f"{name} ({nodes} nodes · this model's own)", name))
+        elif name in TREE_PRESETS and nodes >= PUBLISHED_TREE_NODES:
+            groups[2].append((f"{name} ({nodes} nodes · published, sized for 7B–33B models on GPUs)", name))
+        else:
+            groups[1].append((f"{name} ({nodes} nodes)", name))
+    return [*groups[0], *groups[1], *groups[2], ("custom (JSON paths below)", CUSTOM_TREE)]
+
+
+def explain_controls(medusa: bool, temperature: float, sampling: str = "typical") -> Updates:
+    """Grey out the controls that do nothing for the next reply, saying why: the tree, ε and δ with
+    Medusa off; ε and δ at temperature 0 (greedy decoding accepts exact matches only) and with exact
+    sampling (rejection sampling has no thresholds)."""
+    if not medusa:
+        off = "inactive: Medusa is off (plain decoding, one token per step)"
+        tree, typical = {"interactive": False, "info": off}, {"interactive": False, "info": off}
+    elif temperature <= 0:
+        tree = {"interactive": True, "info": TREE_INFO}
+        typical = {"interactive": False, "info": "inactive at temperature 0: greedy decoding accepts exact matches only"}
+    elif sampling == "exact":
+        tree = {"interactive": True, "info": TREE_INFO}
+        typical = {"interactive": False, "info": "inactive with exact sampling: rejection sampling uses no thresholds"}
+    else:
+        tree = {"interactive": True, "info": TREE_INFO}
+        typical = {"interactive": True, "info": "accept a candidate when its probability > min(ε, δ·exp(−entropy))"}
+    return {"tree": gr.Dropdown(**tree), "posterior_threshold": gr.Slider(**typical), "posterior_alpha": gr.Slider(**typical)}
+
+
+def tree_argument(model: MedusaModel, tree: str | None, custom_tree: str) -> str | list[list[int]] | None:
+    """The ``tree`` for ``model.generate`` from the tree controls; ValueError with the validator's message."""
+    if tree != CUSTOM_TREE:
+        if tree:
+            model.resolve_tree(tree)
+        return tree or None
+    try:
+        paths = json.loads(custom_tree)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"the custom tree is not valid JSON ({e.msg}); write paths like [[0], [1], [0, 0]]") from e
+    if not isinstance(paths, list) or not all(isinstance(p, list) for p in paths):
+        raise ValueError("the custom tree must be a JSON list of paths, e.g. [[0], [1], [0, 0]]")
+    model.resolve_tree(paths)
+    return paths
+
+
+def check_tree(engine: Engine, tree: str | None, custom_tree: str) -> Updates:
+    """The tree status line: for a custom tree its node count and depth, or the validator's message."""
+    if engine.model is None or tree != CUSTOM_TREE:
+        return {"tree_status": ""}
+    if not custom_tree.strip():
+        return {"tree_status": "Write the tree as a JSON list of paths, e.g. `[[0], [1], [0, 0], [0, 0, 0]]`."}
+    try:
+        name, choices = engine.model.resolve_tree(tree_argument(engine.model, tree, custom_tree))
+    except ValueError as e:
+        return {"tree_status": f"⚠ {html.escape(str(e))}"}
+    return {"tree_status": f"✓ `{name}`: {len(choices) + 1} nodes, depth {max(map(len, choices))}"}
+

@@ -1,0 +1,73 @@
+"""Running the engine for the page: the prompt that fits the context window, and the loop that
+records every ``StepRecord`` in the session's statistics and the reply's text (shared by the chat
+and Compare).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator
+
+import torch
+
+from medusa_core import MedusaModel, StepRecord
+
+from ..engine import Engine
+from ..session import Session
+from ..stats import StepRow
+from ..text import ReplyText, StreamingDetokenizer, chat_messages, prompt_ids
+from .controls import Controls
+
+
+def record_steps(
+    engine: Engine,
+    session: Session,
+    steps: Iterator[StepRecord],
+    controls: Controls,
+    source: str,
+    reply_index: int,
+    reply: ReplyText,
+) -> Iterator[StepRecord]:
+    """Consume the engine's steps: record each in the session's statistics and the reply's text.
+
+    Stops after the current step when Stop is pressed; closing this generator closes the engine's
+    iterator, which releases the KV cache.
+    """
+    session.last_records = []
+    detok = StreamingDetokenizer(engine.model.tokenizer)
+    try:
+        for record in steps:
+            session.rows.append(
+                StepRow.from_record(
+                    record,
+                    session_id=session.id,
+                    reply_index=reply_index,
+                    source=source,
+                    temperature=controls.temperature,
+                    posterior_threshold=controls.posterior_threshold,
+                    posterior_alpha=controls.posterior_alpha,
+                )
+            )
+            session.last_records.append(record)
+            for j, token in enumerate(record.token_ids):
+                reply.append(detok.push(token), free=j > 0)  # token 0 is the backbone's own
+            yield record
+            if session.stop_requested.is_set() and record.stop_reason is None:
+                session.rows[-1] = dataclasses.replace(session.rows[-1], stop_reason="stopped")
+                break
+    finally:
+        steps.close()
+        reply.append(detok.flush(), free=False)
+
+
+def fit_prompt(model: MedusaModel, controls: Controls, history: list[tuple[str, str]], user: str) -> tuple[torch.Tensor, int]:
+    """Prompt ids [1, T]; the oldest turns are left out while the prompt leaves less than
+    min(max_new_tokens, context / 4) tokens for the reply. Returns (ids, turns left out)."""
+    room = min(controls.max_new_tokens, model.max_context // 4)
+    dropped = 0
+    while True:
+        ids = prompt_ids(model.tokenizer, chat_messages(controls.system_prompt, history, user))
+        if not history or ids.shape[1] + room <= model.max_context:
+            return ids, dropped
+        history, dropped = history[1:], dropped + 1
+

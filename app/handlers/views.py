@@ -1,0 +1,179 @@
+"""What the page shows, as pure functions of (engine, session): the chat messages, the status line
+under the chat, the live view (tree, step slider, speed chart, summary) and the model panel.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+from typing import Any
+
+import gradio as gr
+import torch
+
+from medusa_core import MedusaModel, StepRecord
+
+from ..charts import EMPTY_TREE, empty_figure, speed_figure, tree_figure
+from ..engine import Engine
+from ..session import Session, Turn
+from ..stats import decode_tokens_per_s, summarize, summary_markdown
+from ..text import token_label
+
+#: A handler's result: component name -> new value (``app.handlers.OUTPUTS`` lists the names per handler).
+Updates = dict[str, Any]
+
+
+def chat_view(session: Session, highlight: bool) -> list[dict[str, str]]:
+    """The Chatbot's messages. Text is shown preformatted (code stays code), free tokens optionally
+    marked, and each reply ends with its stats line (live while it streams)."""
+    messages = []
+    for turn in session.turns:
+        messages.append({"role": "user", "content": f'<pre class="medusa-user">\n{html.escape(turn.user)}</pre>'})
+        if turn.state == "pending" and not turn.error:
+            continue
+        content = turn.reply.html(highlight) if turn.reply.runs else ""
+        if turn.state == "stopped":
+            content += '<p class="medusa-note">(stopped)</p>'
+        if turn.error:
+            content += f'<p class="medusa-error">⚠ {html.escape(turn.error)}</p>'
+        if turn.note:
+            content += f'<p class="medusa-note">{html.escape(turn.note)}</p>'
+        stats = turn.stats or turn_stats(session, turn)
+        if stats:
+            content += f'<p class="medusa-stats">{html.escape(stats)}</p>'
+        messages.append({"role": "assistant", "content": content})
+    return messages
+
+
+def message_turn(session: Session, index: int) -> int | None:
+    """The index in ``session.turns`` of the user message at ``index`` in ``chat_view``'s list."""
+    position = 0
+    for i, turn in enumerate(session.turns):
+        if position == index:
+            return i
+        position += 1 if turn.state == "pending" and not turn.error else 2
+    return None
+
+
+STOP_REASON_TEXT = {
+    "eos": "ended by the model",
+    "max_new_tokens": "hit the token limit",
+    "context": "filled the context window",
+    "stopped": "stopped",
+}
+
+
+def turn_stats(session: Session, turn: Turn) -> str:
+    """A reply's stats line, as LM Studio shows under each message: tokens, decoding tokens/s (live
+    while it streams), time to first token and wall time from send to last token (both include any
+    wait in the queue and the prompt's prefill), tokens per step, tree and how it ended."""
+    rows = session.reply_rows(turn.reply_index) if turn.reply_index is not None else []
+    if not rows:
+        return ""
+    tokens = sum(r.accepted_tokens for r in rows)
+    speed = decode_tokens_per_s(rows)
+    parts = [f"{tokens} tokens", f"{'–' if speed is None else f'{speed:.1f}'} tokens/s"]
+    if turn.sent_at is not None and turn.first_token_at is not None:
+        parts.append(f"TTFT {turn.first_token_at - turn.sent_at:.2f} s")
+    if turn.state == "streaming":
+        return " · ".join(parts + ["generating…"])
+    if turn.sent_at is not None and turn.last_token_at is not None:
+        parts.append(f"{turn.last_token_at - turn.sent_at:.2f} s total")
+    parts.append(f"{tokens / len(rows):.2f} tokens/step")
+    parts.append(f"tree {rows[0].tree_name}" if rows[0].mode == "medusa" else "Medusa off")
+    parts.append(STOP_REASON_TEXT.get(rows[-1].stop_reason, turn.state))
+    return " · ".join(parts)
+
+
+def reply_status(session: Session) -> str:
+    """One line under the chat about the latest reply: waiting, generating, or its stats line."""
+    if not session.turns:
+        return ""
+    turn = session.turns[-1]
+    if turn.state == "pending":
+        return "Waiting for the model…"
+    if turn.state == "streaming":
+        return "Generating…"
+    stats = turn.stats or turn_stats(session, turn)
+    if not stats:
+        return "Latest reply: not generated (see the chat)." if turn.state == "error" else "Latest reply: stopped before it started."
+    return f"Latest reply: {stats}"
+
+
+def live_view(engine: Engine, session: Session, final: bool = False, speed: bool = True) -> Updates:
+    """The tree plot and step slider at the latest step of the latest reply and, with ``speed``, the
+    session's speed chart and the summary. With ``final`` (the reply ended) the slider rests on the
+    last step that verified a tree: a reply that hits its token limit ends with a one-token step that
+    has nothing to show."""
+    records = session.last_records
+    n = len(records)
+    if n:
+        step = n - 1
+        if final:
+            step = next((i for i in range(n - 1, -1, -1) if records[i].tree_nodes > 1), step)
+        tree = tree_figure(records[step], labels(engine, session, records[step]))
+    else:
+        step = 0
+        tree = empty_figure(EMPTY_TREE, height=380)
+    updates: Updates = {
+        "tree_plot": tree,
+        "step_slider": gr.Slider(
+            minimum=0, maximum=max(n - 1, 1), value=step, step=1, label=f"Step of the latest reply ({n} steps)", interactive=n > 1
+        ),
+    }
+    return updates | speed_view(engine, session) if speed else updates
+
+
+def speed_view(engine: Engine, session: Session) -> Updates:
+    """The session's speed chart and summary."""
+    num_heads = engine.model.num_heads if engine.model is not None else 0
+    return {"speed_plot": speed_figure(session.rows), "summary": summary_markdown(summarize(session.rows, num_heads))}
+
+
+def labels(engine: Engine, session: Session, record: StepRecord) -> list[str]:
+    """Display labels [N] of a step's tree nodes, cached per token id for the session's latest reply."""
+    cache = session.last_labels
+    for t in record.node_token_ids:
+        if t not in cache:
+            cache[t] = token_label(engine.model.tokenizer, t)
+    return [cache[t] for t in record.node_token_ids]
+
+
+def model_panel(engine: Engine, session: Session | None = None) -> str:
+    """The model panel as Markdown: names, precision, device, heads, tree in use, memory."""
+    if engine.model is None:
+        return f"**{html.escape(engine.status())}**"
+    model = engine.model
+    d = model.describe()
+    in_use = session.last_records[0].tree_name if session is not None and session.last_records else None
+    backbone = {"nf4": "4-bit NF4", "int8": "8-bit"}.get(d["quantization"], "not quantized")
+    rows = [
+        ("model", f"`{d['model']}`"),
+        ("base model", f"`{d['base_model']}`"),
+        ("precision", f"backbone {backbone}, computing in {d['dtype']}; heads {d['dtype']}"),
+        ("device", d["device"]),
+        ("Medusa heads", f"{d['num_heads']} ({d['head_layers']} residual block{'s' if d['head_layers'] != 1 else ''} each)"),
+        ("context window", f"{d['max_context']} tokens"),
+        ("tree in use", f"{in_use} (latest reply)" if in_use else f"{d['default_tree']} (the model's default)"),
+        ("chat template", "the tokenizer's" if getattr(model.tokenizer, "chat_template", None) else "Vicuna v1.1 (the tokenizer has none)"),
+        ("weights", f"{d['parameter_bytes'] / 2**20:.1f} MiB"),
+        ("memory used", _memory_used(model)),
+        ("loaded in", f"{engine.load_seconds:.1f} s"),
+    ]
+    (k0, v0), *rest = rows
+    return f"| {k0} | {v0} |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rest)
+
+
+def _memory_used(model: MedusaModel) -> str:
+    if model.device.type == "cuda":
+        allocated = torch.cuda.memory_allocated(model.device) / 2**20
+        peak = torch.cuda.max_memory_allocated(model.device) / 2**20
+        return f"{allocated:.0f} MiB on {model.device} (peak {peak:.0f} MiB)"
+    try:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        import resource  # not Linux: the peak is what is available
+
+        return f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:.0f} MiB peak resident (whole app)"
+    return f"{rss / 2**20:.0f} MiB resident (whole app process)"
