@@ -85,7 +85,7 @@ class AppSettings(BaseSettings):
     port: int = Field(7860, ge=1, le=65535, description="port to serve on")
     open: bool = Field(False, description="open the page in a browser once serving")
     # ---- defaults of the page's controls (each reply can change them)
-    system_prompt: str = Field("You are a helpful Python coding assistant.", description="initial system prompt")
+    system_prompt: str = Field("", description="initial system prompt; empty: the model's own, which its chat template writes (shown in the Model tab)")
     max_new_tokens: int = Field(256, ge=1, description="initial limit on tokens per reply")
     temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False, description="initial temperature (0 = greedy)")
     posterior_threshold: float = Field(0.09, gt=0.0, le=1.0, allow_inf_nan=False, description="initial epsilon of typical acceptance, in (0, 1] (paper 2.3.1)")

@@ -143,6 +143,25 @@ def chat_messages(system_prompt: str, history: Sequence[tuple[str, str]], user: 
     return messages + [{"role": "user", "content": user}]
 
 
+def template_system_prompt(tokenizer: Any) -> str | None:
+    """The system prompt the tokenizer's chat template writes when a chat has none, e.g. SmolLM2's
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face"; None if it writes none.
+
+    Found by rendering a chat with a marker system prompt and the same chat without one: what the
+    second has where the first has the marker is the template's own default.
+    """
+    marker, user = "\x00system\x00", [{"role": "user", "content": "\x00user\x00"}]
+    try:
+        with_marker = prompt_text(tokenizer, [{"role": "system", "content": marker}, *user])
+        without = prompt_text(tokenizer, user)
+    except Exception:  # noqa: BLE001 - a template that cannot render either chat has no default to show
+        return None
+    head, sep, tail = with_marker.partition(marker)
+    if not sep or not without.startswith(head) or not without.endswith(tail) or len(without) <= len(head) + len(tail):
+        return None
+    return without[len(head) : len(without) - len(tail)].strip() or None
+
+
 def prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> torch.Tensor:
     """Token ids [1, T] of ``prompt_text(tokenizer, messages)``, control tokens only where the template
     writes them.

@@ -156,7 +156,10 @@ def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
                         -1 if defaults.seed is None else defaults.seed, label="Seed (−1 = a fresh one per reply; matters when temperature > 0)",
                         precision=0, minimum=-1, elem_id="seed",
                     )
-                    system_prompt = gr.Textbox(defaults.system_prompt, label="System prompt", lines=2, elem_id="system-prompt")
+                    system_prompt = gr.Textbox(
+                        defaults.system_prompt, label="System prompt", lines=2, elem_id="system-prompt",
+                        placeholder="empty: the model's own default system prompt (its chat template's; see the Model tab)",
+                    )
                 with gr.Tab("Compare"):
                     gr.Markdown("Re-runs the last prompt greedily with Medusa off, then on, with the tree and token limit of Controls.")
                     compare = gr.Button("Compare Medusa off / on", variant="primary", elem_id="compare")

@@ -8,7 +8,7 @@ import re
 import pytest
 from tiny_models import byte_fallback_tokenizer, byte_level_tokenizer, tiny_tokenizer
 
-from app.text import ReplyText, StreamingDetokenizer, chat_messages, prompt_ids, prompt_text, token_label
+from app.text import ReplyText, StreamingDetokenizer, chat_messages, prompt_ids, prompt_text, template_system_prompt, token_label
 
 SPECIAL = 256  # the fake tokenizer's one special token (say, EOS)
 
@@ -159,3 +159,17 @@ def test_reply_html_keeps_its_indentation_through_the_gradio_chatbot():
     shown = gr.Chatbot(render_markdown=False).postprocess([{"role": "assistant", "content": reply.html(False)}])
     text = shown.model_dump()[0]["content"][0]["text"]
     assert "\ndef f():\n    return 1\n" in text
+
+
+def test_the_system_prompt_a_chat_template_writes_by_itself_is_found_and_none_when_it_writes_none():
+    tok = byte_level_tokenizer()
+    assert template_system_prompt(tok) is None  # plain ChatML writes no system turn of its own
+    tok.chat_template = (  # SmolLM2-135M-Instruct's template
+        "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+        "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+        "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    )
+    assert template_system_prompt(tok) == "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    # the app's default: an empty system prompt leaves the template's own in the prompt
+    assert "named SmolLM" in prompt_text(tok, chat_messages("", [], "hi"))

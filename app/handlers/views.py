@@ -17,7 +17,7 @@ from ..charts import EMPTY_TREE, empty_figure, speed_figure, tree_figure
 from ..engine import Engine
 from ..session import Session, Turn
 from ..stats import decode_tokens_per_s, summarize, summary_markdown
-from ..text import token_label
+from ..text import template_system_prompt, token_label
 
 #: A handler's result: component name -> new value (``app.handlers.OUTPUTS`` lists the names per handler).
 Updates = dict[str, Any]
@@ -156,6 +156,7 @@ def model_panel(engine: Engine, session: Session | None = None) -> str:
         ("context window", f"{d['max_context']} tokens"),
         ("tree in use", f"{in_use} (latest reply)" if in_use else f"{d['default_tree']} (the model's default)"),
         ("chat template", "the tokenizer's" if getattr(model.tokenizer, "chat_template", None) else "Vicuna v1.1 (the tokenizer has none)"),
+        ("default system prompt", html.escape(template_system_prompt(model.tokenizer) or "none (the template writes none)")),
         ("weights", f"{d['parameter_bytes'] / 2**20:.1f} MiB"),
         ("memory used", _memory_used(model)),
         ("loaded in", f"{engine.load_seconds:.1f} s"),
