@@ -156,7 +156,12 @@ def stage_heads(args) -> None:
     cfg = HeadTrainingConfig(num_heads=args.num_heads, num_layers=args.head_layers, share_lm_head=True,
                              vocab="data", epochs=args.head_epochs, batch_size=512, lr=args.head_lr,
                              warmup_steps=30, seed=SEED, checkpoint_every=50)
-    hidden, labels = collect_positions(model, read_distilled(WORK / "distill_train.jsonl"), cfg.num_heads, bf16=True)
+    cached = WORK / f"positions_train_{cfg.num_heads}.pt"  # the frozen backbone's states: kept for re-training
+    if cached.exists():
+        hidden, labels = torch.load(cached, weights_only=True).values()
+    else:
+        hidden, labels = collect_positions(model, read_distilled(WORK / "distill_train.jsonl"), cfg.num_heads, bf16=True)
+        torch.save({"hidden": hidden, "labels": labels}, cached)
     log(f"heads: {len(hidden)} training positions in {time.time() - t0:.0f} s")
     heads, stats = train_heads(model, hidden, labels, out, cfg, base_model_name_or_path=BASE_MODEL_ID)
     held_h, held_l = collect_positions(model, read_distilled(WORK / "distill_heldout.jsonl"), cfg.num_heads)

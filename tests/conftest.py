@@ -14,9 +14,9 @@ import weakref
 import pytest
 import torch
 from torch import nn
-from tiny_models import random_heads, tiny_backbone
+from tiny_models import random_heads, tiny_backbone, write_tiny_medusa
 
-from medusa_core import MedusaModel
+from medusa_core import MedusaModel, load_medusa_model
 
 #: Architectures the engine must support, with the seed / overrides that give each tiny random
 #: model a varied greedy reply (default-initialised tiny Gemma repeats one token forever, which
@@ -162,3 +162,12 @@ def greedy():
     """``greedy(backbone, input_ids, max_new_tokens)``: plain HF greedy decoding, new tokens only."""
     return greedy_reference
 
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    """The app's ``Engine`` around a tiny random Medusa model loaded from disk (app tests)."""
+    from app.engine import Engine
+
+    folder = write_tiny_medusa(tmp_path_factory.mktemp("tiny"))
+    return Engine.of(load_medusa_model(folder, quantization=None))

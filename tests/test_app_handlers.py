@@ -15,7 +15,6 @@ from pathlib import Path
 import gradio as gr
 import pytest
 import torch
-from tiny_models import write_tiny_medusa
 
 from app import handlers
 from app.engine import Engine
@@ -25,13 +24,6 @@ from app.session import Session, Turn
 from app.settings import AppSettings
 from app.stats import CSV_COLUMNS, summarize, summary_markdown
 from app.ui import build_ui
-from medusa_core import load_medusa_model
-
-
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory) -> Engine:
-    folder = write_tiny_medusa(tmp_path_factory.mktemp("tiny"))
-    return Engine.of(load_medusa_model(folder, quantization=None))
 
 
 @pytest.fixture

@@ -6,18 +6,10 @@ from __future__ import annotations
 
 import pytest
 from page import Page
-from tiny_models import write_tiny_medusa
 
 from app.engine import Engine
 from app.settings import AppSettings
 from app.ui import build_ui
-from medusa_core import load_medusa_model
-
-
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory) -> Engine:
-    folder = write_tiny_medusa(tmp_path_factory.mktemp("tiny"))
-    return Engine.of(load_medusa_model(folder, quantization=None))
 
 
 @pytest.fixture

@@ -31,10 +31,10 @@ pytestmark = pytest.mark.e2e
 SCREENSHOTS = Path(os.environ.get("MEDUSA_CHAT_E2E_SCREENSHOTS", REPO / "screenshots-tmp" / "e2e"))
 README_SCREENSHOT = REPO / "assets" / "screenshots" / "app.png"
 PROMPTS = (
-    "Return the sum of two numbers.",
-    "Return True if the string is a palindrome.",
-    "Parse a configuration file and return a dictionary of its sections and options.",
-    "Return the largest of three numbers.",
+    "What is the capital of France? Answer in two sentences.",
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Write a long story about a lighthouse keeper and a storm.",
+    "Give me three tips to sleep better.",
 )
 MAX_NEW_TOKENS = 96
 REPLY_TIMEOUT_S = 90
