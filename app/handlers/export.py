@@ -12,6 +12,7 @@ from ..engine import Engine
 from ..session import Session
 from ..settings import AppSettings
 from ..stats import StepRow, write_csv
+from ..text import template_system_prompt
 from .views import Updates
 
 
@@ -23,9 +24,12 @@ def export_csv(settings: AppSettings, session: Session) -> Updates:
 
 
 def export_transcript(engine: Engine, settings: AppSettings, session: Session, system_prompt: str, fmt: str) -> Updates:
-    """Write the conversation so far as ``fmt`` ("md" or "json"): system prompt, messages as plain
-    text, each reply's stats line, the model's name; the page downloads it."""
+    """Write the conversation so far as ``fmt`` ("md" or "json"): the system prompt the model saw (an
+    empty box: the chat template's own), messages as plain text, each reply's stats line, the model's
+    name; the page downloads it."""
     model = engine.model.name if engine.model is not None else engine.description
+    if not system_prompt.strip() and engine.model is not None:
+        system_prompt = template_system_prompt(engine.model.tokenizer) or ""
     exported = datetime.now(timezone.utc).isoformat(timespec="seconds")
     turns = list(session.turns)  # a snapshot: a streaming reply keeps growing
     if fmt == "json":

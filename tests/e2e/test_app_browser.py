@@ -31,7 +31,7 @@ pytestmark = pytest.mark.e2e
 SCREENSHOTS = Path(os.environ.get("MEDUSA_CHAT_E2E_SCREENSHOTS", REPO / "screenshots-tmp" / "e2e"))
 README_SCREENSHOT = REPO / "assets" / "screenshots" / "app.png"
 PROMPTS = (
-    "What is the capital of France? Answer in two sentences.",
+    "What is the capital of France?",
     "Write a Python function that checks whether a string is a palindrome.",
     "Write a long story about a lighthouse keeper and a storm.",
     "Give me three tips to sleep better.",
