@@ -198,7 +198,9 @@ def stage_export(args) -> None:
 def _distill_figures() -> dict:
     from medusa_core.train import read_distilled
 
-    _, tok = load()
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(backbone_folder())  # the tokenizer only: no need to load the model
     out = {}
     for split in ("train", "heldout"):
         rows = read_distilled(WORK / f"distill_{split}.jsonl")
