@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 from medusa_core import StepRecord
 
-from .stats import StepRow, head_tokens, rolling_mean
+from .stats import StepRow, rolling_mean
 
 ACCEPTED = "#d62728"  # the accepted path: strong red, used for nothing else
 BACKBONE = "#444444"  # the root: the backbone's own token
@@ -112,7 +112,7 @@ def tree_figure(record: StepRecord, labels: Sequence[str], height: int = 380) ->
     """
     parents = record.node_parents
     x, y = tree_layout(parents)
-    path = list(record.accepted_nodes[: len(record.token_ids)])  # nodes cut at EOS / the token limit are not in the reply
+    path = list(record.accepted_nodes[: 1 + record.head_tokens])  # nodes cut at EOS / the token limit are not in the reply
     accepted = set(path)
     status = record.node_status or tuple("accepted" if i in accepted else "not accepted" for i in range(record.tree_nodes))
     margin = dict(l=50, r=10, t=60, b=80)
@@ -162,7 +162,7 @@ def tree_figure(record: StepRecord, labels: Sequence[str], height: int = 380) ->
             marker=dict(size=14, color=TRANSPARENT, line=dict(color=ACCEPTED, width=3)),
         )
     )
-    added, kept = len(record.token_ids), head_tokens(record)
+    added, kept = len(record.token_ids), record.head_tokens
     cut = record.accept_length - kept
     where = "after EOS" if record.stop_reason == "eos" else "at the token limit"
     title = (

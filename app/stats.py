@@ -74,7 +74,7 @@ class StepRow:
             posterior_alpha=posterior_alpha,
             sampling=record.sampling,
             accepted_tokens=len(record.token_ids),
-            head_tokens=head_tokens(record),
+            head_tokens=record.head_tokens,
             step_latency_ms=round(record.latency_s * 1e3, 4),
             prefill_ms=round(record.prefill_s * 1e3, 4),
             tokens_per_s=round(record.tokens_per_s, 3),
@@ -82,12 +82,6 @@ class StepRow:
             stop_reason=record.stop_reason or "",
             timestamp=when.isoformat(timespec="milliseconds"),
         )
-
-
-def head_tokens(record: StepRecord) -> int:
-    """Tokens of the step's reply text that came from the heads: the accepted candidates that survived
-    the cut at EOS or the token limit (``record.accept_length`` counts them before the cut)."""
-    return min(record.accept_length, max(len(record.token_ids) - 1, 0))
 
 
 CSV_COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(StepRow))
@@ -104,9 +98,11 @@ def write_csv(rows: Iterable[StepRow], path: Path) -> Path:
 
 
 def decode_tokens_per_s(rows: Sequence[StepRow]) -> float | None:
-    """Tokens per second of ``rows`` without the prefill; None when there is no decoding time."""
-    seconds = sum(r.step_latency_ms - r.prefill_ms for r in rows) / 1e3
-    return sum(r.accepted_tokens for r in rows) / seconds if seconds > 0 else None
+    """Tokens per second of the decoding steps of ``rows`` (step 0, the prefill, and its first token
+    left out); None when there is no decoding time."""
+    decode = [r for r in rows if r.step > 0]
+    seconds = sum(r.step_latency_ms for r in decode) / 1e3
+    return sum(r.accepted_tokens for r in decode) / seconds if seconds > 0 else None
 
 
 def rolling_mean(values: Sequence[float], window: int) -> list[float]:
@@ -137,9 +133,10 @@ class Summary:
 
 
 def summarize(rows: Sequence[StepRow], num_heads: int) -> Summary:
-    """Summary of a session's steps; tree-less steps (N = 1) near a reply's token limit count as baseline."""
+    """Summary of a session's decoding steps (prefills left out); tree-less steps (N = 1) of Medusa
+    replies, near a reply's token limit, count as neither."""
     medusa = [r for r in rows if r.mode == "medusa" and r.tree_nodes > 1]
-    baseline = [r for r in rows if r.mode == "baseline"]
+    baseline = [r for r in rows if r.mode == "baseline" and r.step > 0]
     medusa_speed, baseline_speed = decode_tokens_per_s(medusa), decode_tokens_per_s(baseline)
     return Summary(
         medusa_steps=len(medusa),
@@ -167,7 +164,7 @@ def _acceleration_by_sampling(medusa: Sequence[StepRow]) -> tuple[tuple[str, int
 
 
 def _mean_step_ms(rows: Sequence[StepRow]) -> float | None:
-    return sum(r.step_latency_ms - r.prefill_ms for r in rows) / len(rows) if rows else None
+    return sum(r.step_latency_ms for r in rows) / len(rows) if rows else None
 
 
 def summary_markdown(summary: Summary) -> str:

@@ -70,6 +70,20 @@ class MedusaHeads(nn.ModuleList):
         """True for "version 2" heads that use the backbone's LM head."""
         return bool(self._shared_lm_head)
 
+    def own_lm_head_copy(self, dtype: torch.dtype) -> None:
+        """Use a private copy of the shared LM head in ``dtype`` (e.g. bfloat16 on a CPU: half the
+        bytes read per step), so that the heads can run in another dtype than the backbone.
+
+        The copy stays out of ``state_dict``, as the shared head does. Raises ``ValueError`` for
+        heads with projections of their own (their dtype is set with ``.to``)."""
+        if not self._shared_lm_head:
+            raise ValueError("own_lm_head_copy is for heads that share the backbone's LM head")
+        lm_head = self._shared_lm_head[0]
+        copy = nn.Linear(lm_head.in_features, lm_head.out_features, bias=False, device=lm_head.weight.device, dtype=dtype)
+        with torch.no_grad():
+            copy.weight.copy_(_dense_weight(lm_head))
+        self._shared_lm_head = (copy.requires_grad_(False),)
+
     @classmethod
     def from_backbone(cls, backbone: nn.Module, num_heads: int, num_layers: int = 1) -> "MedusaHeads":
         """Fresh heads for a Hugging Face causal LM: W1 = 0, each projection a copy of the LM head.

@@ -71,7 +71,8 @@ def load_medusa_model(
         device: ``"auto"`` (CUDA when present, else CPU), ``"cpu"``, ``"cuda"``, ``"cuda:1"``...
         head_dtype: dtype the heads run in; default bfloat16 on CPUs with native bf16 matmuls (the
             heads' [V, H] projections are read every step, and their proposals are verified by the
-            backbone, so output is unchanged), else ``dtype``. Shared-LM-head heads use ``dtype``.
+            backbone, so output is unchanged), else ``dtype``. Shared-LM-head ("version 2") heads default
+            to ``dtype``; another ``head_dtype`` gives them a copy of the LM head in it.
         trust_remote_code: passed to transformers; off unless the caller asks.
 
     Raises:
@@ -118,7 +119,9 @@ def load_medusa_model(
     if head_dtype is None:
         cpu_bf16 = dev.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
         head_dtype = torch.bfloat16 if cpu_bf16 and not heads.shares_lm_head else dtype
-    heads = heads.to(device=dev, dtype=dtype if heads.shares_lm_head else head_dtype)
+    heads = heads.to(device=dev, dtype=head_dtype)
+    if heads.shares_lm_head and head_dtype != dtype:
+        heads.own_lm_head_copy(head_dtype)
     tokenizer = _load_tokenizer(folder, base, trust_remote_code)
     calibration = _read_json(folder / CALIBRATION_FILE) if (folder / CALIBRATION_FILE).exists() else {}
     trees, default_tree = _fitting_trees(folder, calibration, tuned_key(dev, quantization), heads)
@@ -370,23 +373,33 @@ def load_backbone(
     except (OSError, ValueError) as e:
         raise MedusaCheckpointError(f"could not load the backbone {base!r}: {e}") from e
     if quantization == "nf4" and torch.device(device).type == "cpu":
-        _exact_cpu_4bit(model)
+        _dequantize_cpu_4bit(model)
     return model.eval().requires_grad_(False)
 
 
-def _exact_cpu_4bit(model: nn.Module) -> None:
-    """Keep 4-bit CPU matmuls exact across token counts (bitsandbytes 0.50).
+def _dequantize_cpu_4bit(model: nn.Module) -> None:
+    """Replace every NF4 ``Linear4bit`` by a plain ``nn.Linear`` holding its dequantized weights.
 
-    On CPUs with AVX512-BF16, bitsandbytes repacks NF4 weights at the first forward and runs a fused
-    kernel that computes in bfloat16 and tiles one token differently from many, so verifying a tree
-    in one pass would not reproduce token-by-token greedy decoding (19/20 demo prompts identical).
-    Without it, weights are dequantized and multiplied in the compute dtype, which is exact.
+    On the CPU, bitsandbytes 0.50 multiplies 4-bit weights by dequantizing them in the compute dtype
+    at every call, then ``F.linear`` (``gemm_4bit``'s default kernel); its fused AVX512-BF16 kernel
+    tiles one token differently from many, so verifying a tree in one pass would not reproduce
+    token-by-token greedy decoding (19/20 demo prompts identical). Dequantizing once at load keeps
+    the same weights (the NF4 values, exactly) and the same arithmetic, without the per-call
+    dequantization that made multi-token steps costly (issue 9; docs/BENCH.md has the figures).
+    The weights then take 4 bytes per parameter in float32: a 135 M backbone needs ~0.55 GB.
     """
     import bitsandbytes as bnb
 
-    for module in model.modules():
+    for name, module in list(model.named_modules()):
         if isinstance(module, bnb.nn.Linear4bit):
-            module.support_avx512bf16_for_cpu = False
+            weight = bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state)
+            plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
+                              device=weight.device, dtype=module.compute_dtype or weight.dtype)
+            plain.weight.data.copy_(weight)
+            if module.bias is not None:
+                plain.bias.data.copy_(module.bias.data)
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, plain.requires_grad_(False))
 
 
 def _load_tokenizer(folder: Path, base: str, trust_remote_code: bool):

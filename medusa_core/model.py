@@ -38,13 +38,18 @@ SAMPLING_RULES = ("greedy", "sample", "typical", "exact")
 class StepRecord:
     """Everything a UI needs about one decoding step, without touching the model.
 
-    Node tuples are all of length ``tree_nodes`` (N, root included), in tree-buffer order.
+    Node tuples are all of length ``tree_nodes`` (N, root included), in tree-buffer order. Step 0 is
+    the prefill: one pass over the prompt that emits the first token at once (so time to first
+    token is the prefill's time, as with Hugging Face ``generate``); it verifies no tree
+    (``tree_name`` ``"prefill"``, one node: that token). Every later step verifies a tree whose root
+    is the token the step before emitted last, and emits the accepted candidates, then the token
+    chosen from the last accepted node's logits (the next step's root).
 
     Attributes:
-        step: 0-based step index within the reply.
+        step: 0-based step index within the reply; 0 is the prefill.
         mode: ``"medusa"`` or ``"baseline"`` (plain decoding, one token per step).
-        tree_name: name of the tree used; ``"baseline"`` for a root-only step (baseline mode, or a
-            Medusa reply's last step when one token remains or the context is nearly full).
+        tree_name: name of the tree used; ``"prefill"`` for step 0; ``"baseline"`` for a root-only
+            step (baseline mode, or a Medusa step when one token remains or the context is nearly full).
         tree_nodes: N, nodes of the tree verified this step, root included.
         node_token_ids: token id of every node.
         node_parents: parent node index of every node (-1 for the root).
@@ -60,10 +65,11 @@ class StepRecord:
         node_status: ``"exact"`` steps only (else empty): every node's fate in the walk, one of
             ``NODE_STATUSES``: ``"accepted"`` (on the accepted path, root included), ``"rejected"``
             (tried and rejected) or ``"untried"`` (never reached).
-        token_ids: tokens added to the reply this step (after cutting at EOS / the token limit).
+        token_ids: tokens added to the reply this step: the tokens of ``accepted_nodes[1:]``, then
+            the next root (after cutting at EOS / the token limit); step 0: the first token.
         accept_length: candidates accepted from the heads this step (before any cut).
-        latency_s: wall-clock seconds of the step (synchronised on CUDA); step 0 includes the prefill.
-        prefill_s: seconds of the prompt's prefill (step 0 only, else 0).
+        latency_s: wall-clock seconds of the step (synchronised on CUDA); step 0: the prefill.
+        prefill_s: seconds of the prompt's prefill (step 0 only, equal to its ``latency_s``; else 0).
         total_tokens: tokens generated so far in the reply, this step included.
         stop_reason: on the last record, one of ``STOP_REASONS``; otherwise None.
     """
@@ -85,6 +91,12 @@ class StepRecord:
     prefill_s: float = 0.0
     stop_reason: str | None = None
     node_status: tuple[str, ...] = ()
+
+    @property
+    def head_tokens(self) -> int:
+        """Candidates of this step that are in the reply: ``accept_length`` after the cut at EOS /
+        the token limit (the cut drops the next root first, then candidates from the end)."""
+        return min(self.accept_length, len(self.token_ids))
 
     @property
     def tokens_per_s(self) -> float:
@@ -291,64 +303,72 @@ class MedusaModel:
         root_only = self._tree("baseline")
         generator = torch.Generator(device=self.device).manual_seed(seed)
         cache = self._new_cache()
-        cur_len = input_ids.shape[1]
-        produced = 0
-        step = 0
+        cur_len = input_ids.shape[1]  # tokens in the cache; the root (last token emitted) is not yet
         start = time.perf_counter()
         with torch.inference_mode():
             out = self._decoder(input_ids=input_ids, past_key_values=cache, use_cache=True)
             hidden = out.last_hidden_state[:, -1]  # [1, H]
-            root = self._choose(self._logits(hidden)[0], temperature, generator)  # [] next token
+            root = self._choose(self._logits(hidden)[0], temperature, generator)  # [] first token
+            first = root.item()
         self._sync()
         prefill_s = time.perf_counter() - start
-        while True:
+        # Step 0 is the prefill: its token goes out at once (time to first token = prefill time).
+        record = self._record(0, full, root_only, [first], (0,), 0, rule, [first], prefill_s, 0, max_new_tokens, cur_len)
+        yield record
+        produced, step = record.total_tokens, 1
+        while record.stop_reason is None:
+            start = time.perf_counter()
             remaining = max_new_tokens - produced
             tree = full if full is not None and remaining > 1 and cur_len + full.buffers.num_nodes <= self.max_context else root_only
             with torch.inference_mode():
                 tokens = self._candidates(tree, hidden, root)  # [N]
                 logits, hidden_all = self._tree_forward(tree, tokens, cur_len, cache)  # [N, V], [N, H]
                 path, length, root = self._verify(tree, logits, tokens, rule, temperature, eps, alpha, generator)
-                host = torch.cat([length.view(1), path, tokens]).tolist()  # the step's one host sync
-                nodes, token_list = host[1 : host[0] + 2], host[1 + path.shape[0] :]
+                host = torch.cat([length.view(1), root.view(1), path, tokens]).tolist()  # the step's one host sync
+                nodes, token_list = host[2 : host[0] + 3], host[2 + path.shape[0] :]
                 _compact_cache(cache, cur_len, nodes, tree.buffers.num_nodes)
                 hidden = hidden_all[nodes[-1] : nodes[-1] + 1]
-            now = time.perf_counter()
-            new_tokens = [token_list[i] for i in nodes]
             cur_len += len(nodes)
-            stop = None
-            for i, t in enumerate(new_tokens):
-                if t in self.eos_token_ids:
-                    new_tokens, stop = new_tokens[: i + 1], "eos"
-                    break
-            if len(new_tokens) >= remaining:
-                new_tokens = new_tokens[:remaining]
-                stop = stop or "max_new_tokens"
-            if stop is None and cur_len + 1 > self.max_context:
-                stop = "context"
-            produced += len(new_tokens)
-            yield StepRecord(
-                step=step,
-                mode="baseline" if full is None else "medusa",
-                tree_name=tree.name,
-                tree_nodes=tree.buffers.num_nodes,
-                node_token_ids=tuple(token_list),
-                node_parents=tree.node_parents,
-                node_heads=tree.node_heads,
-                node_ranks=tree.node_ranks,
-                accepted_nodes=tuple(nodes),
-                sampling=rule,
-                node_status=node_status(tree.node_parents, nodes) if rule == "exact" else (),
-                token_ids=tuple(new_tokens),
-                accept_length=len(nodes) - 1,
-                latency_s=now - start,
-                prefill_s=prefill_s if step == 0 else 0.0,
-                total_tokens=produced,
-                stop_reason=stop,
-            )
-            if stop is not None:
-                return
-            step += 1
-            start = time.perf_counter()
+            # The accepted candidates, then the token chosen after them: the next step's root.
+            new_tokens = [token_list[i] for i in nodes[1:]] + [host[1]]
+            record = self._record(step, full, tree, token_list, tuple(nodes), len(nodes) - 1, rule, new_tokens,
+                                  time.perf_counter() - start, produced, max_new_tokens, cur_len)
+            yield record
+            produced, step = record.total_tokens, step + 1
+
+    def _record(self, step, full, tree, token_list, nodes, accepted, rule, new_tokens, latency_s, produced,
+                max_new_tokens, cur_len) -> StepRecord:
+        """The ``StepRecord`` of a step that emits ``new_tokens``, cut at EOS and the token limit."""
+        stop = None
+        for i, t in enumerate(new_tokens):
+            if t in self.eos_token_ids:
+                new_tokens, stop = new_tokens[: i + 1], "eos"
+                break
+        remaining = max_new_tokens - produced
+        if len(new_tokens) >= remaining:
+            new_tokens = new_tokens[:remaining]
+            stop = stop or "max_new_tokens"
+        if stop is None and cur_len + 1 > self.max_context:  # no room left for the next root
+            stop = "context"
+        return StepRecord(
+            step=step,
+            mode="baseline" if full is None else "medusa",
+            tree_name="prefill" if step == 0 else tree.name,
+            tree_nodes=tree.buffers.num_nodes,
+            node_token_ids=tuple(token_list),
+            node_parents=tree.node_parents,
+            node_heads=tree.node_heads,
+            node_ranks=tree.node_ranks,
+            accepted_nodes=nodes,
+            sampling=rule,
+            node_status=node_status(tree.node_parents, list(nodes)) if rule == "exact" and step > 0 else (),
+            token_ids=tuple(new_tokens),
+            accept_length=accepted,
+            latency_s=latency_s,
+            prefill_s=latency_s if step == 0 else 0.0,
+            total_tokens=produced + len(new_tokens),
+            stop_reason=stop,
+        )
 
     # ---------------------------------------------------------------------------------- step stages
     def _candidates(self, tree: _Tree, hidden: torch.Tensor, root: torch.Tensor) -> torch.Tensor:

@@ -148,7 +148,7 @@ def stage_heads(args) -> None:
         train_heads,
     )
 
-    out = WORK / "heads"
+    out = heads_folder(args)
     if (out / "train_stats.json").exists():
         return
     t0 = time.time()
@@ -180,14 +180,19 @@ def stage_heads(args) -> None:
     log(f"heads: {json.dumps({k: v for k, v in stats.items() if k != 'config'})}")
 
 
+def heads_folder(args) -> Path:
+    """One folder per head configuration, so that several can be trained and compared."""
+    return WORK / f"heads-{args.num_heads}x{args.head_layers}-e{args.head_epochs:g}-lr{args.head_lr:g}"
+
+
 def stage_export(args) -> None:
     """Heads, config and calibration into assets/demo; build figures beside them."""
     ASSET.mkdir(parents=True, exist_ok=True)
     for name in ("config.json", "medusa_lm_head.safetensors", "medusa_calibration.json"):
-        shutil.copy(WORK / "heads" / name, ASSET / name)
+        shutil.copy(heads_folder(args) / name, ASSET / name)
     record = {
         "build": figures(),
-        "heads": json.loads((WORK / "heads" / "train_stats.json").read_text()),
+        "heads": json.loads((heads_folder(args) / "train_stats.json").read_text()),
         "distill": _distill_figures(),
     }
     (ASSET / "build_figures.json").write_text(json.dumps(record, indent=2) + "\n")

@@ -243,7 +243,8 @@ def test_a_valid_custom_tree_is_used_for_the_reply(engine, settings, controls):
     custom = dataclasses.replace(controls, tree=CUSTOM_TREE, custom_tree="[[0], [1], [0, 0]]")
     assert handlers.check_tree(engine, CUSTOM_TREE, custom.custom_tree)["tree_status"].startswith("✓")
     send(engine, settings, session, custom)
-    assert session.rows[0].tree_nodes == 4 and session.rows[0].tree_name == "custom_3"
+    assert session.rows[0].tree_name == "prefill"  # step 0 emits the prefill's token
+    assert session.rows[1].tree_nodes == 4 and session.rows[1].tree_name == "custom_3"
 
 
 def test_an_error_inside_generation_appears_in_the_chat_and_the_app_keeps_serving(engine, settings, controls, monkeypatch):

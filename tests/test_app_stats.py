@@ -24,7 +24,7 @@ def record(step=0, accepted=(0, 1, 3), mode="medusa", latency=0.010, prefill=0.0
     return StepRecord(
         step=step, mode=mode, tree_name="hand" if mode == "medusa" else "baseline", tree_nodes=nodes,
         node_token_ids=tuple(range(10, 10 + nodes)), node_parents=PARENTS[:nodes], node_heads=HEADS[:nodes],
-        node_ranks=RANKS[:nodes], accepted_nodes=accepted, sampling=sampling, node_status=status, token_ids=tuple(10 + i for i in accepted),
+        node_ranks=RANKS[:nodes], accepted_nodes=accepted, sampling=sampling, node_status=status, token_ids=tuple(10 + i for i in accepted[1:]) + (9,),
         accept_length=len(accepted) - 1, latency_s=latency, total_tokens=len(accepted), prefill_s=prefill, stop_reason=stop,
     )
 
@@ -44,11 +44,14 @@ def test_step_row_converts_units_and_counts_tokens():
 
 
 def test_summary_gives_acceleration_speedup_and_per_head_acceptance():
+    prefill = record(0, accepted=(0,), mode="baseline", latency=0.030, prefill=0.030)  # 1 token, no decoding
     rows = [
-        row(record(0, accepted=(0, 1, 3, 5), latency=0.030, prefill=0.010)),  # 4 tokens, 20 ms of decoding
-        row(record(1, accepted=(0, 2), latency=0.020)),  # 2 tokens
-        row(record(2, accepted=(0,), latency=0.020)),  # 1 token
-        *[row(record(i, accepted=(0,), mode="baseline", latency=0.010), reply_index=1) for i in range(4)],
+        row(dataclasses.replace(prefill, mode="medusa", tree_name="prefill")),
+        row(record(1, accepted=(0, 1, 3, 5), latency=0.020)),  # 4 tokens
+        row(record(2, accepted=(0, 2), latency=0.020)),  # 2 tokens
+        row(record(3, accepted=(0,), latency=0.020)),  # 1 token
+        row(prefill, reply_index=1),
+        *[row(record(i, accepted=(0,), mode="baseline", latency=0.010), reply_index=1) for i in range(1, 5)],
     ]
     s = summarize(rows, num_heads=4)
     assert (s.medusa_steps, s.baseline_steps) == (3, 4)
@@ -160,12 +163,14 @@ def test_speed_figure_draws_dots_only_for_the_latest_steps_but_lines_for_all():
 
 def test_head_tokens_are_counted_after_the_cut_at_the_token_limit():
     # The tree accepted 3 head tokens (path 0-1-3-5) but the token limit kept only the first 2 tokens.
-    cut = dataclasses.replace(record(accepted=(0, 1, 3, 5), stop="max_new_tokens"), token_ids=(10, 11), total_tokens=2)
+    cut = dataclasses.replace(record(accepted=(0, 1, 3, 5), stop="max_new_tokens"), token_ids=(11, 13), total_tokens=2)
     r = row(cut)
-    assert (r.accepted_tokens, r.head_tokens) == (2, 1)
-    assert summarize([r], num_heads=3).head_acceptance == (1.0, 0.0, 0.0)
-    title = tree_figure(cut, [str(t) for t in cut.node_token_ids]).layout["title"]["text"]
-    assert "+2 tokens (1 from heads" in title and "2 cut at the token limit" in title
+    assert (r.accepted_tokens, r.head_tokens) == (2, 2)
+    assert summarize([r], num_heads=3).head_acceptance == (1.0, 1.0, 0.0)
+    figure = tree_figure(cut, [str(t) for t in cut.node_token_ids])
+    assert "+2 tokens (2 from heads; 1 cut at the token limit" in figure.layout["title"]["text"]
+    path = next(t for t in figure.data if t.get("name") == "accepted path")
+    assert len(path["x"]) == 3  # the root and the two candidates in the reply
 
 
 def test_every_figure_has_a_transparent_background_so_it_follows_the_pages_light_or_dark_theme():

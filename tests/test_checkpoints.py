@@ -116,6 +116,16 @@ def test_version_2_checkpoint_loads_residual_blocks_that_share_the_backbone_lm_h
     hidden = torch.randn(3, HIDDEN)
     with torch.no_grad():
         torch.testing.assert_close(model.heads(hidden), heads(hidden))  # [K, 3, V]
+    # In bfloat16 the heads read a bfloat16 copy of the LM head; the backbone's stays float32.
+    bf16 = load_medusa_model(tmp_path, quantization=None, device="cpu", head_dtype="bfloat16")
+    lm_head = bf16.backbone.get_output_embeddings()
+    assert bf16.heads._shared_lm_head[0] is not lm_head and lm_head.weight.dtype == torch.float32
+    assert bf16.heads._shared_lm_head[0].weight.dtype == next(bf16.heads.parameters()).dtype == torch.bfloat16
+    assert bf16.heads.state_dict().keys() == model.heads.state_dict().keys()
+    with torch.no_grad():
+        torch.testing.assert_close(bf16.heads(hidden.bfloat16()).float(), heads(hidden), atol=0.05, rtol=0.05)
+    plain = [t for r in model.generate(PROMPT, max_new_tokens=16, medusa=False) for t in r.token_ids]
+    assert [t for r in bf16.generate(PROMPT, max_new_tokens=16, tree="sparse_16") for t in r.token_ids] == plain
 
 
 def test_medusa_2_full_checkpoint_loads_heads_from_the_model_weights(base, tmp_path):
@@ -331,9 +341,21 @@ def test_an_nf4_backbone_loads_on_cpu_and_decodes_exactly_like_its_own_greedy_ge
 
     folder, backbone = base
     save_medusa_heads(random_heads(backbone, HEADS), tmp_path, base_model_name_or_path=str(folder))
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
     model = load_medusa_model(tmp_path, quantization="nf4", device="cpu")
     assert model.quantization == "nf4"
-    assert any(isinstance(m, bnb.nn.Linear4bit) for m in model.backbone.modules())
+    # The NF4 weights are dequantized once at load: plain Linear layers, the same logits as
+    # bitsandbytes' own 4-bit layers (which dequantize at every call; fused bf16 kernel off).
+    assert not any(isinstance(m, bnb.nn.Linear4bit) for m in model.backbone.modules())
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+    bnb_model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=config, dtype=torch.float32)
+    layers = [m for m in bnb_model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert layers
+    for m in layers:
+        m.support_avx512bf16_for_cpu = False
+    with torch.inference_mode():
+        assert torch.equal(model.backbone(PROMPT).logits, bnb_model(PROMPT).logits)
     assert all(p.dtype in (torch.float32, torch.bfloat16) for p in model.heads.parameters())  # never quantized
     n = 24
     reference = greedy(model.backbone, PROMPT, n)

@@ -28,7 +28,8 @@ def reply(records) -> list[int]:
 
 
 def tokens_per_step(records) -> float:
-    return sum(len(r.token_ids) for r in records) / len(records)
+    """Tokens per decoding step: records[0] is the prefill and its first token."""
+    return sum(len(r.token_ids) for r in records[1:]) / len(records[1:])
 
 
 # ------------------------------------------------------------------------------------- exactness
@@ -54,8 +55,9 @@ def test_oracle_heads_accept_the_whole_chain_at_every_step_and_random_heads_almo
 ):
     backbone = backbone_for("llama")
     oracle = list(oracle_model(backbone, N_NEW).generate(PROMPT, max_new_tokens=N_NEW, tree="chain_4"))
-    assert [r.accept_length for r in oracle] == [4] * (N_NEW // 5)
-    assert tokens_per_step(oracle) == 5.0
+    # The prefill emits the first token; each step then 4 candidates + the next root; the last is cut.
+    assert [r.accept_length for r in oracle] == [0] + [4] * (N_NEW // 5)
+    assert [len(r.token_ids) for r in oracle] == [1] + [5] * (N_NEW // 5 - 1) + [4]
     rand = list(random_model(backbone).generate(PROMPT, max_new_tokens=N_NEW, tree="chain_4"))
     assert tokens_per_step(rand) < 1.2
 
@@ -68,8 +70,8 @@ def test_a_short_path_beside_a_deeper_branch_never_accepts_its_padding(backbone_
     model = oracle_model(backbone_for("gemma"), N_NEW)
     records = list(model.generate(PROMPT, max_new_tokens=N_NEW, tree=tree))
     assert reply(records) == reference_for("gemma", N_NEW)
-    assert records[0].tree_name == "custom_4"
-    assert all(r.accepted_nodes == (0, 1) for r in records)
+    assert records[0].tree_name == "prefill" and records[1].tree_name == "custom_4"
+    assert all(r.accepted_nodes == (0, 1) for r in records if r.tree_nodes > 1)
 
 
 def test_heads_run_once_per_step_at_the_last_accepted_position_and_only_for_the_trees_depth(
@@ -96,6 +98,7 @@ def test_step_records_describe_the_tree_the_accepted_path_and_the_running_total(
     total = 0
     for i, r in enumerate(records):
         assert r.step == i and r.mode == "medusa"
+        assert (r.tree_name == "prefill") == (i == 0) and (r.tree_nodes == 1 or i > 0)
         if r.tree_nodes > 1:
             assert r.tree_name == "mc_sim_7b_63" and r.tree_nodes == 64
             assert r.node_heads == (-1,) + tuple(len(c) - 1 for c in choices)
@@ -106,17 +109,21 @@ def test_step_records_describe_the_tree_the_accepted_path_and_the_running_total(
         for parent, child in zip(r.accepted_nodes, r.accepted_nodes[1:]):
             assert r.node_parents[child] == parent
         assert r.accept_length == len(r.accepted_nodes) - 1
-        accepted_tokens = [r.node_token_ids[n] for n in r.accepted_nodes]
-        assert list(r.token_ids) == accepted_tokens[: len(r.token_ids)]
+        # The accepted candidates, then the next step's root (cut at the limit on the last step).
+        emitted = [r.node_token_ids[n] for n in r.accepted_nodes[1:]]
+        if i + 1 < len(records):
+            emitted.append(records[i + 1].node_token_ids[0])
+        assert list(r.token_ids[: len(emitted)]) == emitted[: len(r.token_ids)]
         total += len(r.token_ids)
         assert r.total_tokens == total
         assert r.latency_s > 0
         assert (r.stop_reason is None) == (i < len(records) - 1)
     assert records[-1].stop_reason == "max_new_tokens"
-    assert records[0].prefill_s > 0 and all(r.prefill_s == 0 for r in records[1:])
+    assert records[0].prefill_s == records[0].latency_s > 0 and all(r.prefill_s == 0 for r in records[1:])
+    assert records[0].token_ids == (reference_for("llama", N_NEW)[0],)  # the first token right after the prefill
     if heads == "oracle":  # the oracle is always right: the top-1 chain [0], [0,0], ... to depth 4
         top1 = (0,) + tuple(choices.index((0,) * d) + 1 for d in range(1, 5))
-        assert all(r.accepted_nodes == top1 for r in records)
+        assert all(r.accepted_nodes == top1 for r in records[1:])
 
 
 def test_baseline_mode_decodes_one_token_per_step_and_equals_plain_greedy(
@@ -152,7 +159,7 @@ def test_decoding_stops_right_after_an_eos_token_like_hf_generate(
     assert records[-1].accept_length + 1 > len(records[-1].token_ids)  # tokens past EOS were dropped
 
 
-@pytest.mark.parametrize("limit", [1, 2, 7, 13])
+@pytest.mark.parametrize("limit", [1, 2, 8, 14])
 def test_max_new_tokens_counts_tokens_even_when_a_step_accepts_past_the_limit(
     limit, backbone_for, reference_for, oracle_model
 ):
@@ -160,8 +167,8 @@ def test_max_new_tokens_counts_tokens_even_when_a_step_accepts_past_the_limit(
     records = list(model.generate(PROMPT, max_new_tokens=limit, tree="chain_4"))
     assert reply(records) == reference_for("mistral", N_NEW)[:limit]
     assert records[-1].stop_reason == "max_new_tokens" and records[-1].total_tokens == limit
-    if limit in (7, 13):  # the last step accepted the whole chain (5 tokens) but only 2 / 3 fit
-        assert records[-1].accept_length == 4 and len(records[-1].token_ids) == limit % 5
+    if limit in (7, 13):  # after the prefill's token, the last step accepted the whole chain (5 tokens) but only 2 / 3 fit
+        assert records[-1].accept_length == 4 and len(records[-1].token_ids) == (limit - 1) % 5
 
 
 @pytest.mark.parametrize("tree", ["chain_4", "sparse_16"])  # 17 nodes: too many beside the prompt from step 0
@@ -174,17 +181,19 @@ def test_decoding_stops_before_the_context_window_overflows(tree, oracle_model, 
     assert records[-1].stop_reason == "context"
     assert all(r.stop_reason is None for r in records[:-1])
     out = reply(records)
-    assert len(out) == context - PROMPT.shape[1]  # the cache is filled exactly, never past it
+    # The cache is filled exactly, never past it; the last token emitted is never fed back.
+    assert len(out) == context - PROMPT.shape[1] + 1
     assert out == greedy(backbone, PROMPT, len(out))
 
 
-def test_a_prompt_one_token_short_of_the_window_still_gets_one_token(backbone_for, random_model, greedy):
+def test_a_prompt_one_token_short_of_the_window_still_gets_two_tokens(backbone_for, random_model, greedy):
     backbone = backbone_for("llama")
     model = random_model(backbone)
     prompt = torch.arange(model.max_context - 1)[None] % 90  # [1, 255]
     records = list(model.generate(prompt, max_new_tokens=10, tree="chain_4"))
-    assert [r.stop_reason for r in records] == ["context"]
-    assert list(records[0].token_ids) == greedy(backbone, prompt, 1)
+    # The prefill's token, then a root-only step (a 5-node chain does not fit) that fills the window.
+    assert [r.stop_reason for r in records] == [None, "context"] and records[1].tree_nodes == 1
+    assert reply(records) == greedy(backbone, prompt, 2)
 
 
 def test_stopping_the_iteration_early_releases_the_kv_cache(backbone_for, random_model, monkeypatch):
@@ -317,7 +326,7 @@ def test_typical_acceptance_in_the_engine_follows_the_thresholds(backbone_for, r
     model = random_model(backbone_for("llama"))
     kwargs = dict(max_new_tokens=20, tree="chain_4", temperature=0.7, seed=3)
     everything = list(model.generate(PROMPT, posterior_threshold=1e-9, posterior_alpha=1e-9, **kwargs))
-    assert [r.accept_length for r in everything] == [4] * 4
+    assert [r.accept_length for r in everything] == [0] + [4] * 4
     strict = list(model.generate(PROMPT, posterior_threshold=1.0, posterior_alpha=1.0, **kwargs))
     assert sum(r.accept_length for r in strict) < len(strict) < 20
     assert reply(strict) != reply(everything)

@@ -80,14 +80,15 @@ def compare_table(results: dict[str, list[StepRecord]], running: str | None) -> 
     speed: dict[str, float] = {}
     for mode, records in results.items():
         tokens = sum(len(r.token_ids) for r in records)
-        decode_s = sum(r.latency_s - r.prefill_s for r in records)
+        decode = [r for r in records if r.step > 0]  # step 0 is the prefill and its first token
+        decode_tokens, decode_s = sum(len(r.token_ids) for r in decode), sum(r.latency_s for r in decode)
         total_s = sum(r.latency_s for r in records)
         if decode_s > 0:
-            speed[mode] = tokens / decode_s
-        per_step = tokens / len(records) if records else 0.0
+            speed[mode] = decode_tokens / decode_s
+        per_step = decode_tokens / len(decode) if decode else 0.0
         suffix = " (running…)" if mode == running else ""
         lines.append(
-            f"| {mode}{suffix} | {tokens} | {len(records)} | {per_step:.2f} | {total_s:.2f} | {speed.get(mode, 0.0):.1f} |"
+            f"| {mode}{suffix} | {tokens} | {len(decode)} | {per_step:.2f} | {total_s:.2f} | {speed.get(mode, 0.0):.1f} |"
         )
     finished = len(results) == 2 and all(records and records[-1].stop_reason for records in results.values())
     if running is None and finished:

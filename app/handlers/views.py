@@ -79,8 +79,10 @@ def turn_stats(session: Session, turn: Turn) -> str:
         return " · ".join(parts + ["generating…"])
     if turn.sent_at is not None and turn.last_token_at is not None:
         parts.append(f"{turn.last_token_at - turn.sent_at:.2f} s total")
-    parts.append(f"{tokens / len(rows):.2f} tokens/step")
-    parts.append(f"tree {rows[0].tree_name}" if rows[0].mode == "medusa" else "Medusa off")
+    decode = [r for r in rows if r.step > 0]  # step 0 is the prefill and its first token
+    if decode:
+        parts.append(f"{sum(r.accepted_tokens for r in decode) / len(decode):.2f} tokens/step")
+    parts.append(f"tree {decode[0].tree_name}" if decode and rows[0].mode == "medusa" else "Medusa off")
     parts.append(STOP_REASON_TEXT.get(rows[-1].stop_reason, turn.state))
     return " · ".join(parts)
 
@@ -145,7 +147,7 @@ def model_panel(engine: Engine, session: Session | None = None) -> str:
         return f"**{html.escape(engine.status())}**"
     model = engine.model
     d = model.describe()
-    in_use = session.last_records[0].tree_name if session is not None and session.last_records else None
+    in_use = next((r.tree_name for r in session.last_records if r.step > 0), None) if session is not None else None
     backbone = {"nf4": "4-bit NF4", "int8": "8-bit"}.get(d["quantization"], "not quantized")
     rows = [
         ("model", f"`{d['model']}`"),

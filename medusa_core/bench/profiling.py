@@ -25,7 +25,8 @@ def cmd_profile(model: Any, args: argparse.Namespace, command: str) -> int:
         steps = tokens = 0
         for x in ids:
             for rec in model.generate(x, max_new_tokens=args.max_new_tokens, tree=tree):
-                steps, tokens = steps + 1, tokens + len(rec.token_ids)
+                if rec.step > 0:  # decoding steps; step 0 is the prefill
+                    steps, tokens = steps + 1, tokens + len(rec.token_ids)
         return steps, tokens
 
     generate_all()  # warm-up

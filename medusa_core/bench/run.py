@@ -26,8 +26,8 @@ class Run:
         method, prompt (index in the prompt set), category, repeat: what was run.
         tokens: new tokens produced.
         steps: decoding steps (backbone forward passes) that produced them. For HF methods the
-            prefill pass counts, since it yields the first token; for this project's loop the prefill's
-            token is emitted by step 0, so steps = records.
+            prefill pass counts, since it yields the first token; for this project's loop the prefill is
+            step 0, which emits the first token, so steps = records.
         wall_s: the whole call, prefill included.
         ttft_s: until the first new token is in the caller's hands.
         step_time_s: time of the ``timed_steps`` decoding steps, prefill excluded.
@@ -151,7 +151,7 @@ def run_once(
     output = tuple(t for r in records for t in r.token_ids)
     return Run(
         **meta, tokens=len(output), steps=len(records), wall_s=end - start, ttft_s=(first_at or end) - start,
-        step_time_s=sum(r.latency_s for r in records) - records[0].prefill_s, timed_steps=len(records),
+        step_time_s=sum(r.latency_s for r in records[1:]), timed_steps=len(records) - 1,  # records[0]: the prefill
         output=output, cpu_s=time.process_time() - cpu0, sampling=records[0].sampling,
     )
 

@@ -109,11 +109,12 @@ def measure_step_latency(
         k = j % len(sizes)
         for n in sizes[k:] + sizes[:k]:
             records = go(n, ids, max_new_tokens)
-            full = [r.latency_s - r.prefill_s for r in records if r.tree_nodes == len(trees[n]) + 1]
+            decode = records[1:]  # records[0] is the prefill and its first token
+            full = [r.latency_s for r in decode if r.tree_nodes == len(trees[n]) + 1]
             if full:
                 per_run[n].append(sum(full) / len(full))
-            tokens[n] += sum(len(r.token_ids) for r in records)
-            steps[n] += len(records)
+            tokens[n] += sum(len(r.token_ids) for r in decode)
+            steps[n] += len(decode)
             bar.update()
     bar.close()
     latency = {n: statistics.median(v) for n, v in per_run.items() if v}
