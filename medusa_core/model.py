@@ -24,7 +24,6 @@ from torch import nn
 from transformers import DynamicCache
 
 from .acceptance import node_status, residual_distributions, score_children, select_path, try_children
-from .greedy import GreedyHead
 from .trees import TREE_PRESETS, TreeBuffers, build_tree_buffers, resolve_tree, validate_tree
 
 #: Stop reasons recorded on the last ``StepRecord`` of a reply.
@@ -160,7 +159,10 @@ class MedusaModel:
         self.rank_accuracy = rank_accuracy
         self._decoder = backbone.get_decoder()
         self._lm_head = backbone.get_output_embeddings()
-        self._greedy_head = GreedyHead(self._lm_head) if GreedyHead.suits(self._lm_head, self.device) else None
+        self._column_lm_head = (  # see _logits
+            type(self._lm_head) is nn.Linear and self._lm_head.bias is None
+            and self._lm_head.weight.dtype == torch.float32 and self._lm_head.weight.device.type == "cpu"
+        )
         self.config = backbone.config.get_text_config(decoder=True)
         hidden = getattr(heads, "hidden_size", self.config.hidden_size)
         if hidden != self.config.hidden_size:
@@ -310,7 +312,7 @@ class MedusaModel:
         with torch.inference_mode():
             out = self._decoder(input_ids=input_ids, past_key_values=cache, use_cache=True)
             hidden = out.last_hidden_state[:, -1]  # [1, H]
-            root = self._choose(hidden, temperature, generator)  # [] first token
+            root = self._choose(self._logits(hidden)[0], temperature, generator)  # [] first token
             first = root.item()
         self._sync()
         prefill_s = time.perf_counter() - start
@@ -324,8 +326,8 @@ class MedusaModel:
             tree = full if full is not None and remaining > 1 and cur_len + full.buffers.num_nodes <= self.max_context else root_only
             with torch.inference_mode():
                 tokens = self._candidates(tree, hidden, root)  # [N]
-                hidden_all = self._tree_forward(tree, tokens, cur_len, cache)  # [N, H]
-                path, length, root = self._verify(tree, hidden_all, tokens, rule, temperature, eps, alpha, generator)
+                logits, hidden_all = self._tree_forward(tree, tokens, cur_len, cache)  # [N, V], [N, H]
+                path, length, root = self._verify(tree, logits, tokens, rule, temperature, eps, alpha, generator)
                 host = torch.cat([length.view(1), root.view(1), path, tokens]).tolist()  # the step's one host sync
                 nodes, token_list = host[2 : host[0] + 3], host[2 + path.shape[0] :]
                 _compact_cache(cache, cur_len, nodes, tree.buffers.num_nodes)
@@ -385,10 +387,12 @@ class MedusaModel:
         top = head_logits.topk(b.topk, dim=-1).indices  # [D, topk]
         return torch.cat([root.view(1), top.flatten()])[b.tree_indices]
 
-    def _tree_forward(self, tree: _Tree, tokens: torch.Tensor, cur_len: int, cache: DynamicCache) -> torch.Tensor:
+    def _tree_forward(
+        self, tree: _Tree, tokens: torch.Tensor, cur_len: int, cache: DynamicCache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One backbone pass over all N tree tokens (paper 2.1.2); appends N entries to the cache.
 
-        Returns the final-norm hidden states [N, H] (``_verify`` applies the LM head).
+        Returns (logits [N, V], final-norm hidden states [N, H]).
         """
         b = tree.buffers
         n = b.num_nodes
@@ -403,15 +407,15 @@ class MedusaModel:
             past_key_values=cache,
             use_cache=True,
         )
-        return out.last_hidden_state[0]  # [N, H]
+        hidden = out.last_hidden_state[0]  # [N, H]
+        return self._logits(hidden), hidden
 
     def _verify(
-        self, tree: _Tree, hidden, tokens, rule, temperature, eps, alpha, generator
+        self, tree: _Tree, logits, tokens, rule, temperature, eps, alpha, generator
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Accept a path and choose the next step's root (paper 2.3.1; exact: see ``generate``).
 
-        Args: hidden [N, H] and tokens [N] of the tree forward; ``rule`` one of ``SAMPLING_RULES``.
-        Greedy steps need only each node's argmax (``_argmax``); the others the logits [N, V].
+        Args: logits [N, V] and tokens [N] of the tree forward; ``rule`` one of ``SAMPLING_RULES``.
 
         Returns (path [D+1] node indices of a root-to-leaf path padded with -1, accept_length [] of
         its accepted candidates, next root []), all on the device: the caller syncs once.
@@ -419,16 +423,8 @@ class MedusaModel:
         b = tree.buffers
         path0 = b.retrieve_indices[0]  # [D+1]
         if b.num_nodes == 1:  # root only: the next token is the argmax or a sample of p
-            return path0, path0.new_zeros(()), self._choose(hidden, temperature, generator)
+            return path0, path0.new_zeros(()), self._choose(logits[0], temperature, generator)
         rows, cands = b.parents[1:], tokens[1:]  # [N-1] each candidate's parent and token
-        if rule == "greedy":  # a candidate is accepted when it is its parent's argmax
-            best_tokens = self._argmax(hidden)  # [N]
-            accepted = best_tokens[rows] == cands  # [N-1]
-            nothing = torch.zeros(accepted.shape, device=accepted.device)
-            best, length = select_path(accepted[tree.path_nodes], nothing[tree.path_nodes], tree.path_valid, 0.0)
-            path = b.retrieve_indices.index_select(0, best.view(1))[0]  # [D+1]
-            return path, length, best_tokens.index_select(0, path.gather(0, length.view(1)))[0]
-        logits = self._logits(hidden)  # [N, V]
         if rule == "exact":
             probs = torch.softmax(logits.float() / temperature, dim=-1)  # [N, V]
             uniforms = torch.rand(cands.shape, generator=generator, device=probs.device)  # [N-1]
@@ -446,30 +442,33 @@ class MedusaModel:
         best, length = select_path(accepted[tree.path_nodes], log_prob[tree.path_nodes], tree.path_valid, temperature)
         path = b.retrieve_indices.index_select(0, best.view(1))[0]  # [D+1]
         last = path.gather(0, length.view(1))  # [1]
-        return path, length, self._choose(hidden.index_select(0, last), temperature, generator)
+        return path, length, self._choose(logits.index_select(0, last)[0], temperature, generator)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Backbone logits of final-norm hidden states [..., H] -> [..., V]."""
-        logits = self._lm_head(hidden)
+        """Backbone logits of final-norm hidden states [..., H] -> [..., V].
+
+        Several rows [N, H] through a bias-free float32 ``nn.Linear`` LM head on a CPU are computed as
+        ``W @ hᵀ``: on this project's CPU, torch's ``h @ Wᵀ`` kernel takes 18–42 ms for 2–64 rows of
+        SmolLM2's 49,152 × 576 head, ``W @ hᵀ`` 5–33 ms (docs/BENCH.md). The values are the same up
+        to float32 summation order, as between a one-token and an N-token pass anyway.
+        """
+        lm_head = self._lm_head
+        if hidden.dim() == 2 and hidden.shape[0] > 1 and self._column_lm_head:
+            logits = (lm_head.weight @ hidden.T).T
+        else:
+            logits = lm_head(hidden)
         # Gemma-2/3 soft-cap their logits inside the CausalLM forward (transformers 5.x); argmax is unchanged.
         cap = getattr(self.config, "final_logit_softcapping", None)
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def _argmax(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Greedy tokens [N] of final-norm hidden states [N, H]: the argmax of the backbone's logits,
-        through ``GreedyHead`` (float32 argmax at bfloat16 cost) where it applies."""
-        if self._greedy_head is not None:
-            return self._greedy_head(hidden)
-        return self._logits(hidden).argmax(dim=-1)
-
-    def _choose(self, hidden: torch.Tensor, temperature: float, generator: torch.Generator) -> torch.Tensor:
-        """The next token [] from one final-norm hidden state [1, H]: the argmax, or a sample of
-        softmax(logits / ``temperature``) (no host sync)."""
+    @staticmethod
+    def _choose(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> torch.Tensor:
+        """The root token from logits [V]: argmax, or a sample at ``temperature`` (no host sync)."""
         if temperature <= 0:
-            return self._argmax(hidden)[0]
-        probs = torch.softmax(self._logits(hidden)[0].float() / temperature, dim=-1)
+            return logits.argmax()
+        probs = torch.softmax(logits.float() / temperature, dim=-1)
         return torch.multinomial(probs, 1, generator=generator)[0]
 
     def _new_cache(self) -> DynamicCache:
