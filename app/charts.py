@@ -166,7 +166,7 @@ def tree_figure(record: StepRecord, labels: Sequence[str], height: int = 380) ->
     cut = record.accept_length - kept
     where = "after EOS" if record.stop_reason == "eos" else "at the token limit"
     title = (
-        f"step {record.step} · {record.tree_name} ({record.tree_nodes} nodes)<br>"
+        f"step {record.step} · {record.tree_name} ({record.tree_nodes} node{'' if record.tree_nodes == 1 else 's'})<br>"
         f"+{added} token{'' if added == 1 else 's'} ({kept} from heads{f'; {cut} cut {where}' if cut else ''}) · {record.sampling}"
     )
     return Figure(

@@ -522,13 +522,15 @@ class MedusaModel:
         return self._trees[key]
 
     def describe(self) -> dict[str, Any]:
-        """Facts for a model panel: names, precision, device, heads, context, memory (bytes)."""
+        """Facts for a model panel: names, precision (backbone compute dtype, head dtype), device, heads,
+        context, memory (bytes)."""
         params = list(self.backbone.parameters()) + list(self.heads.parameters())
         return {
             "model": self.name,
             "base_model": self.base_model,
             "quantization": self.quantization or "none",
             "dtype": str(self.dtype).replace("torch.", ""),
+            "head_dtype": str(self._head_dtype).replace("torch.", ""),
             "device": str(self.device),
             "num_heads": self.num_heads,
             "head_layers": getattr(self.heads, "num_layers", None),

@@ -309,6 +309,7 @@ def test_the_model_panel_shows_names_precision_device_heads_and_memory(engine):
     panel = handlers.model_panel(engine, Session())
     for needle in ("base model", "not quantized", "float32", "cpu", "| Medusa heads | 4", "sparse_16 (the model's default)", "MiB"):
         assert needle in panel
+    assert f"heads {str(engine.model.heads[0][0].linear.weight.dtype).removeprefix('torch.')}" in panel
 
 
 def test_the_model_panel_names_the_tree_of_the_latest_reply(engine, settings, controls):

@@ -152,7 +152,7 @@ def model_panel(engine: Engine, session: Session | None = None) -> str:
     rows = [
         ("model", f"`{d['model']}`"),
         ("base model", f"`{d['base_model']}`"),
-        ("precision", f"backbone {backbone}, computing in {d['dtype']}; heads {d['dtype']}"),
+        ("precision", f"backbone {backbone}, computing in {d['dtype']}; heads {d['head_dtype']}"),
         ("device", d["device"]),
         ("Medusa heads", f"{d['num_heads']} ({d['head_layers']} residual block{'s' if d['head_layers'] != 1 else ''} each)"),
         ("context window", f"{d['max_context']} tokens"),

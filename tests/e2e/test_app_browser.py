@@ -156,12 +156,12 @@ def test_a_new_users_session_in_headless_chromium(app_url, tmp_path):
         steps = int(re.search(r"\((\d+) steps\)", page.locator("#step-slider").inner_text()).group(1))
         assert steps >= 2
         number = page.locator("#step-slider input[type=number]")
-        number.fill("0")
+        number.fill("1")
         number.blur()
-        expect(tree_title).to_contain_text(re.compile(r"^step 0 · sparse_16 \(17 nodes\)"))
+        expect(tree_title).to_contain_text(re.compile(r"^step 1 · sparse_16 \(17 nodes\)"))
         page.locator("#step-slider input[type=range]").focus()
-        page.keyboard.press("ArrowRight")
-        expect(tree_title).to_contain_text(re.compile(r"^step 1 · "))
+        page.keyboard.press("ArrowLeft")  # step 0: the prefill, which emitted the first token
+        expect(tree_title).to_contain_text(re.compile(r"^step 0 · prefill \(1 node\)"))
 
         # Highlighting marks the tokens accepted from the heads (if this reply accepted any).
         rate = float(re.search(r"acceleration rate\)\s+([\d.]+)", page.locator("#summary").inner_text()).group(1))
