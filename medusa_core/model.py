@@ -365,7 +365,7 @@ class MedusaModel:
             node_ranks=tree.node_ranks,
             accepted_nodes=nodes,
             sampling=rule,
-            node_status=node_status(tree.node_parents, list(nodes)) if rule == "exact" and step > 0 else (),
+            node_status=node_status(tree.node_parents, list(nodes)) if rule == "exact" else (),
             token_ids=tuple(new_tokens),
             accept_length=accepted,
             latency_s=latency_s,

@@ -287,11 +287,12 @@ def test_the_bonus_token_is_never_a_candidate_the_last_node_rejected(backbone_fo
     model = oracle_model(backbone_for("llama"), 60)
     records = list(model.generate(PROMPT, max_new_tokens=60, tree="sparse_16", temperature=1.0, sampling="exact", seed=0))
     checked = 0
-    for r, following in zip(records, records[1:]):
+    for r, following in zip(records[1:], records[2:]):  # records[0] is the prefill
         last = r.accepted_nodes[-1]
         rejected = {r.node_token_ids[c] for c, a in enumerate(r.node_parents) if a == last}
         assert all(r.node_status[c] == "rejected" for c, a in enumerate(r.node_parents) if a == last)
-        assert following.token_ids[0] not in rejected
+        assert r.token_ids[-1] == following.node_token_ids[0]  # the step's last token: the next root
+        assert r.token_ids[-1] not in rejected
         checked += bool(rejected)
     assert checked >= 5
 

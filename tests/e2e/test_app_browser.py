@@ -182,7 +182,7 @@ def test_a_new_users_session_in_headless_chromium(app_url, tmp_path):
         _send(page, PROMPTS[1])
         expect(page.locator("#chat [data-testid=bot]")).to_have_count(2)
         expect(page.locator("#speed-plot .legend")).to_contain_text("baseline tokens/s")
-        expect(tree_title).to_contain_text("baseline (1 nodes)")
+        expect(tree_title).to_contain_text("baseline (1 node)")
         expect(page.locator("#summary")).to_contain_text(re.compile(r"Speedup vs this session's baseline replies: [\d.]+×"))
         page.locator("#medusa input[type=checkbox]").check()
         expect(page.locator("#epsilon")).to_contain_text("inactive at temperature 0")
