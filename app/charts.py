@@ -196,12 +196,14 @@ def _short(label: str, limit: int = 8) -> str:
 def speed_figure(rows: Sequence[StepRow], height: int = 300) -> Figure:
     """Session steps in order: tokens/s per step (dots, for the latest ``MAX_MARKERS`` steps) with a
     rolling mean per reply (lines) on top, tokens accepted per step (a stepped line) below; Medusa and
-    baseline steps in different colours. Lines are one SVG path each, so the figure redraws fast."""
+    baseline steps in different colours. Lines are one SVG path each, so the figure redraws fast.
+    Step 0 of each reply, the prompt's prefill and its first token, is left out: it is not a decoding
+    step (the reply's stats line gives it as TTFT)."""
     if not rows:
         return empty_figure("tokens/s per step appear here<br>once a reply streams", height)
     data: list[dict[str, Any]] = []
     for mode in ("medusa", "baseline"):
-        idx = [i for i, r in enumerate(rows) if r.mode == mode]
+        idx = [i for i, r in enumerate(rows) if r.mode == mode and r.step > 0]
         if not idx:
             continue
         colour = MODE_COLOURS[mode]

@@ -133,21 +133,25 @@ def test_summary_shows_tokens_per_step_for_each_sampling_rule_and_the_csv_carrie
 
 
 def test_speed_figure_separates_modes_and_replies_and_is_valid_plotly():
+    def prefill(mode: str, reply: int) -> StepRow:  # step 0: the prompt's prefill and the first token
+        rec = record(0, accepted=(0,), mode="baseline", latency=0.5, prefill=0.5)
+        return row(dataclasses.replace(rec, mode=mode, tree_name="prefill"), reply_index=reply)
+
     rows = [
-        row(record(0)), row(record(1)),
-        row(record(0, accepted=(0,), mode="baseline"), reply_index=1),
-        row(record(0, accepted=(0,)), reply_index=2),
+        prefill("medusa", 0), row(record(1)), row(record(2)),
+        prefill("baseline", 1), row(record(1, accepted=(0,), mode="baseline"), reply_index=1),
+        prefill("medusa", 2), row(record(1, accepted=(0,)), reply_index=2),
     ]
     fig = speed_figure(rows)
     go.Figure(fig.to_dict())
     go.Figure(speed_figure([]).to_dict())
     go.Figure(empty_figure("x").to_dict())
     by_name = {t["name"]: t for t in fig.data}
-    assert by_name["medusa tokens/s"]["x"] == [0, 1, 3]
-    assert by_name["baseline tokens/s"]["x"] == [2]
+    assert by_name["medusa tokens/s"]["x"] == [1, 2, 6]  # prefills (rows 0, 3, 5) are not decoding steps
+    assert by_name["baseline tokens/s"]["x"] == [4]
     assert by_name["medusa tokens/step"]["y"] == [3, 3, None, 1]
     mean = by_name["medusa rolling mean (8 steps)"]
-    assert mean["x"] == [0, 1, None, 3]  # each reply has its own rolling mean; no line across other replies
+    assert mean["x"] == [1, 2, None, 6]  # each reply has its own rolling mean; no line across other replies
     assert mean["y"] == [300.0, 300.0, None, 100.0]
     assert by_name["medusa tokens/s"]["marker"]["color"] != by_name["baseline tokens/s"]["marker"]["color"]
 
@@ -158,7 +162,8 @@ def test_speed_figure_draws_dots_only_for_the_latest_steps_but_lines_for_all():
     rows = [row(record(i)) for i in range(MAX_MARKERS + 50)]
     by_name = {t["name"]: t for t in speed_figure(rows).data}
     assert by_name["medusa tokens/s"]["x"][0] == 50 and len(by_name["medusa tokens/s"]["x"]) == MAX_MARKERS
-    assert len(by_name["medusa rolling mean (8 steps)"]["x"]) == MAX_MARKERS + 50
+    assert len(by_name["medusa rolling mean (8 steps)"]["x"]) == MAX_MARKERS + 49  # step 0, the prefill, left out
+    assert 0 not in by_name["medusa rolling mean (8 steps)"]["x"]
 
 
 def test_head_tokens_are_counted_after_the_cut_at_the_token_limit():
