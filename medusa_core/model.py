@@ -317,13 +317,14 @@ class MedusaModel:
         self._sync()
         prefill_s = time.perf_counter() - start
         # Step 0 is the prefill: its token goes out at once (time to first token = prefill time).
-        record = self._record(0, full, root_only, [first], (0,), 0, rule, [first], prefill_s, 0, max_new_tokens, cur_len)
+        medusa = full is not None
+        record = self._record(0, root_only, (0,), [first], [first], prefill_s, medusa=medusa, rule=rule, produced=0,
+                              max_new_tokens=max_new_tokens, cur_len=cur_len)
         yield record
-        produced, step = record.total_tokens, 1
         while record.stop_reason is None:
             start = time.perf_counter()
-            remaining = max_new_tokens - produced
-            tree = full if full is not None and remaining > 1 and cur_len + full.buffers.num_nodes <= self.max_context else root_only
+            remaining = max_new_tokens - record.total_tokens
+            tree = full if medusa and remaining > 1 and cur_len + full.buffers.num_nodes <= self.max_context else root_only
             with torch.inference_mode():
                 tokens = self._candidates(tree, hidden, root)  # [N]
                 logits, hidden_all = self._tree_forward(tree, tokens, cur_len, cache)  # [N, V], [N, H]
@@ -335,14 +336,16 @@ class MedusaModel:
             cur_len += len(nodes)
             # The accepted candidates, then the token chosen after them: the next step's root.
             new_tokens = [token_list[i] for i in nodes[1:]] + [host[1]]
-            record = self._record(step, full, tree, token_list, tuple(nodes), len(nodes) - 1, rule, new_tokens,
-                                  time.perf_counter() - start, produced, max_new_tokens, cur_len)
+            record = self._record(record.step + 1, tree, tuple(nodes), token_list, new_tokens, time.perf_counter() - start,
+                                  medusa=medusa, rule=rule, produced=record.total_tokens, max_new_tokens=max_new_tokens,
+                                  cur_len=cur_len)
             yield record
-            produced, step = record.total_tokens, step + 1
 
-    def _record(self, step, full, tree, token_list, nodes, accepted, rule, new_tokens, latency_s, produced,
-                max_new_tokens, cur_len) -> StepRecord:
-        """The ``StepRecord`` of a step that emits ``new_tokens``, cut at EOS and the token limit."""
+    def _record(
+        self, step, tree, nodes, token_list, new_tokens, latency_s, *, medusa, rule, produced, max_new_tokens, cur_len
+    ) -> StepRecord:
+        """The ``StepRecord`` of a step that accepted ``nodes`` of ``tree`` (whose tokens are
+        ``token_list``) and emits ``new_tokens``, cut at EOS and the token limit."""
         stop = None
         for i, t in enumerate(new_tokens):
             if t in self.eos_token_ids:
@@ -356,7 +359,7 @@ class MedusaModel:
             stop = "context"
         return StepRecord(
             step=step,
-            mode="baseline" if full is None else "medusa",
+            mode="medusa" if medusa else "baseline",
             tree_name="prefill" if step == 0 else tree.name,
             tree_nodes=tree.buffers.num_nodes,
             node_token_ids=tuple(token_list),
@@ -367,7 +370,7 @@ class MedusaModel:
             sampling=rule,
             node_status=node_status(tree.node_parents, list(nodes)) if rule == "exact" else (),
             token_ids=tuple(new_tokens),
-            accept_length=accepted,
+            accept_length=len(nodes) - 1,
             latency_s=latency_s,
             prefill_s=latency_s if step == 0 else 0.0,
             total_tokens=produced + len(new_tokens),

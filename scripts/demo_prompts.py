@@ -240,6 +240,21 @@ def reasoning_and_math(rng: random.Random, n: int):
         yield "math", f"rm:{i}", rng.choice(math)
 
 
+#: (category, template) of the tasks on a standard-library docstring; one is drawn per function.
+PYTHON_DOC_TASKS = [
+    ("coding", "What does the Python function `{func}` do? Give an example."),
+    ("extraction", "Summarise this Python documentation in one sentence:\n\n{para}"),
+    ("coding", "Show me how to use `{func}` in a short Python example."),
+    ("extraction", "Here is the documentation of `{func}`:\n\n{para}\n\nList the arguments or inputs it mentions."),
+]
+#: (category, template) of the tasks on a Debian package description; one is drawn per package.
+DEBIAN_DOC_TASKS = [
+    ("extraction", "Summarise this software description in two sentences:\n\n{text}"),
+    ("extraction", "Extract the main features from this text as a list:\n\n{text}"),
+    ("stem", "What is a tool like '{name}' ({short}) used for?"),
+]
+
+
 def python_doc_prompts(rng: random.Random, n: int):
     """Questions about the standard library, with its own docstrings as the text to work on."""
     modules = ["string", "json", "math", "random", "collections", "itertools", "functools", "os.path", "re",
@@ -258,17 +273,8 @@ def python_doc_prompts(rng: random.Random, n: int):
                 funcs.append((name, attr, para))
     rng.shuffle(funcs)
     for name, attr, para in funcs[:n]:
-        group = f"py:{name}"
-        kind = rng.randrange(4)
-        if kind == 0:
-            yield "coding", group, f"What does the Python function `{name}.{attr}` do? Give an example."
-        elif kind == 1:
-            yield "extraction", group, f"Summarise this Python documentation in one sentence:\n\n{para}"
-        elif kind == 2:
-            yield "coding", group, f"Show me how to use `{name}.{attr}` in a short Python example."
-        else:
-            yield "extraction", group, (f"Here is the documentation of `{name}.{attr}`:\n\n{para}\n\n"
-                                        "List the arguments or inputs it mentions.")
+        category, template = rng.choice(PYTHON_DOC_TASKS)
+        yield category, f"py:{name}", template.format(func=f"{name}.{attr}", para=para)
 
 
 def debian_doc_prompts(rng: random.Random, n: int, status: Path = Path("/var/lib/dpkg/status")):
@@ -286,14 +292,8 @@ def debian_doc_prompts(rng: random.Random, n: int, status: Path = Path("/var/lib
                 entries.append((name.group(1), lines[0], text))
     rng.shuffle(entries)
     for name, short, text in entries[:n]:
-        group = f"deb:{name}"
-        kind = rng.randrange(3)
-        if kind == 0:
-            yield "extraction", group, f"Summarise this software description in two sentences:\n\n{text}"
-        elif kind == 1:
-            yield "extraction", group, f"Extract the main features from this text as a list:\n\n{text}"
-        else:
-            yield "stem", group, f"What is a tool like '{name}' ({short}) used for?"
+        category, template = rng.choice(DEBIAN_DOC_TASKS)
+        yield category, f"deb:{name}", template.format(name=name, short=short, text=text)
 
 
 def extraction_prompts(rng: random.Random, n: int):
