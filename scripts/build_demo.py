@@ -12,12 +12,14 @@ The backbone is Hugging Face's SmolLM2-135M-Instruct as the Q4_1 GGUF file insid
 
 1. ``convert``       — the GGUF file, dequantized once into a cached safetensors folder.
 2. ``self_instruct`` — the backbone writes its own questions about seed topics (self-instruct).
-3. ``prompts``       — the seed prompt set (``scripts/demo_prompts.py``) into ``assets/demo/prompts``.
+3. ``prompts``       — the seed prompt set (``scripts/demo_prompts.py``) into ``assets/demo/prompts``:
+   held-out prompts, round-1 training prompts (``train``) and round-2 training prompts (``train_more``).
 4. ``distill``       — self-distillation: the backbone's greedy replies (paper 2.3.2), batched, on plain
    bfloat16 (default: about 3× faster than float32 on this CPU) or float32 weights.
 5. ``heads``         — "version 2" Medusa heads sharing the backbone's LM head (paper 2.2.1) on the
    frozen backbone, with ``medusa_core.train`` (softmax over the replies' vocabulary during
-   training); calibration on held-out replies over the whole vocabulary (paper 2.3.3).
+   training), on the replies of ``--train-rounds`` prompt rounds (the frozen backbone's hidden
+   states are cached per round); calibration on held-out replies over the whole vocabulary (paper 2.3.3).
 6. ``export``        — heads, config and calibration into ``assets/demo``, figures in ``build_figures.json``.
 7. ``evaluate``      — the shipped model on held-out prompts: acceleration per tree, identical to plain
    greedy decoding, replies that end within 512 tokens.
@@ -45,6 +47,8 @@ PROMPTS = ASSET / "prompts"
 SEED = 0
 BASE_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+#: Training prompt files in ``assets/demo/prompts`` (rounds 1 and 2 of ``scripts/demo_prompts.py``).
+TRAIN_SPLITS = ("train", "train_more")
 
 
 def log(msg: str) -> None:
@@ -120,7 +124,8 @@ def stage_distill(args) -> None:
     from medusa_core.train import distill, read_distilled, read_prompts
 
     model, tok = load(DTYPES[args.distill_dtype])
-    for split, max_new in (("heldout", args.max_reply_tokens), ("train", args.max_reply_tokens)):
+    for split in ("heldout", *TRAIN_SPLITS):
+        max_new = args.max_reply_tokens
         out = WORK / f"distill_{split}.jsonl"
         chats = read_prompts(PROMPTS / f"{split}.jsonl")
         before = len(read_distilled(out)) if out.exists() else 0
@@ -156,13 +161,15 @@ def stage_heads(args) -> None:
     cfg = HeadTrainingConfig(num_heads=args.num_heads, num_layers=args.head_layers, share_lm_head=True,
                              vocab="data", epochs=args.head_epochs, batch_size=512, lr=args.head_lr,
                              warmup_steps=30, seed=SEED, checkpoint_every=50)
-    cached = WORK / f"positions_train_{cfg.num_heads}.pt"  # the frozen backbone's states: kept for re-training
-    if cached.exists():
-        hidden, labels = torch.load(cached, weights_only=True).values()
-    else:
-        hidden, labels = collect_positions(model, read_distilled(WORK / "distill_train.jsonl"), cfg.num_heads, bf16=True)
-        torch.save({"hidden": hidden, "labels": labels}, cached)
-    log(f"heads: {len(hidden)} training positions in {time.time() - t0:.0f} s")
+    parts = []
+    for split in TRAIN_SPLITS[: args.train_rounds]:
+        cached = WORK / f"positions_{split}_{cfg.num_heads}.pt"  # the frozen backbone's states: kept for re-training
+        if not cached.exists():
+            hidden, labels = collect_positions(model, read_distilled(WORK / f"distill_{split}.jsonl"), cfg.num_heads, bf16=True)
+            torch.save({"hidden": hidden, "labels": labels}, cached)
+        parts.append(torch.load(cached, weights_only=True))
+    hidden, labels = (torch.cat([part[key] for part in parts]) for key in ("hidden", "labels"))
+    log(f"heads: {len(hidden)} training positions from {args.train_rounds} prompt round(s) in {time.time() - t0:.0f} s")
     heads, stats = train_heads(model, hidden, labels, out, cfg, base_model_name_or_path=BASE_MODEL_ID)
     held_h, held_l = collect_positions(model, read_distilled(WORK / "distill_heldout.jsonl"), cfg.num_heads)
     record = calibration(rank_accuracy(heads, held_h, held_l), budgets=(4, 8, 12, 16, 32, 64), default=16)
@@ -181,8 +188,9 @@ def stage_heads(args) -> None:
 
 
 def heads_folder(args) -> Path:
-    """One folder per head configuration, so that several can be trained and compared."""
-    return WORK / f"heads-{args.num_heads}x{args.head_layers}-e{args.head_epochs:g}-lr{args.head_lr:g}"
+    """One folder per head configuration and training data, so that several can be trained and compared."""
+    rounds = "" if args.train_rounds == 1 else f"-r{args.train_rounds}"
+    return WORK / f"heads-{args.num_heads}x{args.head_layers}-e{args.head_epochs:g}-lr{args.head_lr:g}{rounds}"
 
 
 def stage_export(args) -> None:
@@ -193,21 +201,21 @@ def stage_export(args) -> None:
     record = {
         "build": figures(),
         "heads": json.loads((heads_folder(args) / "train_stats.json").read_text()),
-        "distill": _distill_figures(),
+        "distill": _distill_figures(args),
     }
     (ASSET / "build_figures.json").write_text(json.dumps(record, indent=2) + "\n")
     size = sum(f.stat().st_size for f in ASSET.rglob("*") if f.is_file())
     log(f"export: {size / 1e6:.1f} MB in {ASSET}")
 
 
-def _distill_figures() -> dict:
+def _distill_figures(args) -> dict:
     from medusa_core.train import read_distilled
 
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(backbone_folder())  # the tokenizer only: no need to load the model
     out = {}
-    for split in ("train", "heldout"):
+    for split in ("heldout", *TRAIN_SPLITS[: args.train_rounds]):
         rows = read_distilled(WORK / f"distill_{split}.jsonl")
         ended = sum(1 for r in rows if tok.eos_token_id in r["reply_ids"])
         out[split] = {
@@ -291,7 +299,9 @@ def main() -> None:
     p.add_argument("--stages", nargs="+", choices=list(STAGES), default=list(STAGES))
     p.add_argument("--distill-dtype", choices=list(DTYPES), default="bfloat16")
     p.add_argument("--distill-batch", type=int, default=64)
-    p.add_argument("--max-reply-tokens", type=int, default=192, help="distilled reply length limit")
+    p.add_argument("--max-reply-tokens", type=int, default=128, help="distilled reply length limit")
+    p.add_argument("--train-rounds", type=int, choices=[1, 2], default=2,
+                   help="prompt rounds the heads train on (1: train.jsonl; 2: also train_more.jsonl)")
     p.add_argument("--num-heads", type=int, default=4)
     p.add_argument("--head-layers", type=int, default=2, help="residual blocks per head")
     p.add_argument("--head-epochs", type=float, default=3.0)

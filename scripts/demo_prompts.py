@@ -31,130 +31,21 @@ import json
 import random
 import re
 import sys
+import warnings
 from pathlib import Path
 
 SEED = 0
 HELDOUT_PER_MILLE = 80  # ~8 % of topic groups are held out
 
-# ----------------------------------------------------------------------------------- seed topics
-WRITING_FORMS = ["short story", "poem", "haiku", "limerick", "blog post", "product description", "speech",
-                 "letter", "diary entry", "news headline and summary", "motivational message", "toast",
-                 "short essay", "dialogue", "slogan", "review", "cover letter", "thank-you note", "tweet",
-                 "birthday message"]
-WRITING_TOPICS = ["autumn leaves", "a lost cat", "the first day of school", "a rainy city", "the ocean", "friendship",
-                  "a robot learning to paint", "climate change", "a small bakery", "space travel", "a mountain hike",
-                  "the importance of sleep", "a new smartphone", "a local library", "learning a language",
-                  "a winter morning", "a grandmother's recipe", "electric cars", "a dragon who is afraid of fire",
-                  "working from home", "a summer festival", "the moon", "a village by the sea", "coffee",
-                  "a train journey", "recycling", "a chess tournament", "the internet", "gardening",
-                  "a time traveler", "music", "a football match", "a lighthouse keeper", "volunteering",
-                  "a forgotten key", "the city at night", "honeybees", "a birthday party", "a quiet forest",
-                  "a job interview", "kindness", "a snowstorm", "the desert", "an old photograph", "bicycles"]
-AUDIENCES = ["children", "a teenager", "my boss", "a close friend", "new employees", "customers", "my neighbours",
-             "a teacher", "the city council", "my grandparents"]
-EMAIL_SITUATIONS = ["asking for a day off", "apologising for a late reply", "inviting them to a meeting",
-                    "complaining about a broken product", "thanking them for their help", "asking for feedback",
-                    "announcing a new project", "requesting a refund", "introducing myself", "rescheduling an appointment"]
-
-ROLES = ["a pirate captain", "a medieval knight", "a friendly librarian", "a travel guide in Rome", "a detective",
-         "a chef in a busy restaurant", "a fitness coach", "a wise old wizard", "an astronaut on the ISS",
-         "a museum tour guide", "a customer support agent", "a job interviewer", "a history teacher",
-         "Sherlock Holmes", "a tour guide in Tokyo", "a park ranger", "a radio DJ", "a shopkeeper in a small town",
-         "a robot butler", "a sports commentator", "a doctor", "a poet", "a startup founder", "a farmer",
-         "a ship's navigator", "a jazz musician", "a kindergarten teacher", "a mountain guide", "a news reporter",
-         "a famous painter", "a space alien visiting Earth", "a barista", "a lawyer", "a zookeeper",
-         "a video game character", "a king giving a speech", "a gardener", "a taxi driver in London",
-         "a marine biologist", "a stand-up comedian"]
-ROLE_REQUESTS = ["Introduce yourself.", "Describe a typical day.", "Give me some advice.", "Tell me a short story.",
-                 "What is the most important lesson you have learned?", "Welcome me and explain what you do.",
-                 "Answer my question: what should I do first?", "Describe your favourite place.",
-                 "What do you like most about your work?", "Tell me about the hardest day you remember."]
-
-STEM_CONCEPTS = ["photosynthesis", "gravity", "the water cycle", "DNA", "black holes", "electricity", "magnetism",
-                 "evolution", "the immune system", "climate change", "plate tectonics", "the speed of light",
-                 "atoms", "chemical reactions", "vaccines", "the greenhouse effect", "machine learning",
-                 "the internet", "binary numbers", "encryption", "renewable energy", "the human heart",
-                 "the solar system", "earthquakes", "volcanoes", "friction", "sound waves", "rainbows",
-                 "the periodic table", "bacteria and viruses", "nuclear energy", "the brain", "tides",
-                 "compound interest", "probability", "a neural network", "an algorithm", "a CPU", "RAM",
-                 "batteries", "antibiotics", "cells", "the ozone layer", "seasons", "inflation", "entropy",
-                 "the Pythagorean theorem", "prime numbers", "fractions", "statistics", "GPS", "solar panels"]
-STEM_PAIRS = [("a virus", "a bacterium"), ("weather", "climate"), ("speed", "velocity"), ("mass", "weight"),
-              ("an atom", "a molecule"), ("AC", "DC current"), ("RAM", "storage"), ("a comet", "an asteroid"),
-              ("mitosis", "meiosis"), ("heat", "temperature"), ("a list", "a tuple in Python"),
-              ("HTTP", "HTTPS"), ("a planet", "a star"), ("an acid", "a base"), ("DNA", "RNA")]
-HUMANITIES = ["the Roman Empire", "the French Revolution", "the Renaissance", "ancient Egypt", "World War I",
-              "the Industrial Revolution", "the Cold War", "democracy", "the printing press", "the Silk Road",
-              "Shakespeare", "Leonardo da Vinci", "Mahatma Gandhi", "Martin Luther King Jr.", "Marie Curie",
-              "the Great Wall of China", "ancient Greece", "philosophy", "Socrates", "impressionism",
-              "the Olympic Games", "the Maya civilisation", "the Vikings", "the United Nations", "human rights",
-              "the invention of writing", "Buddhism", "Greek mythology", "the Beatles", "jazz", "architecture",
-              "the moon landing", "the fall of the Berlin Wall", "Confucius", "the Magna Carta", "Napoleon",
-              "the Byzantine Empire", "the Aztecs", "classical music", "Pride and Prejudice", "Don Quixote",
-              "The Odyssey", "existentialism", "the Enlightenment", "globalisation", "urbanisation"]
-EVERYDAY = ["sleep better", "save money", "learn a new language", "cook rice", "stay focused while studying",
-            "start running", "reduce stress", "make new friends", "organise my desk", "prepare for a job interview",
-            "keep houseplants alive", "eat healthier", "wake up earlier", "write a good CV", "plan a trip",
-            "make a cup of tea", "clean a laptop keyboard", "learn to swim", "be more productive",
-            "speak in public", "fix a flat bicycle tyre", "choose a good book", "drink more water",
-            "start a small garden", "keep a budget", "stop procrastinating", "take better photos with my phone",
-            "get along with my roommate", "prepare for an exam", "bake bread", "remember names",
-            "learn to play the guitar", "spend less time on my phone", "pack a suitcase", "care for a puppy",
-            "make a good first impression", "start meditating", "stay warm in winter", "host a dinner party"]
-EVERYDAY_QUESTIONS = ["Why is the sky blue?", "How many hours should an adult sleep?", "What should I eat for breakfast?",
-                      "Is coffee bad for you?", "How do I boil an egg?", "What is a good name for a cat?",
-                      "How do airplanes stay in the air?", "What is the best way to learn maths?",
-                      "Why do we dream?", "How do I tie a tie?", "What can I cook with potatoes and eggs?",
-                      "How long should I walk every day?", "What is the capital of France?",
-                      "What is the capital of Japan?", "How far is the Moon from Earth?",
-                      "Which is the largest ocean?", "Who wrote Romeo and Juliet?", "How many continents are there?",
-                      "What is the tallest mountain in the world?", "How does a refrigerator work?"]
-
-CODING_TASKS = ["reverses a string", "checks whether a string is a palindrome", "returns the n-th Fibonacci number",
-                "counts the vowels in a string", "finds the largest number in a list", "removes duplicates from a list",
-                "sorts a list of dictionaries by a key", "checks whether a number is prime", "computes a factorial",
-                "merges two sorted lists", "flattens a nested list", "counts word frequencies in a text",
-                "converts Celsius to Fahrenheit", "reads a CSV file and prints each row",
-                "returns the sum of the squares of a list", "finds the second largest number in a list",
-                "capitalises every word in a sentence", "checks whether two strings are anagrams",
-                "computes the average of a list of numbers", "generates a random password",
-                "returns the greatest common divisor of two numbers", "validates an email address with a regex",
-                "counts the lines in a file", "implements binary search", "implements bubble sort",
-                "transposes a matrix", "groups words by their first letter", "returns the intersection of two lists",
-                "converts a Roman numeral to an integer", "checks if brackets in a string are balanced",
-                "chunks a list into pieces of size n", "computes the median of a list", "rotates a list by k steps",
-                "returns all even numbers from a list", "parses a date string", "implements a stack class",
-                "implements a simple queue", "computes the dot product of two vectors", "finds all primes below n",
-                "writes a dictionary to a JSON file"]
-CODING_LANGS = ["Python", "JavaScript", "Bash", "SQL", "C", "Java", "Rust", "Go"]
-CODING_HOWTO = ["read a file line by line", "make an HTTP request", "sort a list", "handle exceptions",
-                "write a for loop", "define a class", "use a dictionary", "join strings", "get the current date",
-                "create a virtual environment", "write a unit test", "iterate over two lists at once",
-                "remove whitespace from a string", "convert a string to an integer", "format a number with two decimals",
-                "list the files in a folder", "count occurrences in a list", "reverse a list", "copy a file"]
-CODE_SNIPPETS = ["def f(xs):\n    return [x * x for x in xs if x % 2 == 0]",
-                 "for i in range(1, 11):\n    print(i, i ** 2)",
-                 "s = 'hello world'\nprint(s[::-1].upper())",
-                 "import collections\nc = collections.Counter('mississippi')\nprint(c.most_common(2))",
-                 "def g(n):\n    return n if n < 2 else g(n - 1) + g(n - 2)",
-                 "nums = [3, 1, 2]\nnums.sort(reverse=True)\nprint(nums)",
-                 "with open('data.txt') as f:\n    total = sum(int(line) for line in f)",
-                 "SELECT name, COUNT(*) FROM orders GROUP BY name ORDER BY 2 DESC;",
-                 "x = {k: v for k, v in zip('abc', range(3))}",
-                 "while n > 0:\n    n //= 2\n    steps += 1"]
-
-NAMES = ["Alice", "Bob", "Carol", "David", "Emma", "Frank", "Grace", "Hassan", "Ines", "Jamal", "Kenji", "Lena",
-         "Maria", "Noah", "Olivia", "Pablo", "Quinn", "Rosa", "Sam", "Tara", "Umar", "Vera", "Wei", "Yara", "Zoe"]
-ITEMS = ["apples", "pencils", "books", "cupcakes", "marbles", "stickers", "oranges", "cookies", "tickets", "coins"]
-CITIES = ["Paris", "Berlin", "Madrid", "Rome", "Lisbon", "Vienna", "Prague", "Dublin", "Oslo", "Athens", "Cairo",
-          "Tokyo", "Seoul", "Lima", "Toronto", "Nairobi", "Sydney", "Mumbai", "Mexico City", "Istanbul"]
-
-FOLLOWUPS = ["Can you make it shorter?", "Can you explain that more simply?", "Give me one more example.",
-             "Can you put that in a bulleted list?", "Why is that?", "Can you summarise that in one sentence?",
-             "What would you add to that?", "Can you make it more formal?", "Thanks! Can you give me a tip to remember it?",
-             "How would you explain it to a ten-year-old?", "What is the most important point?",
-             "Can you write it again with a happier tone?", "Is there anything I should be careful about?"]
-
+from demo_seeds import (  # the seed tables
+    WRITING_FORMS, WRITING_TOPICS, AUDIENCES, EMAIL_SITUATIONS, ROLES,
+    ROLE_REQUESTS, STEM_CONCEPTS, STEM_PAIRS, HUMANITIES, EVERYDAY,
+    EVERYDAY_QUESTIONS, CODING_TASKS, CODING_LANGS, CODING_HOWTO, CODE_SNIPPETS,
+    NAMES, ITEMS, CITIES, FOLLOWUPS, PYTHON_MODULES,
+    MORE_WRITING_TOPICS, MORE_WRITING_TASKS, MORE_ROLES, MORE_ROLE_REQUESTS, MORE_STEM_CONCEPTS,
+    MORE_STEM_TASKS, MORE_HUMANITIES, MORE_HUMANITIES_TASKS, MORE_EVERYDAY, MORE_EVERYDAY_TASKS,
+    MORE_CODING_TASKS, MORE_CODING_TEMPLATES, MORE_CODING_HOWTO, MORE_PYTHON_MODULES,
+)
 
 # --------------------------------------------------------------------------------- generators
 def template_prompts(rng: random.Random):
@@ -208,9 +99,35 @@ def template_prompts(rng: random.Random):
             yield "coding", f"cs:{n}", t.format(c=code)
 
 
-def reasoning_and_math(rng: random.Random, n: int):
-    """Fresh reasoning and math problems with drawn names and numbers; each its own group."""
-    for i in range(n):
+def more_template_prompts(rng: random.Random):
+    """Round 2 (category, group, prompt): new seed topics and templates, and unused round-1 pairings."""
+    for topic in WRITING_TOPICS + MORE_WRITING_TOPICS:
+        for form in rng.sample(WRITING_FORMS, 4):
+            template = rng.choice(MORE_WRITING_TASKS + ["Write a {form} about {topic}."])
+            yield "writing", f"w:{topic}", template.format(form=form, topic=topic, audience=rng.choice(AUDIENCES))
+    for role in ROLES + MORE_ROLES:
+        for request in rng.sample(ROLE_REQUESTS + MORE_ROLE_REQUESTS, 5):
+            yield "roleplay", f"r:{role}", f"Pretend you are {role}. {request}"
+    for concept in STEM_CONCEPTS + MORE_STEM_CONCEPTS:
+        for template in rng.sample(MORE_STEM_TASKS, 5):
+            yield "stem", f"s:{concept}", template.format(c=concept)
+    for topic in HUMANITIES + MORE_HUMANITIES:
+        for template in rng.sample(MORE_HUMANITIES_TASKS, 4):
+            yield "humanities", f"h:{topic}", template.format(c=topic)
+    for goal in EVERYDAY + MORE_EVERYDAY:
+        for template in rng.sample(MORE_EVERYDAY_TASKS, 3):
+            yield "everyday", f"d:{goal}", template.format(g=goal)
+    for task in CODING_TASKS + MORE_CODING_TASKS:
+        for template in rng.sample(MORE_CODING_TEMPLATES, 3):
+            yield "coding", f"c:{task}", template.format(t=task, lang=rng.choice(CODING_LANGS[1:]))
+    for howto in CODING_HOWTO + MORE_CODING_HOWTO:
+        for lang in rng.sample(CODING_LANGS, 3):
+            yield "coding", f"ch:{howto}", f"How do I {howto} in {lang}?"
+
+
+def reasoning_and_math(rng: random.Random, n: int, start: int = 0):
+    """Fresh reasoning and math problems with drawn names and numbers; each its own group (numbered from ``start``)."""
+    for i in range(start, start + n):
         a, b, c = rng.sample(NAMES, 3)
         x, y, z = rng.randint(2, 60), rng.randint(2, 40), rng.randint(2, 12)
         item, city = rng.choice(ITEMS), rng.choice(CITIES)
@@ -255,19 +172,18 @@ DEBIAN_DOC_TASKS = [
 ]
 
 
-def python_doc_prompts(rng: random.Random, n: int):
-    """Questions about the standard library, with its own docstrings as the text to work on."""
-    modules = ["string", "json", "math", "random", "collections", "itertools", "functools", "os.path", "re",
-               "datetime", "statistics", "textwrap", "pathlib", "shutil", "csv", "heapq", "bisect", "fractions",
-               "decimal", "calendar", "time", "copy", "operator", "difflib", "base64", "hashlib", "uuid", "zipfile"]
+def python_doc_prompts(rng: random.Random, n: int, modules: list[str] = PYTHON_MODULES):
+    """Questions about the standard library (``modules``), with its own docstrings as the text to work on."""
     funcs = []
     for name in modules:
         mod = importlib.import_module(name)
         for attr in sorted(dir(mod)):
-            obj = getattr(mod, attr, None)
+            with warnings.catch_warnings():  # deprecated aliases such as typing.io warn when looked at
+                warnings.simplefilter("ignore", DeprecationWarning)
+                obj = getattr(mod, attr, None)
+                doc = (inspect.getdoc(obj) or "") if callable(obj) else ""
             if attr.startswith("_") or not callable(obj):
                 continue
-            doc = inspect.getdoc(obj) or ""
             para = doc.split("\n\n")[0].strip()
             if 40 <= len(para) <= 600 and not para.startswith(attr + "("):
                 funcs.append((name, attr, para))
@@ -296,10 +212,10 @@ def debian_doc_prompts(rng: random.Random, n: int, status: Path = Path("/var/lib
         yield category, f"deb:{name}", template.format(name=name, short=short, text=text)
 
 
-def extraction_prompts(rng: random.Random, n: int):
-    """Extraction from short texts made of drawn names, places, dates and prices."""
+def extraction_prompts(rng: random.Random, n: int, start: int = 0):
+    """Extraction from short texts made of drawn names, places, dates and prices (groups numbered from ``start``)."""
     months = ["January", "March", "May", "July", "September", "November"]
-    for i in range(n):
+    for i in range(start, start + n):
         a, b = rng.sample(NAMES, 2)
         city, month, day = rng.choice(CITIES), rng.choice(months), rng.randint(1, 28)
         price, qty, item = rng.randint(5, 300), rng.randint(1, 9), rng.choice(ITEMS)
@@ -348,13 +264,9 @@ def is_heldout(group: str) -> bool:
     return int(hashlib.sha256(group.encode()).hexdigest(), 16) % 1000 < HELDOUT_PER_MILLE
 
 
-def build(self_instruct: Path | None = None) -> tuple[list[dict], list[dict]]:
-    """(train rows, held-out rows), deterministic for a given machine and self-instruct file."""
-    rng = random.Random(SEED)
-    sources = [("template", template_prompts(rng)), ("generated", reasoning_and_math(rng, 420)),
-               ("generated", extraction_prompts(rng, 160)), ("python-docs", python_doc_prompts(rng, 420)),
-               ("debian-docs", debian_doc_prompts(rng, 260)), ("self-instruct", self_instruct_prompts(self_instruct))]
-    seen, train, heldout = set(), [], []
+def _rows(sources, rng: random.Random, seen: set[str]) -> tuple[list[dict], list[dict]]:
+    """(train rows, held-out rows) of new prompts from ``(source, prompts)`` pairs, in order."""
+    train, heldout = [], []
     for source, prompts in sources:
         for category, group, prompt in prompts:
             if prompt in seen:
@@ -372,25 +284,49 @@ def build(self_instruct: Path | None = None) -> tuple[list[dict], list[dict]]:
     return train, heldout
 
 
+def build(self_instruct: Path | None = None) -> tuple[list[dict], list[dict], list[dict]]:
+    """(round-1 train rows, held-out rows, round-2 train rows), deterministic for a given machine and
+    self-instruct file.
+
+    Round 2 is a second, larger set of training prompts (new seed topics and templates, more
+    documentation, more drawn problems) that never repeats a round-1 prompt; its prompts in held-out
+    groups are dropped, so the held-out set stays the one the first heads were measured on.
+    """
+    rng = random.Random(SEED)
+    sources = [("template", template_prompts(rng)), ("generated", reasoning_and_math(rng, 420)),
+               ("generated", extraction_prompts(rng, 160)), ("python-docs", python_doc_prompts(rng, 420)),
+               ("debian-docs", debian_doc_prompts(rng, 260)), ("self-instruct", self_instruct_prompts(self_instruct))]
+    seen: set[str] = set()
+    train, heldout = _rows(sources, rng, seen)
+    rng = random.Random(SEED + 1)
+    more = [("template", more_template_prompts(rng)), ("generated", reasoning_and_math(rng, 900, start=420)),
+            ("generated", extraction_prompts(rng, 300, start=160)),
+            ("python-docs", python_doc_prompts(rng, 900, MORE_PYTHON_MODULES)),
+            ("debian-docs", debian_doc_prompts(rng, 1000))]
+    train_more, _ = _rows(more, rng, seen)
+    return train, heldout, train_more
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "assets" / "demo" / "prompts")
     p.add_argument("--self-instruct", type=Path, help="questions the backbone wrote (JSONL)")
     args = p.parse_args(argv)
-    train, heldout = build(args.self_instruct)
+    train, heldout, train_more = build(args.self_instruct)
     args.out.mkdir(parents=True, exist_ok=True)
-    for name, rows in (("train", train), ("heldout", heldout)):
+    for name, rows in (("train", train), ("heldout", heldout), ("train_more", train_more)):
         with open(args.out / f"{name}.jsonl", "w", encoding="utf-8") as f:
             for row in rows:
                 f.write(json.dumps({"id": row.pop("id"), **row}, ensure_ascii=False) + "\n")
     counts: dict[str, list[int]] = {}
-    for split, rows in ((0, train), (1, heldout)):
+    for split, rows in ((0, train), (1, heldout), (2, train_more)):
         for row in rows:
-            counts.setdefault(row["category"], [0, 0])[split] += 1
-    print(f"{len(train)} training prompts, {len(heldout)} held out "
-          f"({sum('followup' in r for r in train + heldout)} with a follow-up turn)", file=sys.stderr)
-    for cat, (a, b) in sorted(counts.items()):
-        print(f"  {cat:<11} {a:5d} {b:4d}", file=sys.stderr)
+            counts.setdefault(row["category"], [0, 0, 0])[split] += 1
+    print(f"{len(train)} training prompts, {len(heldout)} held out, {len(train_more)} round-2 training prompts "
+          f"({sum('followup' in r for r in train + heldout + train_more)} with a follow-up turn)", file=sys.stderr)
+    print(f"  {'category':<11} {'train':>5} {'held':>5} {'more':>5}", file=sys.stderr)
+    for cat, (a, b, c) in sorted(counts.items()):
+        print(f"  {cat:<11} {a:5d} {b:5d} {c:5d}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,45 @@
+"""The demo's prompt set (scripts/demo_prompts.py): held-out prompts stay unseen in both training rounds."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import demo_prompts  # noqa: E402
+
+PROMPTS = ROOT / "assets" / "demo" / "prompts"
+
+
+def _read(name: str) -> list[dict]:
+    return [json.loads(line) for line in (PROMPTS / f"{name}.jsonl").read_text(encoding="utf-8").splitlines()]
+
+
+@pytest.fixture(scope="module")
+def built():
+    return demo_prompts.build(self_instruct=None)
+
+
+def test_round_two_adds_new_prompts_and_never_a_held_out_group(built):
+    train, heldout, more = built
+    first = {r["messages"][0]["content"] for r in train + heldout}
+    assert len(more) > len(train)
+    assert not first & {r["messages"][0]["content"] for r in more}
+    assert not any(demo_prompts.is_heldout(r["group"]) for r in more)
+    assert {r["group"] for r in heldout}.isdisjoint(r["group"] for r in train + more)
+    assert [r["id"] for r in more] == list(range(len(more)))
+
+
+def test_shipped_prompt_files_keep_held_out_prompts_unseen():
+    train, heldout, more = _read("train"), _read("heldout"), _read("train_more")
+    held_groups = {r["group"] for r in heldout}
+    assert len(train) >= 3000 and len(heldout) >= 200 and len(more) >= 3000
+    assert held_groups.isdisjoint(r["group"] for r in train + more)
+    assert all(demo_prompts.is_heldout(r["group"]) for r in heldout)
+    texts = [r["messages"][0]["content"] for r in train + heldout + more]
+    assert len(texts) == len(set(texts))
