@@ -125,12 +125,11 @@ def stage_distill(args) -> None:
 
     model, tok = load(DTYPES[args.distill_dtype])
     for split in ("heldout", *TRAIN_SPLITS):
-        max_new = args.max_reply_tokens
         out = WORK / f"distill_{split}.jsonl"
         chats = read_prompts(PROMPTS / f"{split}.jsonl")
         before = len(read_distilled(out)) if out.exists() else 0
         t0 = time.time()
-        distill(model, tok, chats, out, max_new_tokens=max_new, batch_size=args.distill_batch)
+        distill(model, tok, chats, out, max_new_tokens=args.max_reply_tokens, batch_size=args.distill_batch)
         rows = read_distilled(out)
         new_tokens = sum(len(r["reply_ids"]) for r in rows[before:])
         seconds = time.time() - t0
@@ -164,10 +163,12 @@ def stage_heads(args) -> None:
     parts = []
     for split in TRAIN_SPLITS[: args.train_rounds]:
         cached = WORK / f"positions_{split}_{cfg.num_heads}.pt"  # the frozen backbone's states: kept for re-training
-        if not cached.exists():
-            hidden, labels = collect_positions(model, read_distilled(WORK / f"distill_{split}.jsonl"), cfg.num_heads, bf16=True)
-            torch.save({"hidden": hidden, "labels": labels}, cached)
-        parts.append(torch.load(cached, weights_only=True))
+        if cached.exists():
+            parts.append(torch.load(cached, weights_only=True))
+            continue
+        hidden, labels = collect_positions(model, read_distilled(WORK / f"distill_{split}.jsonl"), cfg.num_heads, bf16=True)
+        parts.append({"hidden": hidden, "labels": labels})
+        torch.save(parts[-1], cached)
     hidden, labels = (torch.cat([part[key] for part in parts]) for key in ("hidden", "labels"))
     log(f"heads: {len(hidden)} training positions from {args.train_rounds} prompt round(s) in {time.time() - t0:.0f} s")
     heads, stats = train_heads(model, hidden, labels, out, cfg, base_model_name_or_path=BASE_MODEL_ID)

@@ -177,13 +177,13 @@ def python_doc_prompts(rng: random.Random, n: int, modules: list[str] = PYTHON_M
     funcs = []
     for name in modules:
         mod = importlib.import_module(name)
-        for attr in sorted(dir(mod)):
+        for attr in sorted(a for a in dir(mod) if not a.startswith("_")):
             with warnings.catch_warnings():  # deprecated aliases such as typing.io warn when looked at
                 warnings.simplefilter("ignore", DeprecationWarning)
                 obj = getattr(mod, attr, None)
-                doc = (inspect.getdoc(obj) or "") if callable(obj) else ""
-            if attr.startswith("_") or not callable(obj):
-                continue
+                if not callable(obj):
+                    continue
+                doc = inspect.getdoc(obj) or ""
             para = doc.split("\n\n")[0].strip()
             if 40 <= len(para) <= 600 and not para.startswith(attr + "("):
                 funcs.append((name, attr, para))
