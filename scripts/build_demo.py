@@ -15,11 +15,17 @@ The backbone is Hugging Face's SmolLM2-135M-Instruct as the Q4_1 GGUF file insid
 3. ``prompts``       — the seed prompt set (``scripts/demo_prompts.py``) into ``assets/demo/prompts``:
    held-out prompts, round-1 training prompts (``train``) and round-2 training prompts (``train_more``).
 4. ``distill``       — self-distillation: the backbone's greedy replies (paper 2.3.2), batched, on plain
-   bfloat16 (default: about 3× faster than float32 on this CPU) or float32 weights.
+   bfloat16 (default: about 3× faster than float32 on this CPU) or float32 weights; the held-out
+   prompts also by the served backbone (``--quantization``, NF4 by default), whose greedy replies
+   are what Medusa must reproduce when serving.
 5. ``heads``         — "version 2" Medusa heads sharing the backbone's LM head (paper 2.2.1) on the
-   frozen backbone, with ``medusa_core.train`` (softmax over the replies' vocabulary during
+   frozen served backbone, with ``medusa_core.train`` (softmax over the replies' vocabulary during
    training), on the replies of ``--train-rounds`` prompt rounds (the frozen backbone's hidden
-   states are cached per round); calibration on held-out replies over the whole vocabulary (paper 2.3.3).
+   states are cached per round). With NF4, the served backbone's greedy tokens agree with the
+   bfloat16 replies at only ~80 % of places, so the heads learn its own greedy tokens on those
+   replies (``collect_positions(targets="backbone")``). Calibration on the served backbone's
+   held-out replies over the whole vocabulary (paper 2.3.3), with each tree's acceleration replayed
+   on them (exact for greedy decoding, ``simulated_acceleration``).
 6. ``export``        — heads, config and calibration into ``assets/demo``, figures in ``build_figures.json``.
 7. ``evaluate``      — the shipped model on held-out prompts: acceleration per tree, identical to plain
    greedy decoding, replies that end within 512 tokens.
@@ -68,6 +74,18 @@ def load(dtype: torch.dtype = torch.float32):
     folder = backbone_folder()
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval().requires_grad_(False)
     return model, AutoTokenizer.from_pretrained(folder)
+
+
+def load_served(args):
+    """The backbone as the app serves it (``--quantization``: NF4 by default, float32 compute)."""
+    from medusa_core.loading import load_backbone
+
+    return load_backbone(str(backbone_folder()), None if args.quantization == "none" else args.quantization)
+
+
+def served_suffix(args) -> str:
+    """File-name part of work files that depend on the served backbone ("" for the plain weights)."""
+    return "" if args.quantization == "none" else f"_{args.quantization}"
 
 
 def figures() -> dict:
@@ -139,16 +157,22 @@ def stage_distill(args) -> None:
             save_figures(**{f"distill_{split}_run_{int(time.time())}": {
                 "replies": len(rows) - before, "reply_tokens": new_tokens, "seconds": round(seconds),
                 "dtype": args.distill_dtype, "batch_size": args.distill_batch, "threads": torch.get_num_threads()}})
+    if args.quantization != "none":  # the held-out replies Medusa must reproduce with the served backbone
+        out = WORK / f"distill_heldout{served_suffix(args)}.jsonl"
+        distill(load_served(args), tok, read_prompts(PROMPTS / "heldout.jsonl"), out,
+                max_new_tokens=args.max_reply_tokens, batch_size=args.distill_batch)
 
 
 def stage_heads(args) -> None:
     from medusa_core.loading import CALIBRATION_FILE
     from medusa_core.train import (
         HeadTrainingConfig,
+        accuracy_from_ranks,
         calibration,
         collect_positions,
         rank_accuracy,
         read_distilled,
+        target_ranks,
         train_heads,
     )
 
@@ -156,32 +180,41 @@ def stage_heads(args) -> None:
     if (out / "train_stats.json").exists():
         return
     t0 = time.time()
-    model, _ = load()
+    model = load()[0] if args.quantization == "none" else load_served(args)
     cfg = HeadTrainingConfig(num_heads=args.num_heads, num_layers=args.head_layers, share_lm_head=True,
                              vocab="data", epochs=args.head_epochs, batch_size=512, lr=args.head_lr,
                              warmup_steps=30, seed=SEED, checkpoint_every=50)
-    parts = []
-    for split in TRAIN_SPLITS[: args.train_rounds]:
-        cached = WORK / f"positions_{split}_{cfg.num_heads}.pt"  # the frozen backbone's states: kept for re-training
+    targets = "reply" if args.quantization == "none" else "backbone"  # NF4: its own greedy tokens
+    suffix = served_suffix(args)
+
+    def positions(split: str, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """The frozen backbone's states on one distilled split, cached for re-training."""
+        cached = WORK / f"positions_{split}{suffix}_{cfg.num_heads}.pt"
         if cached.exists():
-            parts.append(torch.load(cached, weights_only=True))
-            continue
-        hidden, labels = collect_positions(model, read_distilled(WORK / f"distill_{split}.jsonl"), cfg.num_heads, bf16=True)
-        parts.append({"hidden": hidden, "labels": labels})
-        torch.save(parts[-1], cached)
-    hidden, labels = (torch.cat([part[key] for part in parts]) for key in ("hidden", "labels"))
+            part = torch.load(cached, weights_only=True)
+            return part["hidden"], part["labels"]
+        hidden, labels = collect_positions(model, read_distilled(WORK / f"distill_{split}.jsonl"), cfg.num_heads, **kwargs)
+        torch.save({"hidden": hidden, "labels": labels}, cached)
+        return hidden, labels
+
+    parts = [positions(split, bf16=True, targets=targets) for split in TRAIN_SPLITS[: args.train_rounds]]
+    hidden, labels = (torch.cat(column) for column in zip(*parts))
     log(f"heads: {len(hidden)} training positions from {args.train_rounds} prompt round(s) in {time.time() - t0:.0f} s")
     heads, stats = train_heads(model, hidden, labels, out, cfg, base_model_name_or_path=BASE_MODEL_ID)
-    held_h, held_l = collect_positions(model, read_distilled(WORK / "distill_heldout.jsonl"), cfg.num_heads)
-    record = calibration(rank_accuracy(heads, held_h, held_l), budgets=(4, 8, 12, 16, 32, 64), default=16)
+    held_h, held_l = positions(f"heldout{suffix}")  # the served backbone's own replies, its float32 states
+    ranks = target_ranks(heads, held_h, held_l)
+    record = calibration(accuracy_from_ranks(ranks), budgets=(4, 8, 12, 16, 32, 64), default=16, replayed=(ranks, held_l))
     train_acc = rank_accuracy(heads, hidden[:50_000], labels[:50_000])
     (out / CALIBRATION_FILE).write_text(json.dumps(record, indent=1) + "\n")
     stats.update(
+        backbone_quantization=args.quantization,
+        targets=targets,
         heldout_positions=len(held_h),
         heldout_top1=record["top1"],
         heldout_top5=record["top5"],
         train_top1=[round(r[0], 4) for r in train_acc],
         expected_acceleration=record["expected_acceleration"],
+        simulated_acceleration=record["simulated_acceleration"],
         seconds_total=round(time.time() - t0),
     )
     (out / "train_stats.json").write_text(json.dumps(stats, indent=2))
@@ -191,7 +224,8 @@ def stage_heads(args) -> None:
 def heads_folder(args) -> Path:
     """One folder per head configuration and training data, so that several can be trained and compared."""
     rounds = "" if args.train_rounds == 1 else f"-r{args.train_rounds}"
-    return WORK / f"heads-{args.num_heads}x{args.head_layers}-e{args.head_epochs:g}-lr{args.head_lr:g}{rounds}"
+    served = served_suffix(args).replace("_", "-")
+    return WORK / f"heads-{args.num_heads}x{args.head_layers}-e{args.head_epochs:g}-lr{args.head_lr:g}{rounds}{served}"
 
 
 def stage_export(args) -> None:
@@ -216,7 +250,7 @@ def _distill_figures(args) -> dict:
 
     tok = AutoTokenizer.from_pretrained(backbone_folder())  # the tokenizer only: no need to load the model
     out = {}
-    for split in ("heldout", *TRAIN_SPLITS[: args.train_rounds]):
+    for split in dict.fromkeys(("heldout", f"heldout{served_suffix(args)}", *TRAIN_SPLITS[: args.train_rounds])):
         rows = read_distilled(WORK / f"distill_{split}.jsonl")
         ended = sum(1 for r in rows if tok.eos_token_id in r["reply_ids"])
         out[split] = {
@@ -241,7 +275,7 @@ def stage_evaluate(args) -> None:
 
     chats = [c for c in read_prompts(PROMPTS / "heldout.jsonl") if len(c) == 1]
     record = json.loads((ASSET / "build_figures.json").read_text())
-    model = load_medusa_model("demo", quantization=args.eval_quantization)
+    model = load_medusa_model("demo", quantization=args.quantization)
     tok = model.tokenizer
     trees = [t for t, paths in model.trees.items() if len(paths) + 1 <= 33]
     same = runs = 0
@@ -275,7 +309,7 @@ def stage_evaluate(args) -> None:
     record["evaluation"] = {
         "prompts": min(args.eval_prompts, len(chats)),
         "max_new_tokens": 128,
-        "quantization": args.eval_quantization,
+        "quantization": args.quantization,
         "trees": result,
         "identical_to_plain_greedy": f"{same}/{runs}",
         "ended_with_end_of_turn": {"replies": f"{ended}/{total}", "within_tokens": args.eval_tokens},
@@ -310,7 +344,8 @@ def main() -> None:
     p.add_argument("--eval-prompts", type=int, default=20, help="held-out prompts for acceleration and exactness")
     p.add_argument("--end-prompts", type=int, default=48, help="held-out prompts for the end-of-turn figure")
     p.add_argument("--eval-tokens", type=int, default=512, help="token limit of the end-of-turn figure")
-    p.add_argument("--eval-quantization", default="nf4", choices=["nf4", "none"])
+    p.add_argument("--quantization", default="nf4", choices=["nf4", "none"],
+                   help="the backbone the heads are trained for and evaluated on (the app's default: nf4)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch CPU threads")
     args = p.parse_args()
     torch.set_num_threads(args.threads)

@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 from medusa_core import MedusaHeads, load_medusa_model, optimal_tree
 from medusa_core.train import (
     HeadTrainingConfig,
+    accuracy_from_ranks,
     calibration,
     collect_positions,
     distill,
@@ -19,9 +20,11 @@ from medusa_core.train import (
     read_distilled,
     MODEL_TURN,
     read_prompts,
+    simulated_acceleration,
+    target_ranks,
     train_heads,
 )
-from tiny_models import HIDDEN, VOCAB, tiny_backbone, tiny_tokenizer, write_tiny_medusa
+from tiny_models import HIDDEN, VOCAB, random_heads, tiny_backbone, tiny_tokenizer, write_tiny_medusa
 
 
 def _distilled_rows(tmp_path, n=12):
@@ -156,9 +159,10 @@ def test_cli_distill_heads_and_vllm_export_run_end_to_end(tmp_path):
     prompts.write_text("\n".join(json.dumps({"prompt": f"def f{i}"}) for i in range(4)) + "\n")
     main(["distill", "--model", base, "--prompts", str(prompts), "--out", str(tmp_path / "d.jsonl"), "--max-new-tokens", "12"])
     main(["heads", "--model", base, "--data", str(tmp_path / "d.jsonl"), "--heldout", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "h"),
-          "--num-heads", "2", "--epochs", "1", "--batch-size", "8", "--export", "vllm", str(tmp_path / "vllm")])
+          "--num-heads", "2", "--epochs", "1", "--batch-size", "8", "--targets", "backbone", "--export", "vllm", str(tmp_path / "vllm")])
     assert json.loads((tmp_path / "h" / "config.json").read_text())["medusa_num_heads"] == 2
-    assert "optimised_32" in json.loads((tmp_path / "h" / "medusa_calibration.json").read_text())["trees"]
+    record = json.loads((tmp_path / "h" / "medusa_calibration.json").read_text())
+    assert "optimised_32" in record["trees"] and record["simulated_acceleration"]["optimised_32"] >= 1
     assert json.loads((tmp_path / "vllm" / "config.json").read_text())["model_type"] == "medusa"
     assert folder.exists()
 
@@ -201,3 +205,68 @@ def test_version_2_heads_trained_on_the_label_vocabulary_learn_and_are_evaluated
     assert after[0][0] > before[0][0] + 0.2
     with pytest.raises(ValueError, match="vocab must be 'full', or 'data' with share_lm_head=True"):
         train_heads(backbone, hidden, labels, tmp_path / "v1", HeadTrainingConfig(vocab="data"), base_model_name_or_path="b")
+
+
+def test_collect_positions_backbone_targets_are_the_backbones_own_greedy_tokens(tmp_path):
+    backbone, _, rows = _distilled_rows(tmp_path, n=4)
+    other = tiny_backbone(seed=5)  # a different backbone: its own greedy tokens differ from the replies
+    hidden, labels = collect_positions(other, rows, num_heads=3, targets="backbone")
+    _, reply_labels = collect_positions(other, rows, num_heads=3)
+    assert torch.equal(labels == -100, reply_labels == -100)
+    start = 0
+    for r in sorted(rows, key=lambda r: len(r["prompt_ids"]) + len(r["reply_ids"])):
+        seq = torch.tensor([r["prompt_ids"] + r["reply_ids"]])
+        greedy = other(seq).logits[0].argmax(-1)  # [T] token after each position
+        p, n = len(r["prompt_ids"]), len(r["reply_ids"])
+        for j in range(n):
+            for k in range(3):
+                if j + k + 1 < n:
+                    assert labels[start + j, k] == greedy[p - 1 + j + k + 1]
+        start += n
+    assert (labels != reply_labels).any()
+    with pytest.raises(ValueError, match="targets must be one of"):
+        collect_positions(other, rows, num_heads=3, targets="teacher")
+
+
+def test_simulated_acceleration_replays_greedy_steps_on_each_reply():
+    # reply A: 5 tokens (positions 0..4), reply B: 3 tokens; two heads; tree [0], [0, 0], [1]
+    labels = torch.full((8, 2), 7)
+    for last, n in ((4, 5), (7, 3)):
+        for j in range(n):
+            for k in range(2):
+                if j + k + 1 >= n:
+                    labels[last - n + 1 + j, k] = -100
+    ranks = torch.where(labels == -100, -1, 3)
+    ranks[0] = torch.tensor([0, 0])  # A: step from token 0 accepts 2 -> tokens 0..3 known
+    ranks[3, 0] = 1  # A: step from token 3 accepts [1] -> done; 1 prefill + 2 steps for 5 tokens
+    ranks[5] = torch.tensor([2, 0])  # B: step from token 0 accepts nothing
+    ranks[6, 0] = 0  # B: step from token 1 accepts [0] -> done; 1 prefill + 2 steps for 3 tokens
+    assert simulated_acceleration(ranks, labels, [[0], [0, 0], [1]]) == 8 / 6
+    assert simulated_acceleration(ranks, labels, []) == 1.0  # plain decoding: one token per step
+    with pytest.raises(ValueError, match="3 deep, the heads give 2 ranks"):
+        simulated_acceleration(ranks, labels, [[0], [0, 0], [0, 0, 0]])
+
+
+def test_simulated_acceleration_equals_the_engines_greedy_decoding(tmp_path):
+    from medusa_core import MedusaModel
+    from medusa_core.trees import dense_tree
+
+    backbone, tok, rows = _distilled_rows(tmp_path, n=8)
+    hidden, labels = collect_positions(backbone, rows, num_heads=3)
+    cfg = HeadTrainingConfig(num_heads=3, epochs=30, batch_size=32, warmup_steps=1, lr=1e-2, checkpoint_every=0, bf16=False)
+    heads, _ = train_heads(backbone, hidden, labels, tmp_path / "heads", cfg, base_model_name_or_path="base")
+    model = MedusaModel(backbone, heads)
+    paths = dense_tree([3, 2, 2])
+    replies, tokens, steps = [], 0, 0
+    for r in rows:
+        ids = torch.tensor([r["prompt_ids"]])
+        plain = [t for rec in model.generate(ids, max_new_tokens=24, medusa=False) for t in rec.token_ids]
+        recs = list(model.generate(ids, max_new_tokens=24, tree=paths))
+        assert [t for rec in recs for t in rec.token_ids] == plain
+        replies.append({"prompt_ids": r["prompt_ids"], "reply_ids": plain})
+        tokens, steps = tokens + len(plain), steps + len(recs)
+    hidden, labels = collect_positions(backbone, replies, num_heads=3)
+    ranks = target_ranks(heads, hidden, labels)
+    assert simulated_acceleration(ranks, labels, paths) == pytest.approx(tokens / steps, abs=1e-12)
+    assert tokens / steps > 1.5  # the heads are right often enough for the replay to mean something
+    assert accuracy_from_ranks(ranks) == rank_accuracy(heads, hidden, labels)

@@ -5,21 +5,24 @@ One module per stage, in the order they run:
 - ``distill``: the backbone's own greedy replies to seed prompts (self-distillation, 2.3.2).
 - ``positions``: hidden states of the frozen backbone and each head's target token (2.2.1).
 - ``heads``: the loss Σ_k 0.8^k · CE(head k, token t+k+2), the schedule and the resumable loop (2.2.1).
-- ``calibrate``: per-head rank accuracies and optimised trees per node budget (2.3.3).
+- ``calibrate``: per-head rank accuracies, optimised trees per node budget (2.3.3) and each tree's
+  acceleration replayed on held-out replies.
 - ``cli``: ``python -m medusa_core.train distill | heads | calibrate`` (``--help`` lists the flags).
 """
 
-from .calibrate import calibration, rank_accuracy
+from .calibrate import accuracy_from_ranks, calibration, rank_accuracy, simulated_acceleration, target_ranks
 from .cli import main
 from .distill import MODEL_TURN, distill, read_distilled, read_prompts
 from .heads import LOSS_DECAY, TRAINER_STATE, HeadTrainingConfig, head_loss, lr_at, train_heads
-from .positions import collect_positions
+from .positions import TARGETS, collect_positions
 
 __all__ = [
     "LOSS_DECAY",
+    "TARGETS",
     "MODEL_TURN",
     "TRAINER_STATE",
     "HeadTrainingConfig",
+    "accuracy_from_ranks",
     "calibration",
     "collect_positions",
     "distill",
@@ -29,5 +32,7 @@ __all__ = [
     "rank_accuracy",
     "read_distilled",
     "read_prompts",
+    "simulated_acceleration",
+    "target_ranks",
     "train_heads",
 ]

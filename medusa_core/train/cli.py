@@ -6,7 +6,8 @@ Command line (``python -m medusa_core.train --help``):
     python -m medusa_core.train distill --model BASE --prompts prompts.jsonl --out distilled.jsonl
     # 2. K heads on the frozen backbone, loss Σ_k 0.8^k · CE(head k, token t+k+2) over reply tokens
     python -m medusa_core.train heads --model BASE --data distilled.jsonl --out HEADS_DIR [--export vllm DIR]
-    # 3. per-head rank accuracies on held-out replies and optimised trees for several node budgets
+    # 3. per-head rank accuracies on held-out replies, optimised trees for several node budgets and
+    #    each tree's acceleration replayed on those replies (exact for greedy decoding)
     python -m medusa_core.train calibrate --heads HEADS_DIR --data heldout.jsonl
 
 The heads folder is a reference head-only checkpoint (``config.json`` + ``medusa_lm_head.safetensors``)
@@ -27,10 +28,10 @@ import torch
 from ..export import export_vllm
 from ..heads import MedusaHeads
 from ..loading import CALIBRATION_FILE, backbone_source, heads_from_state_dict, load_backbone, resolve_device
-from .calibrate import calibration, rank_accuracy
+from .calibrate import accuracy_from_ranks, calibration, target_ranks
 from .distill import distill, read_distilled, read_prompts
 from .heads import HeadTrainingConfig, train_heads
-from .positions import collect_positions
+from .positions import TARGETS, collect_positions
 
 
 def _backbone_and_tokenizer(args):
@@ -76,6 +77,9 @@ def main(argv: list[str] | None = None) -> None:
     h.add_argument("--base-name", help="base_model_name_or_path written to config.json (default: --model)")
     h.add_argument("--export", nargs=2, metavar=("FORMAT", "DIR"), help="also export, e.g. --export vllm DIR")
     h.add_argument("--no-resume", action="store_true")
+    h.add_argument("--targets", choices=TARGETS, default="reply",
+                   help="what head k learns at t: the reply's token t+k+2, or this backbone's own greedy token there "
+                        "(when the replies came from other weights, e.g. heads for an NF4 backbone on bf16 replies)")
     for field, default in asdict(HeadTrainingConfig()).items():
         if isinstance(default, bool):
             if field != "bf16":  # --bf16 (common) covers the heads' autocast too
@@ -97,11 +101,12 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "heads":
         cfg_fields = {f: getattr(args, f) for f in asdict(HeadTrainingConfig())}
         cfg = HeadTrainingConfig(**cfg_fields)
-        hidden, labels = collect_positions(backbone, read_distilled(args.data), cfg.num_heads, bf16=args.bf16)
+        hidden, labels = collect_positions(backbone, read_distilled(args.data), cfg.num_heads, bf16=args.bf16, targets=args.targets)
         heads, stats = train_heads(backbone, hidden, labels, args.out, cfg, base_model_name_or_path=args.base_name or args.model, resume=not args.no_resume)
         if args.heldout:
             hh, hl = collect_positions(backbone, read_distilled(args.heldout), cfg.num_heads, bf16=args.bf16)
-            record = calibration(rank_accuracy(heads, hh, hl))
+            ranks = target_ranks(heads, hh, hl)
+            record = calibration(accuracy_from_ranks(ranks), replayed=(ranks, hl))
             (Path(args.out) / CALIBRATION_FILE).write_text(json.dumps(record, indent=1) + "\n")
             stats["heldout_top1"], stats["heldout_top5"] = record["top1"], record["top5"]
         print(json.dumps(stats, indent=1))
@@ -113,6 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "calibrate":
         heads = _load_heads_folder(Path(args.heads), backbone)
         hidden, labels = collect_positions(backbone, read_distilled(args.data), heads.num_heads, bf16=args.bf16)
-        record = calibration(rank_accuracy(heads, hidden, labels), args.budgets)
+        ranks = target_ranks(heads, hidden, labels)
+        record = calibration(accuracy_from_ranks(ranks), args.budgets, replayed=(ranks, labels))
         (Path(args.heads) / CALIBRATION_FILE).write_text(json.dumps(record, indent=1) + "\n")
-        print(json.dumps({k: record[k] for k in ("top1", "top5", "expected_acceleration")}, indent=1))
+        print(json.dumps({k: record[k] for k in ("top1", "top5", "expected_acceleration", "simulated_acceleration")}, indent=1))

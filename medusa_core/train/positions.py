@@ -11,18 +11,39 @@ from typing import Iterable
 import torch
 from tqdm import tqdm
 
+#: What a head is trained to predict at t (``collect_positions``'s ``targets``).
+TARGETS = ("reply", "backbone")
+
+
 @torch.no_grad()
 def collect_positions(
-    backbone, rows: Iterable[dict], num_heads: int, *, bf16: bool = False, batch_size: int = 16
+    backbone,
+    rows: Iterable[dict],
+    num_heads: int,
+    *,
+    bf16: bool = False,
+    batch_size: int = 16,
+    targets: str = "reply",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Final-norm hidden states of the frozen backbone and each head's target at every reply position.
 
     For a sequence ``prompt + reply`` of length T, the positions used are ``t = len(prompt)-1 .. T-2``;
-    head k's label at t is the token at ``t+k+2`` when that token belongs to the reply, else -100.
+    a reply's positions are consecutive in the result and its last one has no target for any head.
+    Head k's label at t is -100 unless the token at ``t+k+2`` belongs to the reply; otherwise it is
+
+    - ``targets="reply"``: that token of the reply (paper 2.2.1);
+    - ``targets="backbone"``: this backbone's own greedy token for that place, i.e. the argmax of its
+      logits at ``t+k+1`` given the reply before it. Use it when the backbone that serves the heads is
+      not the one that wrote the replies (e.g. replies distilled from the bfloat16 weights, heads
+      served on the NF4 backbone): the heads then learn what the served backbone will verify.
 
     Returns (hidden [M, H] float16 on CPU, labels [M, K] int64).
+    Raises ``ValueError`` for ``targets`` not in ``TARGETS``.
     """
+    if targets not in TARGETS:
+        raise ValueError(f"targets must be one of {TARGETS}, got {targets!r}")
     decoder = backbone.get_decoder()
+    lm_head = backbone.get_output_embeddings()
     device = next(backbone.parameters()).device
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
     rows = sorted(rows, key=lambda r: len(r["prompt_ids"]) + len(r["reply_ids"]))
@@ -35,18 +56,23 @@ def collect_positions(
         for n, s in enumerate(seqs):
             ids[n, : len(s)] = torch.tensor(s)  # right padding: causal attention never sees it
         with autocast:
-            hidden = decoder(input_ids=ids.to(device)).last_hidden_state.float().cpu()  # [B, W, H]
+            hidden = decoder(input_ids=ids.to(device)).last_hidden_state  # [B, W, H]
         for n, (r, s) in enumerate(zip(batch, seqs)):
             p, t_len = len(r["prompt_ids"]), len(s)
             if t_len - p < 2:
                 continue
             positions = torch.arange(p - 1, t_len - 1)
-            seq = torch.tensor(s)
+            if targets == "reply":
+                seq = torch.tensor(s)
+            else:  # seq[u] = the backbone's greedy token after position u-1; only u >= p is read below
+                with autocast:
+                    greedy = lm_head(hidden[n, positions.to(device)]).argmax(-1).cpu()  # after t = p-1 .. T-2
+                seq = torch.cat([torch.zeros(p, dtype=torch.long), greedy])
             labels = torch.full((len(positions), num_heads), -100, dtype=torch.long)
             for k in range(num_heads):
                 target = positions + k + 2
                 ok = target < t_len
                 labels[ok, k] = seq[target[ok]]
-            hidden_parts.append(hidden[n, positions].to(torch.float16))
+            hidden_parts.append(hidden[n, positions.to(device)].float().cpu().to(torch.float16))
             label_parts.append(labels)
     return torch.cat(hidden_parts), torch.cat(label_parts)
