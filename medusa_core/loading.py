@@ -39,6 +39,9 @@ DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "demo"
 HEAD_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 CALIBRATION_FILE = "medusa_calibration.json"
 TUNED_FILE = "medusa_tuned.json"
+#: Subfolder of a head-only checkpoint with heads trained for one backbone precision:
+#: ``backbone-none/``, ``backbone-nf4/``, ... (head file and calibration; see ``load_medusa_model``).
+BACKBONE_VARIANT = "backbone-{}"
 QUANTIZATIONS = ("nf4", "int8", None)
 _HEAD_KEY = re.compile(r"^(\d+)\.(\d+)\.(?:linear\.)?(weight|bias)$")
 
@@ -77,6 +80,12 @@ def load_medusa_model(
             head are slow on this CPU; docs/BENCH.md).
         trust_remote_code: passed to transformers; off unless the caller asks.
 
+    Heads learn the hidden states of the backbone they were trained on, and a 4-bit backbone's differ
+    from the plain one's (on the demo, NF4's greedy tokens agree with the plain weights' at ~80 % of
+    places). A head-only folder may therefore hold heads trained for another precision in a subfolder
+    ``backbone-<quantization>`` (``backbone-none`` for plain weights) with their own head file and
+    ``medusa_calibration.json``; they are used when ``quantization`` asks for that precision.
+
     Raises:
         MedusaCheckpointError: missing files or heads, head shapes that do not match the backbone,
             an unknown quantization, or a Hub id that is not cached while offline.
@@ -91,7 +100,10 @@ def load_medusa_model(
 
     folder = _local_folder(name_or_path)
     config = _read_json(folder / "config.json")
-    head_file = next((folder / f for f in HEAD_FILES if (folder / f).exists()), None)
+    heads_folder = folder / BACKBONE_VARIANT.format(quantization or "none")
+    if not any((heads_folder / f).exists() for f in HEAD_FILES):
+        heads_folder = folder
+    head_file = next((heads_folder / f for f in HEAD_FILES if (heads_folder / f).exists()), None)
     if head_file is not None:
         state = _read_head_file(head_file)
         source = str(head_file)
@@ -125,8 +137,9 @@ def load_medusa_model(
     if heads.shares_lm_head and head_dtype != dtype:
         heads.own_lm_head_copy(head_dtype)
     tokenizer = _load_tokenizer(folder, base, trust_remote_code)
-    calibration = _read_json(folder / CALIBRATION_FILE) if (folder / CALIBRATION_FILE).exists() else {}
-    trees, default_tree = _fitting_trees(folder, calibration, tuned_key(dev, quantization), heads)
+    calibration_file = heads_folder / CALIBRATION_FILE
+    calibration = _read_json(calibration_file) if calibration_file.exists() else {}
+    trees, default_tree = _fitting_trees(folder / TUNED_FILE, calibration_file, calibration, tuned_key(dev, quantization), heads)
     return MedusaModel(
         backbone,
         heads,
@@ -146,7 +159,7 @@ def tuned_key(device: torch.device, quantization: str | None) -> str:
 
 
 def _fitting_trees(
-    folder: Path, calibration: dict[str, Any], tuned_key_: str, heads: MedusaHeads
+    tuned_file: Path, calibration_file: Path, calibration: dict[str, Any], tuned_key_: str, heads: MedusaHeads
 ) -> tuple[dict[str, list[list[int]]], str | None]:
     """The model's own trees and default tree from ``medusa_calibration.json`` and ``medusa_tuned.json``.
 
@@ -156,7 +169,6 @@ def _fitting_trees(
     warning) None: the model's default for its device.
     Raises ``MedusaCheckpointError`` when a file's layout is wrong.
     """
-    calibration_file, tuned_file = folder / CALIBRATION_FILE, folder / TUNED_FILE
     found: list[tuple[Path, str, Any]] = []  # (file, tree name, paths), first found wins
     defaults: list[tuple[Path, Any]] = []  # (file, tree name), in order of preference
     tuned = _read_json(tuned_file).get(tuned_key_) if tuned_file.exists() else None
@@ -197,7 +209,7 @@ def _fitting_trees(
                 dropped[name] = str(e)
         log.warning("%s: default tree %r not used: %s", file, name, dropped[name])
     if defaults:
-        log.warning("%s: using the model's default tree for its device instead", folder)
+        log.warning("%s: using the model's default tree for its device instead", tuned_file.parent)
     return trees, None
 
 

@@ -26,7 +26,9 @@ The backbone is Hugging Face's SmolLM2-135M-Instruct as the Q4_1 GGUF file insid
    replies (``collect_positions(targets="backbone")``). Calibration on the served backbone's
    held-out replies over the whole vocabulary (paper 2.3.3), with each tree's acceleration replayed
    on them (exact for greedy decoding, ``simulated_acceleration``).
-6. ``export``        — heads, config and calibration into ``assets/demo``, figures in ``build_figures.json``.
+6. ``export``        — heads, config and calibration into ``assets/demo`` (heads for the default NF4
+   backbone) or ``assets/demo/backbone-none`` (``--quantization none``: heads for the plain
+   weights, which ``load_medusa_model`` picks for that precision); figures in ``build_figures.json``.
 7. ``evaluate``      — the shipped model on held-out prompts: acceleration per tree, identical to plain
    greedy decoding, replies that end within 512 tokens.
 """
@@ -187,21 +189,21 @@ def stage_heads(args) -> None:
     targets = "reply" if args.quantization == "none" else "backbone"  # NF4: its own greedy tokens
     suffix = served_suffix(args)
 
-    def positions(split: str, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        """The frozen backbone's states on one distilled split, cached for re-training."""
-        cached = WORK / f"positions_{split}{suffix}_{cfg.num_heads}.pt"
+    def positions(replies: str, name: str, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """The frozen backbone's states on ``distill_{replies}.jsonl``, cached as ``positions_{name}_K.pt``."""
+        cached = WORK / f"positions_{name}_{cfg.num_heads}.pt"
         if cached.exists():
             part = torch.load(cached, weights_only=True)
             return part["hidden"], part["labels"]
-        hidden, labels = collect_positions(model, read_distilled(WORK / f"distill_{split}.jsonl"), cfg.num_heads, **kwargs)
+        hidden, labels = collect_positions(model, read_distilled(WORK / f"distill_{replies}.jsonl"), cfg.num_heads, **kwargs)
         torch.save({"hidden": hidden, "labels": labels}, cached)
         return hidden, labels
 
-    parts = [positions(split, bf16=True, targets=targets) for split in TRAIN_SPLITS[: args.train_rounds]]
+    parts = [positions(split, split + suffix, bf16=True, targets=targets) for split in TRAIN_SPLITS[: args.train_rounds]]
     hidden, labels = (torch.cat(column) for column in zip(*parts))
     log(f"heads: {len(hidden)} training positions from {args.train_rounds} prompt round(s) in {time.time() - t0:.0f} s")
     heads, stats = train_heads(model, hidden, labels, out, cfg, base_model_name_or_path=BASE_MODEL_ID)
-    held_h, held_l = positions(f"heldout{suffix}")  # the served backbone's own replies, its float32 states
+    held_h, held_l = positions(f"heldout{suffix}", f"heldout{suffix}")  # the served backbone's replies, float32 states
     ranks = target_ranks(heads, held_h, held_l)
     record = calibration(accuracy_from_ranks(ranks), budgets=(4, 8, 12, 16, 32, 64), default=16, replayed=(ranks, held_l))
     train_acc = rank_accuracy(heads, hidden[:50_000], labels[:50_000])
@@ -228,19 +230,29 @@ def heads_folder(args) -> Path:
     return WORK / f"heads-{args.num_heads}x{args.head_layers}-e{args.head_epochs:g}-lr{args.head_lr:g}{rounds}{served}"
 
 
+def asset_folder(args) -> Path:
+    """Where the heads for ``--quantization`` ship: ``assets/demo`` for the app's default (NF4)
+    backbone, else its ``backbone-<quantization>`` subfolder, which ``load_medusa_model`` uses for
+    that precision."""
+    from medusa_core.loading import BACKBONE_VARIANT
+
+    return ASSET if args.quantization == "nf4" else ASSET / BACKBONE_VARIANT.format(args.quantization)
+
+
 def stage_export(args) -> None:
-    """Heads, config and calibration into assets/demo; build figures beside them."""
-    ASSET.mkdir(parents=True, exist_ok=True)
+    """Heads, config and calibration into ``asset_folder``; build figures beside them."""
+    target = asset_folder(args)
+    target.mkdir(parents=True, exist_ok=True)
     for name in ("config.json", "medusa_lm_head.safetensors", "medusa_calibration.json"):
-        shutil.copy(heads_folder(args) / name, ASSET / name)
+        shutil.copy(heads_folder(args) / name, target / name)
     record = {
         "build": figures(),
         "heads": json.loads((heads_folder(args) / "train_stats.json").read_text()),
         "distill": _distill_figures(args),
     }
-    (ASSET / "build_figures.json").write_text(json.dumps(record, indent=2) + "\n")
+    (target / "build_figures.json").write_text(json.dumps(record, indent=2) + "\n")
     size = sum(f.stat().st_size for f in ASSET.rglob("*") if f.is_file())
-    log(f"export: {size / 1e6:.1f} MB in {ASSET}")
+    log(f"export: {target}; {size / 1e6:.1f} MB in {ASSET}")
 
 
 def _distill_figures(args) -> dict:
@@ -274,7 +286,7 @@ def stage_evaluate(args) -> None:
     from medusa_core.train import read_prompts
 
     chats = [c for c in read_prompts(PROMPTS / "heldout.jsonl") if len(c) == 1]
-    record = json.loads((ASSET / "build_figures.json").read_text())
+    record = json.loads((asset_folder(args) / "build_figures.json").read_text())
     model = load_medusa_model("demo", quantization=args.quantization)
     tok = model.tokenizer
     trees = [t for t, paths in model.trees.items() if len(paths) + 1 <= 33]
@@ -315,7 +327,7 @@ def stage_evaluate(args) -> None:
         "ended_with_end_of_turn": {"replies": f"{ended}/{total}", "within_tokens": args.eval_tokens},
         "seconds": round(time.time() - t0),
     }
-    (ASSET / "build_figures.json").write_text(json.dumps(record, indent=2) + "\n")
+    (asset_folder(args) / "build_figures.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
 STAGES = {

@@ -265,6 +265,23 @@ def test_a_calibration_default_tree_that_fits_is_kept_when_the_tuned_tree_is_dro
     assert "default tree 'tuned' not used" in caplog.text
 
 
+def test_heads_trained_for_the_requested_backbone_precision_are_taken_from_their_subfolder(base, tmp_path):
+    folder, backbone = base
+    default = fp16_exact(random_heads(backbone, HEADS, seed=1))
+    save_medusa_heads(default, tmp_path, base_model_name_or_path=str(folder),
+                      calibration={"trees": {"for_nf4": [[0], [1]]}, "default_tree": "for_nf4"})
+    plain = fp16_exact(random_heads(backbone, 2, seed=2))  # trained for the plain backbone
+    save_medusa_heads(plain, tmp_path / "backbone-none", base_model_name_or_path=str(folder),
+                      calibration={"trees": {"for_plain": [[0], [0, 0]]}, "default_tree": "for_plain"})
+    model = load(tmp_path)  # quantization=None: the plain backbone
+    assert model.num_heads == 2 and (list(model.trees), model.default_tree) == (["for_plain"], "for_plain")
+    assert_same_heads(model.heads, plain)
+    (tmp_path / "backbone-none").rename(tmp_path / "backbone-int8")  # only another precision has its own heads
+    model = load(tmp_path)
+    assert model.num_heads == HEADS and (list(model.trees), model.default_tree) == (["for_nf4"], "for_nf4")
+    assert_same_heads(model.heads, default)
+
+
 def test_a_model_given_a_tree_that_does_not_fit_its_heads_raises_naming_the_tree(base):
     _, backbone = base
     with pytest.raises(ValueError, match=re.escape("the model's tree 'deep' does not fit: path [0, 0, 0] has depth 3")):
