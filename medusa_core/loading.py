@@ -100,10 +100,9 @@ def load_medusa_model(
 
     folder = _local_folder(name_or_path)
     config = _read_json(folder / "config.json")
-    heads_folder = folder / BACKBONE_VARIANT.format(quantization or "none")
-    if not any((heads_folder / f).exists() for f in HEAD_FILES):
-        heads_folder = folder
-    head_file = next((heads_folder / f for f in HEAD_FILES if (heads_folder / f).exists()), None)
+    variant = folder / BACKBONE_VARIANT.format(quantization or "none")  # heads trained for this precision
+    head_file = next((d / f for d in (variant, folder) for f in HEAD_FILES if (d / f).exists()), None)
+    heads_folder = head_file.parent if head_file is not None else folder
     if head_file is not None:
         state = _read_head_file(head_file)
         source = str(head_file)

@@ -182,7 +182,7 @@ def stage_heads(args) -> None:
     if (out / "train_stats.json").exists():
         return
     t0 = time.time()
-    model = load()[0] if args.quantization == "none" else load_served(args)
+    model = load_served(args)
     cfg = HeadTrainingConfig(num_heads=args.num_heads, num_layers=args.head_layers, share_lm_head=True,
                              vocab="data", epochs=args.head_epochs, batch_size=512, lr=args.head_lr,
                              warmup_steps=30, seed=SEED, checkpoint_every=50)

@@ -24,7 +24,7 @@ from medusa_core.train import (
     target_ranks,
     train_heads,
 )
-from tiny_models import HIDDEN, VOCAB, random_heads, tiny_backbone, tiny_tokenizer, write_tiny_medusa
+from tiny_models import HIDDEN, VOCAB, tiny_backbone, tiny_tokenizer, write_tiny_medusa
 
 
 def _distilled_rows(tmp_path, n=12):

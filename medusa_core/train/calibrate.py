@@ -16,7 +16,7 @@ from ..trees import optimal_tree
 
 @torch.inference_mode()
 def target_ranks(heads: MedusaHeads, hidden: torch.Tensor, labels: torch.Tensor, batch_size: int = 4096) -> torch.Tensor:
-    """Rank of each head's target token among that head's logits over the whole vocabulary.
+    """Rank of each head's target token among that head's logits over the whole vocabulary (paper 2.3.3).
 
     Args: hidden [M, H], labels [M, K] (``collect_positions``; -100 = no target).
     Returns ranks [M, K] int64: 0 = the target is the head's top-1, -1 where there is no target.
@@ -46,7 +46,10 @@ def rank_accuracy(
 
 
 def accuracy_from_ranks(ranks: torch.Tensor, max_rank: int = 10) -> list[list[float]]:
-    """``a[k][i]`` of ``rank_accuracy`` from the ranks [M, K] of ``target_ranks``."""
+    """``a[k][i]`` of ``rank_accuracy`` (paper 2.3.3) from the ranks [M, K] of ``target_ranks``.
+
+    Ranks ≥ ``max_rank`` count in no column; rows of -1 (no target) are left out. Returns [K][max_rank].
+    """
     acc = []
     for column in ranks.T:
         valid = column[column >= 0]

@@ -62,17 +62,18 @@ def collect_positions(
             if t_len - p < 2:
                 continue
             positions = torch.arange(p - 1, t_len - 1)
+            states = hidden[n, p - 1 : t_len - 1]  # [T-p, H] at the positions
             if targets == "reply":
                 seq = torch.tensor(s)
             else:  # seq[u] = the backbone's greedy token after position u-1; only u >= p is read below
                 with autocast:
-                    greedy = lm_head(hidden[n, positions.to(device)]).argmax(-1).cpu()  # after t = p-1 .. T-2
+                    greedy = lm_head(states).argmax(-1).cpu()  # after t = p-1 .. T-2
                 seq = torch.cat([torch.zeros(p, dtype=torch.long), greedy])
             labels = torch.full((len(positions), num_heads), -100, dtype=torch.long)
             for k in range(num_heads):
                 target = positions + k + 2
                 ok = target < t_len
                 labels[ok, k] = seq[target[ok]]
-            hidden_parts.append(hidden[n, positions.to(device)].float().cpu().to(torch.float16))
+            hidden_parts.append(states.float().cpu().to(torch.float16))
             label_parts.append(labels)
     return torch.cat(hidden_parts), torch.cat(label_parts)
