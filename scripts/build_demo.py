@@ -17,13 +17,16 @@ The backbone is Hugging Face's SmolLM2-135M-Instruct as the Q4_1 GGUF file insid
 4. ``distill``       — self-distillation: the backbone's greedy replies (paper 2.3.2), batched, on plain
    bfloat16 (default: about 3× faster than float32 on this CPU) or float32 weights; the held-out
    prompts also by the served backbone (``--quantization``, NF4 by default), whose greedy replies
-   are what Medusa must reproduce when serving.
+   are what Medusa must reproduce when serving. With ``--train-replies served`` the training prompts
+   are answered by the served backbone too (its weights cast to ``--distill-dtype``), so that the
+   heads train on the kind of text they will serve.
 5. ``heads``         — "version 2" Medusa heads sharing the backbone's LM head (paper 2.2.1) on the
    frozen served backbone, with ``medusa_core.train`` (softmax over the replies' vocabulary during
    training), on the replies of ``--train-rounds`` prompt rounds (the frozen backbone's hidden
    states are cached per round). With NF4, the served backbone's greedy tokens agree with the
    bfloat16 replies at only ~80 % of places, so the heads learn its own greedy tokens on those
-   replies (``collect_positions(targets="backbone")``). Calibration on the served backbone's
+   replies (``collect_positions(targets="backbone")``); ``--soft-targets`` trains on its whole
+   distribution there instead (paper 2.3.2). Calibration on the served backbone's
    held-out replies over the whole vocabulary (paper 2.3.3), with each tree's acceleration replayed
    on them (exact for greedy decoding, ``simulated_acceleration``).
 6. ``export``        — heads, config and calibration into ``assets/demo`` (heads for the default NF4
@@ -141,28 +144,39 @@ def stage_prompts(args) -> None:
 
 
 def stage_distill(args) -> None:
-    from medusa_core.train import distill, read_distilled, read_prompts
-
     model, tok = load(DTYPES[args.distill_dtype])
     for split in ("heldout", *TRAIN_SPLITS):
-        out = WORK / f"distill_{split}.jsonl"
-        chats = read_prompts(PROMPTS / f"{split}.jsonl")
-        before = len(read_distilled(out)) if out.exists() else 0
-        t0 = time.time()
-        distill(model, tok, chats, out, max_new_tokens=args.max_reply_tokens, batch_size=args.distill_batch)
-        rows = read_distilled(out)
-        new_tokens = sum(len(r["reply_ids"]) for r in rows[before:])
-        seconds = time.time() - t0
-        if new_tokens:
-            log(f"distill {split}: {len(rows) - before} replies, {new_tokens} tokens in {seconds:.0f} s "
-                f"({new_tokens / seconds:.0f} reply tokens/s)")
-            save_figures(**{f"distill_{split}_run_{int(time.time())}": {
-                "replies": len(rows) - before, "reply_tokens": new_tokens, "seconds": round(seconds),
-                "dtype": args.distill_dtype, "batch_size": args.distill_batch, "threads": torch.get_num_threads()}})
-    if args.quantization != "none":  # the held-out replies Medusa must reproduce with the served backbone
-        out = WORK / f"distill_heldout{served_suffix(args)}.jsonl"
-        distill(load_served(args), tok, read_prompts(PROMPTS / "heldout.jsonl"), out,
-                max_new_tokens=args.max_reply_tokens, batch_size=args.distill_batch)
+        _distill_split(model, tok, split, split, args, "plain", args.distill_dtype)
+    if args.quantization == "none":
+        return
+    served = load_served(args)  # the held-out replies Medusa must reproduce with the served backbone
+    suffix = served_suffix(args)
+    _distill_split(served, tok, "heldout", "heldout" + suffix, args, args.quantization, "float32")
+    if args.train_replies == "served":  # its own replies to the training prompts, on its weights cast to --distill-dtype
+        # its 4-bit layers are plain dequantized nn.Linear on a CPU (load_backbone); transformers refuses
+        # .to(dtype) on any model loaded quantized, so cast the modules themselves
+        torch.nn.Module.to(served, DTYPES[args.distill_dtype])
+        for split in TRAIN_SPLITS[: args.train_rounds]:
+            _distill_split(served, tok, split, split + suffix, args, args.quantization, args.distill_dtype)
+
+
+def _distill_split(model, tok, split: str, name: str, args, backbone: str, dtype: str) -> None:
+    """Greedy replies to ``prompts/{split}.jsonl`` into ``distill_{name}.jsonl`` (resumed), and the run's speed."""
+    from medusa_core.train import distill, read_distilled, read_prompts
+
+    out = WORK / f"distill_{name}.jsonl"
+    before = len(read_distilled(out)) if out.exists() else 0
+    t0 = time.time()
+    distill(model, tok, read_prompts(PROMPTS / f"{split}.jsonl"), out,
+            max_new_tokens=args.max_reply_tokens, batch_size=args.distill_batch)
+    rows = read_distilled(out)
+    new_tokens, seconds = sum(len(r["reply_ids"]) for r in rows[before:]), time.time() - t0
+    if new_tokens:
+        log(f"distill {name}: {len(rows) - before} replies, {new_tokens} tokens in {seconds:.0f} s "
+            f"({new_tokens / seconds:.0f} reply tokens/s)")
+        save_figures(**{f"distill_{name}_run_{int(time.time())}": {
+            "replies": len(rows) - before, "reply_tokens": new_tokens, "seconds": round(seconds),
+            "backbone": backbone, "dtype": dtype, "batch_size": args.distill_batch, "threads": torch.get_num_threads()}})
 
 
 def stage_heads(args) -> None:
@@ -185,7 +199,7 @@ def stage_heads(args) -> None:
     model = load_served(args)
     cfg = HeadTrainingConfig(num_heads=args.num_heads, num_layers=args.head_layers, share_lm_head=True,
                              vocab="data", epochs=args.head_epochs, batch_size=512, lr=args.head_lr,
-                             warmup_steps=30, seed=SEED, checkpoint_every=50)
+                             warmup_steps=30, seed=SEED, checkpoint_every=50, soft_targets=args.soft_targets)
     targets = "reply" if args.quantization == "none" else "backbone"  # NF4: its own greedy tokens
     suffix = served_suffix(args)
 
@@ -199,7 +213,10 @@ def stage_heads(args) -> None:
         torch.save({"hidden": hidden, "labels": labels}, cached)
         return hidden, labels
 
-    parts = [positions(split, split + suffix, bf16=True, targets=targets) for split in TRAIN_SPLITS[: args.train_rounds]]
+    if args.train_replies == "served" and suffix:  # the served backbone's own replies and states
+        parts = [positions(split + suffix, f"{split}{suffix}_own", bf16=True, targets=targets) for split in TRAIN_SPLITS[: args.train_rounds]]
+    else:
+        parts = [positions(split, split + suffix, bf16=True, targets=targets) for split in TRAIN_SPLITS[: args.train_rounds]]
     hidden, labels = (torch.cat(column) for column in zip(*parts))
     log(f"heads: {len(hidden)} training positions from {args.train_rounds} prompt round(s) in {time.time() - t0:.0f} s")
     heads, stats = train_heads(model, hidden, labels, out, cfg, base_model_name_or_path=BASE_MODEL_ID)
@@ -227,7 +244,9 @@ def heads_folder(args) -> Path:
     """One folder per head configuration and training data, so that several can be trained and compared."""
     rounds = "" if args.train_rounds == 1 else f"-r{args.train_rounds}"
     served = served_suffix(args).replace("_", "-")
-    return WORK / f"heads-{args.num_heads}x{args.head_layers}-e{args.head_epochs:g}-lr{args.head_lr:g}{rounds}{served}"
+    soft = "-soft" if args.soft_targets else ""
+    own = "-own" if args.train_replies == "served" and args.quantization != "none" else ""
+    return WORK / f"heads-{args.num_heads}x{args.head_layers}-e{args.head_epochs:g}-lr{args.head_lr:g}{rounds}{served}{own}{soft}"
 
 
 def asset_folder(args) -> Path:
@@ -262,7 +281,10 @@ def _distill_figures(args) -> dict:
 
     tok = AutoTokenizer.from_pretrained(backbone_folder())  # the tokenizer only: no need to load the model
     out = {}
-    for split in dict.fromkeys(("heldout", f"heldout{served_suffix(args)}", *TRAIN_SPLITS[: args.train_rounds])):
+    train = TRAIN_SPLITS[: args.train_rounds]
+    if args.train_replies == "served":
+        train = (*train, *(split + served_suffix(args) for split in train))
+    for split in dict.fromkeys(("heldout", f"heldout{served_suffix(args)}", *train)):
         rows = read_distilled(WORK / f"distill_{split}.jsonl")
         ended = sum(1 for r in rows if tok.eos_token_id in r["reply_ids"])
         out[split] = {
@@ -353,6 +375,12 @@ def main() -> None:
     p.add_argument("--head-layers", type=int, default=2, help="residual blocks per head")
     p.add_argument("--head-epochs", type=float, default=3.0)
     p.add_argument("--head-lr", type=float, default=2e-3)
+    p.add_argument("--train-replies", choices=["plain", "served"], default="plain",
+                   help="who writes the training replies: the plain weights (--distill-dtype), or the served "
+                        "backbone (--quantization) cast to --distill-dtype, so that heads train on the text they serve")
+    p.add_argument("--soft-targets", action=argparse.BooleanOptionalAction, default=False,
+                   help="heads learn the served backbone's whole distribution for their token (paper 2.3.2) "
+                        "instead of its greedy token")
     p.add_argument("--eval-prompts", type=int, default=20, help="held-out prompts for acceleration and exactness")
     p.add_argument("--end-prompts", type=int, default=48, help="held-out prompts for the end-of-turn figure")
     p.add_argument("--eval-tokens", type=int, default=512, help="token limit of the end-of-turn figure")

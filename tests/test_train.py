@@ -11,6 +11,7 @@ from medusa_core import MedusaHeads, load_medusa_model, optimal_tree
 from medusa_core.train import (
     HeadTrainingConfig,
     accuracy_from_ranks,
+    backbone_targets,
     calibration,
     collect_positions,
     distill,
@@ -226,6 +227,48 @@ def test_collect_positions_backbone_targets_are_the_backbones_own_greedy_tokens(
     assert (labels != reply_labels).any()
     with pytest.raises(ValueError, match="targets must be one of"):
         collect_positions(other, rows, num_heads=3, targets="teacher")
+
+
+def test_backbone_targets_are_the_backbones_distribution_for_each_heads_place(tmp_path):
+    backbone, _, rows = _distilled_rows(tmp_path, n=4)
+    other = tiny_backbone(seed=5)
+    hidden, labels = collect_positions(other, rows, num_heads=3, targets="backbone")
+    soft = backbone_targets(hidden, torch.arange(len(hidden)), other.get_output_embeddings().weight, 3)  # [K, M, V]
+    start = 0
+    for r in sorted(rows, key=lambda r: len(r["prompt_ids"]) + len(r["reply_ids"])):
+        seq = torch.tensor([r["prompt_ids"] + r["reply_ids"]])
+        probs = other(seq).logits[0].softmax(-1)  # [T, V] the distribution after each position
+        p, n = len(r["prompt_ids"]), len(r["reply_ids"])
+        for j in range(n):
+            for k in range(3):
+                if j + k + 1 < n:  # head k at reply position j predicts the token after p-1+j+k+1
+                    assert torch.allclose(soft[k, start + j], probs[p - 1 + j + k + 1], atol=1e-3)
+        start += n
+    valid = labels.T != -100  # [K, M]
+    assert torch.equal(soft.argmax(-1)[valid], labels.T[valid])
+
+
+def test_head_loss_with_one_hot_soft_targets_is_the_hard_loss_and_soft_training_lowers_it(tmp_path):
+    logits = torch.randn(2, 6, 5)
+    labels = torch.tensor([[1, 2], [0, 4], [3, -100], [2, 2], [4, 0], [1, -100]])
+    one_hot = torch.nn.functional.one_hot(labels.clamp(min=0).T, 5).float()  # [K, B, V]
+    assert torch.allclose(head_loss(logits, labels, one_hot)[0], head_loss(logits, labels)[0], atol=1e-5)
+
+    backbone, _, rows = _distilled_rows(tmp_path, n=12)
+    hidden, labels = collect_positions(backbone, rows, num_heads=2, targets="backbone")
+    cfg = HeadTrainingConfig(num_heads=2, share_lm_head=True, soft_targets=True, epochs=30, batch_size=64,
+                             warmup_steps=2, lr=1e-2, checkpoint_every=0, bf16=False)
+    lm = backbone.get_output_embeddings()
+    soft = backbone_targets(hidden, torch.arange(len(hidden)), lm.weight, 2)
+    untrained = MedusaHeads(lm.in_features, lm.out_features, 2, 1, shared_lm_head=lm)
+    entropy = head_loss(soft.log(), labels, soft)[0].item()  # the loss of heads that equal the targets
+    kl0 = head_loss(untrained(hidden.float()), labels, soft)[0].item() - entropy
+    heads, stats = train_heads(backbone, hidden, labels, tmp_path / "heads", cfg, base_model_name_or_path="base")
+    kl = head_loss(heads(hidden.float()), labels, soft)[0].item() - entropy
+    assert 0 <= kl < kl0 * 0.5
+    with pytest.raises(ValueError, match="soft_targets needs share_lm_head"):
+        train_heads(backbone, hidden, labels, tmp_path / "own", HeadTrainingConfig(num_heads=2, soft_targets=True),
+                    base_model_name_or_path="base")
 
 
 def test_simulated_acceleration_replays_greedy_steps_on_each_reply():

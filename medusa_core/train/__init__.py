@@ -13,7 +13,7 @@ One module per stage, in the order they run:
 from .calibrate import accuracy_from_ranks, calibration, rank_accuracy, simulated_acceleration, target_ranks
 from .cli import main
 from .distill import MODEL_TURN, distill, read_distilled, read_prompts
-from .heads import LOSS_DECAY, TRAINER_STATE, HeadTrainingConfig, head_loss, lr_at, train_heads
+from .heads import LOSS_DECAY, TRAINER_STATE, HeadTrainingConfig, backbone_targets, head_loss, lr_at, train_heads
 from .positions import TARGETS, collect_positions
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "TRAINER_STATE",
     "HeadTrainingConfig",
     "accuracy_from_ranks",
+    "backbone_targets",
     "calibration",
     "collect_positions",
     "distill",

@@ -1,6 +1,8 @@
 """Medusa-1 head training on a frozen backbone (paper 2.2.1): loss, schedule and a resumable loop.
 
-Loss Σ_k λ_k · CE(head k, token t+k+2) with λ_k = 0.8^k; AdamW with linear warm-up and cosine decay.
+Loss Σ_k λ_k · CE(head k, token t+k+2) with λ_k = 0.8^k, or with soft targets the cross-entropy to
+the frozen backbone's own distribution for that place (self-distillation, paper 2.3.2); AdamW with
+linear warm-up and cosine decay.
 """
 
 from __future__ import annotations
@@ -43,12 +45,20 @@ class HeadTrainingConfig:
     # version-2 heads only: the frozen LM head's rows of the other tokens get no gradient anyway,
     # and a 49k-token vocabulary costs 3-4x more on a CPU than the ~12k tokens of English replies)
     vocab: str = "full"
+    # soft targets (self-distillation, paper 2.3.2): head k at t learns the backbone's whole
+    # distribution for token t+k+2 (its softmax at t+k+1, from the cached state there) instead of
+    # one token; needs the shared LM head and collect_positions' layout (a reply's positions in a row)
+    soft_targets: bool = False
 
 
-def head_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def head_loss(
+    logits: torch.Tensor, labels: torch.Tensor, soft: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Σ_k 0.8^k · CE(head k) and each head's top-1 accuracy.
 
-    Args: logits [K, B, V]; labels [B, K] (-100 = ignored). Returns (loss [], top1 [K]).
+    Args: logits [K, B, V]; labels [B, K] (-100 = ignored); soft [K, B, V]: target distributions
+    (rows sum to 1; ``None``: the labels' tokens). The cross-entropy to a soft target is its KL
+    divergence plus the target's entropy (paper 2.3.2). Returns (loss [], top1 [K] against labels).
     """
     loss = logits.new_zeros((), dtype=torch.float32)
     top1 = []
@@ -56,11 +66,30 @@ def head_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor,
         target = labels[:, k]
         valid = target != -100
         if valid.any():
-            loss = loss + LOSS_DECAY**k * torch.nn.functional.cross_entropy(logits[k].float(), target, ignore_index=-100)
+            if soft is None:
+                ce = torch.nn.functional.cross_entropy(logits[k].float(), target, ignore_index=-100)
+            else:
+                log_q = torch.log_softmax(logits[k][valid].float(), dim=-1)
+                ce = -(soft[k][valid] * log_q).sum(-1).mean()
+            loss = loss + LOSS_DECAY**k * ce
             top1.append((logits[k].argmax(-1) == target)[valid].float().mean())
         else:
             top1.append(logits.new_zeros((), dtype=torch.float32))
     return loss, torch.stack(top1)
+
+
+@torch.no_grad()
+def backbone_targets(hidden: torch.Tensor, idx: torch.Tensor, lm_weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Soft targets: the frozen backbone's distribution for the token each head predicts (paper 2.3.2).
+
+    Head k at row i predicts the token at t+k+2, which the backbone's LM head gives from its state at
+    t+k+1: row i+k+1 of ``hidden`` when a reply's positions are in a row (``collect_positions``).
+    Args: hidden [M, H]; idx [B] rows; lm_weight [V, H] (the LM head's rows of the training
+    vocabulary). Returns [K, B, V] float32 softmax; rows past the end of ``hidden`` repeat its last
+    row (those rows have no label for that head and are masked out by ``head_loss``).
+    """
+    rows = (idx[None, :] + torch.arange(1, num_heads + 1)[:, None]).clamp(max=len(hidden) - 1)  # [K, B]
+    return torch.softmax((hidden[rows].to(lm_weight.dtype) @ lm_weight.T).float(), dim=-1)
 
 
 def lr_at(step: int, total: int, cfg: HeadTrainingConfig) -> float:
@@ -90,13 +119,19 @@ def train_heads(
 
     With ``cfg.vocab == "data"`` the softmax runs over the label vocabulary only (the training
     replies' tokens); the heads are the same module and are evaluated over the whole vocabulary.
+    With ``cfg.soft_targets`` head k at row i learns softmax(LM head(hidden[i+k+1])), the backbone's
+    distribution for its place (over the same vocabulary), so ``hidden`` must keep each reply's
+    positions in a row, as ``collect_positions`` returns them.
 
     Returns (heads, stats) with the final loss and per-head training top-1 accuracy.
-    Raises ``ValueError`` for ``cfg.vocab`` other than "full", or "data" with own projections.
+    Raises ``ValueError`` for ``cfg.vocab`` other than "full", or "data" with own projections, and for
+    ``cfg.soft_targets`` with own projections.
     """
     out = Path(out)
     if cfg.vocab not in ("full", "data") or (cfg.vocab == "data" and not cfg.share_lm_head):
         raise ValueError(f"vocab must be 'full', or 'data' with share_lm_head=True; got {cfg.vocab!r}")
+    if cfg.soft_targets and not cfg.share_lm_head:
+        raise ValueError("soft_targets needs share_lm_head=True (the targets come from the backbone's LM head)")
     torch.manual_seed(cfg.seed)
     if cfg.share_lm_head:
         lm_head = backbone.get_output_embeddings()
@@ -105,12 +140,14 @@ def train_heads(
         heads = MedusaHeads.from_backbone(backbone, cfg.num_heads, cfg.num_layers)
     heads = heads.float().cpu().train()
     weight = None  # [V', H] rows of the frozen LM head with vocab="data"
+    lm_weight = backbone.get_output_embeddings().weight.detach().float().cpu() if cfg.soft_targets else None
     if cfg.vocab == "data":
         tokens = labels[labels != -100].unique()  # [V'] the label vocabulary, sorted
         remap = torch.full((heads.vocab_size,), -100, dtype=torch.long)
         remap[tokens] = torch.arange(len(tokens))
         labels = torch.where(labels == -100, labels, remap[labels.clamp(min=0)])
         weight = lm_head.weight.detach()[tokens].float().cpu()
+        lm_weight = weight if cfg.soft_targets else None
 
     def forward(h: torch.Tensor) -> torch.Tensor:  # [B, H] -> [K, B, V] (V' tokens with vocab="data")
         return heads(h) if weight is None else torch.stack([head(h) for head in heads]) @ weight.T
@@ -139,7 +176,8 @@ def train_heads(
             idx = order[start : start + micro]
             with autocast:
                 logits = forward(hidden[idx].float())  # [K, B, V] (V' tokens with vocab="data")
-            loss, top1 = head_loss(logits, labels[idx])
+                soft = backbone_targets(hidden, idx, lm_weight, cfg.num_heads) if cfg.soft_targets else None
+            loss, top1 = head_loss(logits, labels[idx], soft)
             (loss / cfg.grad_accum).backward()
         torch.nn.utils.clip_grad_norm_(heads.parameters(), 1.0)
         opt.step()
