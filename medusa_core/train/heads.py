@@ -140,14 +140,15 @@ def train_heads(
         heads = MedusaHeads.from_backbone(backbone, cfg.num_heads, cfg.num_layers)
     heads = heads.float().cpu().train()
     weight = None  # [V', H] rows of the frozen LM head with vocab="data"
-    lm_weight = backbone.get_output_embeddings().weight.detach().float().cpu() if cfg.soft_targets else None
     if cfg.vocab == "data":
         tokens = labels[labels != -100].unique()  # [V'] the label vocabulary, sorted
         remap = torch.full((heads.vocab_size,), -100, dtype=torch.long)
         remap[tokens] = torch.arange(len(tokens))
         labels = torch.where(labels == -100, labels, remap[labels.clamp(min=0)])
         weight = lm_head.weight.detach()[tokens].float().cpu()
-        lm_weight = weight if cfg.soft_targets else None
+    lm_weight = None  # [V or V', H] the softmax vocabulary's LM head rows, for soft targets
+    if cfg.soft_targets:
+        lm_weight = weight if weight is not None else lm_head.weight.detach().float().cpu()
 
     def forward(h: torch.Tensor) -> torch.Tensor:  # [B, H] -> [K, B, V] (V' tokens with vocab="data")
         return heads(h) if weight is None else torch.stack([head(h) for head in heads]) @ weight.T
