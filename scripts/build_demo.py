@@ -223,10 +223,9 @@ def stage_heads(args) -> None:
         torch.save({"hidden": hidden, "labels": labels}, cached)
         return hidden, labels
 
-    if own_replies(args):  # the served backbone's own replies and states
-        parts = [positions(split + suffix, f"{split}{suffix}_own", bf16=True, targets=targets) for split in TRAIN_SPLITS[: args.train_rounds]]
-    else:
-        parts = [positions(split, split + suffix, bf16=True, targets=targets) for split in TRAIN_SPLITS[: args.train_rounds]]
+    own = own_replies(args)  # the served backbone's own replies, else the plain weights' replies; its states either way
+    parts = [positions(split + suffix if own else split, split + suffix + ("_own" if own else ""), bf16=True, targets=targets)
+             for split in TRAIN_SPLITS[: args.train_rounds]]
     hidden, labels = (torch.cat(column) for column in zip(*parts))
     log(f"heads: {len(hidden)} training positions from {args.train_rounds} prompt round(s) in {time.time() - t0:.0f} s")
     heads, stats = train_heads(model, hidden, labels, out, cfg, base_model_name_or_path=BASE_MODEL_ID)
