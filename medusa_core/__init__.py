@@ -16,9 +16,10 @@ Works on token ids and knows no UI. Public API:
 from .acceptance import NODE_STATUSES, evaluate_posterior, node_status, residual_distributions, try_children
 from .cpu import physical_cores
 from .export import export_vllm, save_medusa_heads
+from .generation import SAMPLING_MODES, SAMPLING_RULES, STOP_REASONS, StepRecord
 from .heads import MedusaHeads
 from .loading import DEMO_MODEL_DIR, MedusaCheckpointError, heads_from_state_dict, load_medusa_model
-from .model import SAMPLING_MODES, SAMPLING_RULES, STOP_REASONS, MedusaModel, StepRecord
+from .model import MedusaModel
 from .trees import (
     MAX_TREE_NODES,
     TREE_PRESETS,

@@ -12,8 +12,6 @@ Tree attention goes only through the model's public inputs: a 4-D additive atten
 
 from __future__ import annotations
 
-import math
-import numbers
 import random
 import time
 from dataclasses import dataclass
@@ -24,84 +22,8 @@ from torch import nn
 from transformers import DynamicCache
 
 from .acceptance import node_status, residual_distributions, score_children, select_path, try_children
+from .generation import StepRecord, check_generate_args
 from .trees import TREE_PRESETS, TreeBuffers, build_tree_buffers, resolve_tree, validate_tree
-
-#: Stop reasons recorded on the last ``StepRecord`` of a reply.
-STOP_REASONS = ("eos", "max_new_tokens", "context")
-#: Values of ``generate(sampling=...)``: how candidates are verified at temperature > 0.
-SAMPLING_MODES = ("typical", "exact")
-#: Values of ``StepRecord.sampling``: the rule a step's tokens were chosen by.
-SAMPLING_RULES = ("greedy", "sample", "typical", "exact")
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """Everything a UI needs about one decoding step, without touching the model.
-
-    Node tuples are all of length ``tree_nodes`` (N, root included), in tree-buffer order. Step 0 is
-    the prefill: one pass over the prompt that emits the first token at once (so time to first
-    token is the prefill's time, as with Hugging Face ``generate``); it verifies no tree
-    (``tree_name`` ``"prefill"``, one node: that token). Every later step verifies a tree whose root
-    is the token the step before emitted last, and emits the accepted candidates, then the token
-    chosen from the last accepted node's logits (the next step's root).
-
-    Attributes:
-        step: 0-based step index within the reply; 0 is the prefill.
-        mode: ``"medusa"`` or ``"baseline"`` (plain decoding, one token per step).
-        tree_name: name of the tree used; ``"prefill"`` for step 0; ``"baseline"`` for a root-only
-            step (baseline mode, or a Medusa step when one token remains or the context is nearly full).
-        tree_nodes: N, nodes of the tree verified this step, root included.
-        node_token_ids: token id of every node.
-        node_parents: parent node index of every node (-1 for the root).
-        node_heads: 0-based Medusa head that proposed every node (head k guesses k+2 tokens ahead;
-            -1 for the root, the backbone's own token).
-        node_ranks: rank of every node's token in its head's top-k (0 for the root).
-        accepted_nodes: node indices of the accepted path, root first.
-        sampling: the rule the step used, one of ``SAMPLING_RULES``: ``"greedy"`` (temperature 0:
-            argmax root, candidates must equal the argmax), ``"sample"`` (baseline mode at
-            temperature > 0: plain sampling from softmax(logits / T)), ``"typical"`` (sampled root,
-            typical acceptance, paper 2.3.1) or ``"exact"`` (rejection sampling over the tree; the
-            reply follows the backbone's sampling distribution exactly).
-        node_status: ``"exact"`` steps only (else empty): every node's fate in the walk, one of
-            ``NODE_STATUSES``: ``"accepted"`` (on the accepted path, root included), ``"rejected"``
-            (tried and rejected) or ``"untried"`` (never reached).
-        token_ids: tokens added to the reply this step: the tokens of ``accepted_nodes[1:]``, then
-            the next root (after cutting at EOS / the token limit); step 0: the first token.
-        accept_length: candidates accepted from the heads this step (before any cut).
-        latency_s: wall-clock seconds of the step (synchronised on CUDA); step 0: the prefill.
-        prefill_s: seconds of the prompt's prefill (step 0 only, equal to its ``latency_s``; else 0).
-        total_tokens: tokens generated so far in the reply, this step included.
-        stop_reason: on the last record, one of ``STOP_REASONS``; otherwise None.
-    """
-
-    step: int
-    mode: str
-    tree_name: str
-    tree_nodes: int
-    node_token_ids: tuple[int, ...]
-    node_parents: tuple[int, ...]
-    node_heads: tuple[int, ...]
-    node_ranks: tuple[int, ...]
-    accepted_nodes: tuple[int, ...]
-    sampling: str
-    token_ids: tuple[int, ...]
-    accept_length: int
-    latency_s: float
-    total_tokens: int
-    prefill_s: float = 0.0
-    stop_reason: str | None = None
-    node_status: tuple[str, ...] = ()
-
-    @property
-    def head_tokens(self) -> int:
-        """Candidates of this step that are in the reply: ``accept_length`` after the cut at EOS /
-        the token limit (the cut drops the next root first, then candidates from the end)."""
-        return min(self.accept_length, len(self.token_ids))
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Tokens added per second of this step."""
-        return len(self.token_ids) / self.latency_s if self.latency_s > 0 else 0.0
 
 
 @dataclass(frozen=True, eq=False)
@@ -283,7 +205,7 @@ class MedusaModel:
         temperature that is not a finite number >= 0, ε or δ outside (0, 1], a seed outside
         [0, 2**63), an unknown ``sampling``, or a tree that ``resolve_tree`` refuses.
         """
-        _check_generate_args(max_new_tokens, temperature, posterior_threshold, posterior_alpha, seed)
+        check_generate_args(max_new_tokens, temperature, posterior_threshold, posterior_alpha, seed, sampling)
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"input_ids must have shape [1, T], got {list(input_ids.shape)}")
         prompt_len = input_ids.shape[1]
@@ -293,8 +215,6 @@ class MedusaModel:
             raise ValueError(
                 f"the prompt has {prompt_len} tokens; the model's context window is {self.max_context} tokens"
             )
-        if sampling not in SAMPLING_MODES:
-            raise ValueError(f"sampling must be one of {', '.join(map(repr, SAMPLING_MODES))}, got {sampling!r}")
         full = self._tree(tree if tree is not None else self.default_tree) if medusa else None
         if seed is None:
             seed = random.SystemRandom().randrange(2**63)
@@ -541,35 +461,6 @@ class MedusaModel:
             "max_context": self.max_context,
             "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
         }
-
-
-def _check_generate_args(
-    max_new_tokens: Any, temperature: Any, posterior_threshold: Any, posterior_alpha: Any, seed: Any
-) -> None:
-    """Raise ``ValueError`` naming the first bad sampling argument of ``generate`` and what is allowed."""
-    if not _is_int(max_new_tokens) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    if not _is_real(temperature) or not 0 <= temperature < math.inf:
-        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
-    for name, symbol, value in (("posterior_threshold", "ε", posterior_threshold), ("posterior_alpha", "δ", posterior_alpha)):
-        if not _is_real(value) or not 0 < value <= 1:
-            why = (
-                ": typical acceptance takes a candidate when p > min(ε, δ·exp(-entropy)), "
-                "so 0 would accept every candidate, whatever its probability"
-                if _is_real(value) and value <= 0
-                else ""
-            )
-            raise ValueError(f"{name} ({symbol}) must be in (0, 1], got {value!r}{why}")
-    if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**63):
-        raise ValueError(f"seed must be an integer in [0, 2**63) or None (a fresh seed), got {seed!r}")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _is_real(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _compact_cache(cache: DynamicCache, start: int, nodes: list[int], appended: int) -> None:

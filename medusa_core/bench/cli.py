@@ -12,7 +12,7 @@ from typing import Any, Sequence
 import torch
 
 from ..cpu import physical_cores
-from ..model import SAMPLING_MODES
+from ..generation import SAMPLING_MODES
 from .methods import METHOD_KINDS, build_methods, default_trees
 from .profiling import cmd_profile
 from .prompts import load_prompts
