@@ -92,7 +92,13 @@ class StepRecord:
 def check_generate_args(
     max_new_tokens: Any, temperature: Any, posterior_threshold: Any, posterior_alpha: Any, seed: Any, sampling: Any
 ) -> None:
-    """Raise ``ValueError`` naming the first bad sampling argument of ``generate`` and what is allowed."""
+    """Check ``MedusaModel.generate``'s scalar arguments before any work.
+
+    Raises ``ValueError`` naming the first bad one and what is allowed: ``max_new_tokens`` an integer
+    >= 1 (tokens); ``temperature`` a finite number >= 0 (0 = greedy); ``posterior_threshold`` (ε) and
+    ``posterior_alpha`` (δ) in (0, 1] (paper 2.3.1); ``seed`` an integer in [0, 2**63) or None;
+    ``sampling`` one of ``SAMPLING_MODES``. Booleans are not accepted as numbers.
+    """
     if not _is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     if not _is_real(temperature) or not 0 <= temperature < math.inf:
