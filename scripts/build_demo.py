@@ -102,6 +102,13 @@ def own_replies(args) -> bool:
     return args.train_replies == "served" and args.quantization != "none"
 
 
+def training_replies(args) -> list[str]:
+    """Names of the distilled training replies the heads learn from, one per prompt round
+    (``distill_{name}.jsonl``): the served backbone's own (``train_nf4``) or the plain weights' (``train``)."""
+    suffix = served_suffix(args) if own_replies(args) else ""
+    return [split + suffix for split in TRAIN_SPLITS[: args.train_rounds]]
+
+
 def figures() -> dict:
     path = WORK / "figures.json"
     return json.loads(path.read_text()) if path.exists() else {}
@@ -223,9 +230,9 @@ def stage_heads(args) -> None:
         torch.save({"hidden": hidden, "labels": labels}, cached)
         return hidden, labels
 
-    own = own_replies(args)  # the served backbone's own replies, else the plain weights' replies; its states either way
-    parts = [positions(split + suffix if own else split, split + suffix + ("_own" if own else ""), bf16=True, targets=targets)
-             for split in TRAIN_SPLITS[: args.train_rounds]]
+    own = "_own" if own_replies(args) else ""  # the served backbone's states either way
+    parts = [positions(replies, f"{split}{suffix}{own}", bf16=True, targets=targets)
+             for split, replies in zip(TRAIN_SPLITS, training_replies(args))]
     hidden, labels = (torch.cat(column) for column in zip(*parts))
     log(f"heads: {len(hidden)} training positions from {args.train_rounds} prompt round(s) in {time.time() - t0:.0f} s")
     heads, stats = train_heads(model, hidden, labels, out, cfg, base_model_name_or_path=BASE_MODEL_ID)
@@ -290,8 +297,7 @@ def _distill_figures(args) -> dict:
 
     tok = AutoTokenizer.from_pretrained(backbone_folder())  # the tokenizer only: no need to load the model
     out = {}
-    train = [split + served_suffix(args) if own_replies(args) else split for split in TRAIN_SPLITS[: args.train_rounds]]
-    for split in dict.fromkeys(("heldout", f"heldout{served_suffix(args)}", *train)):
+    for split in dict.fromkeys(("heldout", f"heldout{served_suffix(args)}", *training_replies(args))):
         rows = read_distilled(WORK / f"distill_{split}.jsonl")
         ended = sum(1 for r in rows if tok.eos_token_id in r["reply_ids"])
         out[split] = {
