@@ -25,6 +25,8 @@ It is registered with transformers' public ``AttentionInterface`` / ``AttentionM
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -78,10 +80,21 @@ def rowwise_attention(
     return torch.cat(out, dim=2).transpose(1, 2).contiguous(), None
 
 
+# One pass hands the same mask tensor to every layer: read its rows once (weak keys: freed with the mask).
+_ROWS: "weakref.WeakKeyDictionary[torch.Tensor, list[int | torch.Tensor]]" = weakref.WeakKeyDictionary()
+
+
 def _visible_keys(mask: torch.Tensor | None, n: int, length: int) -> list[int | torch.Tensor]:
     """Per query row, the keys it may see: an int m for keys 0..m−1, else their indices [m] (ascending)."""
     if mask is None:
         return [length - n + i + 1 for i in range(n)]
+    if mask in _ROWS:
+        return _ROWS[mask]
+    rows = _ROWS[mask] = _read_rows(mask, n)
+    return rows
+
+
+def _read_rows(mask: torch.Tensor, n: int) -> list[int | torch.Tensor]:
     mask = mask[0, 0, -n:]  # [N, L]
     visible = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
     counts = visible.sum(dim=-1)  # [N]
