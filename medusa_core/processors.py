@@ -91,6 +91,8 @@ class SamplingConfig:
 #: The chat preset of the app and the benchmark when the model's generation config sets no sampling
 #: values: SmolLM2's model card recommends T = 0.2, top-p 0.9; the penalty is measured (README, "Defaults").
 CHAT_PRESET = SamplingConfig(temperature=0.2, top_p=0.9, repetition_penalty=1.1)
+#: Medusa's verification with the chat preset (``SAMPLING_MODES``), chosen by measurement (README, "Defaults").
+CHAT_SAMPLING = "exact"
 
 
 class NodeProcessors:

@@ -31,7 +31,19 @@ One module per job, in the order a run uses them:
 - ``cli``: ``python -m medusa_core.bench [run|tune|profile]`` (``--help`` lists the flags).
 """
 
-from .accounting import ALL, BASELINE, REFERENCE, Divergence, Summary, find_divergences, first_difference, summarise
+from .accounting import (
+    ALL,
+    BASELINE,
+    LOOP_NGRAM,
+    LOOP_TIMES,
+    REFERENCE,
+    Divergence,
+    Summary,
+    find_divergences,
+    first_difference,
+    loops,
+    summarise,
+)
 from .cli import build_parser, main
 from .methods import DEFAULT_TREES, METHOD_KINDS, Method, build_methods, default_trees
 from .prompts import Prompt, encode_prompt, load_prompts
@@ -52,6 +64,8 @@ __all__ = [
     "ALL",
     "BASELINE",
     "DEFAULT_TREES",
+    "LOOP_NGRAM",
+    "LOOP_TIMES",
     "METHOD_KINDS",
     "REFERENCE",
     "TUNE_SIZES",
@@ -71,6 +85,7 @@ __all__ = [
     "find_divergences",
     "first_difference",
     "load_prompts",
+    "loops",
     "main",
     "markdown_table",
     "measure_step_latency",
