@@ -10,6 +10,7 @@ repetition penalty sees the tokens earlier in the same path, as it would in plai
 
 The order is ``generate``'s (``GenerationMixin._get_logits_processor``, transformers 5.x): the
 repetition penalty (always applied), then, when sampling only, temperature, top-k, top-p, min-p.
+Top-p runs through ``NucleusWarper``, HF's class with a fast path for a batch of rows.
 Greedy decoding is the argmax of the penalised logits, as ``generate(do_sample=False)``.
 """
 
@@ -88,6 +89,31 @@ class SamplingConfig:
         return " · ".join(parts)
 
 
+class NucleusWarper(TopPLogitsWarper):
+    """HF's ``TopPLogitsWarper`` (keeps the tokens with less than ``top_p`` of the mass above them) with a
+    fast path: HF sorts the whole vocabulary, 3–4 ms a row for SmolLM2's 49,152 tokens on this
+    project's CPU, and a tree step processes every node's row. When the ``candidates`` most likely
+    tokens of every row hold at least ``top_p`` of the mass, the nucleus lies among them, so a partial
+    ``topk`` (0.04 ms a row) finds the same kept set; otherwise HF's own sort decides. The kept scores
+    are the input's unchanged, so the result equals HF's wherever the kept sets agree (they can differ
+    only when a token's mass above it is within float rounding of ``top_p``).
+    """
+
+    def __init__(self, top_p: float, candidates: int = 64):
+        super().__init__(top_p)
+        self.candidates = candidates
+
+    def __call__(self, input_ids: torch.LongTensor | None, scores: torch.Tensor) -> torch.Tensor:
+        """``scores`` [M, V] with -inf outside each row's nucleus."""
+        top, index = scores.topk(min(self.candidates, scores.shape[-1]), dim=-1)  # [M, c] most likely first
+        probs = (top - scores.logsumexp(dim=-1, keepdim=True)).exp()  # [M, c]
+        above = probs.cumsum(dim=-1) - probs  # [M, c] mass of the more likely tokens
+        if bool((above[:, -1] + probs[:, -1] < self.top_p).any()):  # host sync; the nucleus may reach further
+            return super().__call__(input_ids, scores)
+        keep = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(1, index, above < self.top_p)
+        return scores.masked_fill(~keep, self.filter_value)
+
+
 #: The chat preset of the app and the benchmark when the model's generation config sets no sampling
 #: values: SmolLM2's model card recommends T = 0.2, top-p 0.9; the penalty is measured (README, "Defaults").
 CHAT_PRESET = SamplingConfig(temperature=0.2, top_p=0.9, repetition_penalty=1.1)
@@ -113,7 +139,7 @@ class NodeProcessors:
             if config.top_k > 0:
                 self.warpers.append(TopKLogitsWarper(int(config.top_k)))
             if config.top_p < 1:
-                self.warpers.append(TopPLogitsWarper(float(config.top_p)))
+                self.warpers.append(NucleusWarper(float(config.top_p)))
             if config.min_p > 0:
                 self.warpers.append(MinPLogitsWarper(float(config.min_p)))
 

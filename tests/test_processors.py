@@ -19,7 +19,7 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 import medusa_core.model
 from medusa_core import CHAT_PRESET, MedusaModel, SamplingConfig
 from medusa_core.acceptance import score_children
-from medusa_core.processors import NodeProcessors, tree_prefixes
+from medusa_core.processors import NodeProcessors, NucleusWarper, tree_prefixes
 
 PENALTY = 1.3
 
@@ -104,6 +104,13 @@ def test_node_processors_apply_hfs_classes_in_generates_order():
     greedy = NodeProcessors(SamplingConfig(top_p=0.5, repetition_penalty=1.4))(logits, prefix)
     assert torch.equal(greedy, RepetitionPenaltyLogitsProcessor(1.4)(prefix, logits))
     assert NodeProcessors(SamplingConfig(top_k=3))(logits, None) is logits
+
+
+@pytest.mark.parametrize("scale", [0.3, 3.0, 30.0])  # flat rows need HF's full sort, peaked ones take the fast path
+def test_the_nucleus_warper_keeps_exactly_the_tokens_hfs_top_p_keeps(scale):
+    logits = torch.randn(16, 5000, generator=torch.Generator().manual_seed(1)) * scale
+    for top_p in (0.3, 0.9, 0.99):
+        assert torch.equal(NucleusWarper(top_p, candidates=32)(None, logits), TopPLogitsWarper(top_p)(None, logits))
 
 
 def test_typical_acceptance_never_takes_a_token_the_filters_removed():
