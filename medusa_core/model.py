@@ -294,7 +294,7 @@ class MedusaModel:
                 prefixes = tree_prefixes(context, tokens, b.parents, b.depth) if processors.needs_prefix else None
                 scores = processors(logits, prefixes)  # [N, V] each node's distribution given its own prefix
                 path, length, root = self._verify(tree, scores, tokens, rule, eps, alpha, generator)
-                host = torch.cat([length.view(1), root.view(1), path, tokens]).tolist()  # the step's one host sync
+                host = torch.cat([length.view(1), root.view(1), path, tokens]).tolist()  # the step's one host sync (top-p: two)
                 nodes, token_list = host[2 : host[0] + 3], host[2 + path.shape[0] :]
                 _compact_cache(cache, cur_len, nodes, tree.buffers.num_nodes)
                 hidden = hidden_all[nodes[-1] : nodes[-1] + 1]
