@@ -50,7 +50,7 @@ def run(method, *, prompt=0, category="code", repeat=0, tokens=100, steps=100, w
         ttft_s=ttft, step_time_s=wall if step_time is None else step_time,
         timed_steps=steps if timed_steps is None else timed_steps, tree_nodes=nodes,
         output=tuple(range(tokens)) if output is None else tuple(output), cpu_s=wall if cpu is None else cpu,
-        threads=threads, ended=ended,
+        threads=threads, ended=ended, loops=loops(output or ()),
     )
 
 

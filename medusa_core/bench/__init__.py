@@ -34,21 +34,18 @@ One module per job, in the order a run uses them:
 from .accounting import (
     ALL,
     BASELINE,
-    LOOP_NGRAM,
-    LOOP_TIMES,
     REFERENCE,
     Divergence,
     Summary,
     find_divergences,
     first_difference,
-    loops,
     summarise,
 )
 from .cli import build_parser, main
 from .methods import DEFAULT_TREES, METHOD_KINDS, Method, build_methods, default_trees
 from .prompts import Prompt, encode_prompt, load_prompts
 from .report import environment, markdown_table, summary_markdown, write_report
-from .run import Run, run_benchmark, run_once
+from .run import LOOP_NGRAM, LOOP_TIMES, Run, loops, run_benchmark, run_once
 from .tune import (
     TUNE_SIZES,
     choose_tree_size,

@@ -19,8 +19,6 @@ from .run import Run
 REFERENCE = "hf"  # speedup and token-for-token identity are measured against this method
 BASELINE = "baseline"  # overhead is measured against this method's step latency
 ALL = "all"  # category label of the rows that pool every prompt
-LOOP_NGRAM = 6  # a reply "loops" when some LOOP_NGRAM-token sequence occurs ...
-LOOP_TIMES = 4  # ... at least this many times (issue 21's measure of degenerate replies)
 
 
 @dataclass(frozen=True)
@@ -85,17 +83,6 @@ class Divergence:
 
 def _ratio(a: float, b: float) -> float:
     return a / b if b > 0 else math.nan
-
-
-def loops(tokens: Sequence[int], n: int = LOOP_NGRAM, times: int = LOOP_TIMES) -> bool:
-    """True when some ``n``-token sequence occurs at least ``times`` times in ``tokens`` (overlaps count)."""
-    counts: dict[tuple[int, ...], int] = {}
-    for i in range(len(tokens) - n + 1):
-        gram = tuple(tokens[i : i + n])
-        counts[gram] = counts.get(gram, 0) + 1
-        if counts[gram] >= times:
-            return True
-    return False
 
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
@@ -193,7 +180,7 @@ def summarise(runs: Sequence[Run], *, reference: str = REFERENCE, baseline: str 
                     identical=sum(1 for p in compared if (method, threads, p) not in diverged),
                     compared=len(compared),
                     cpu_per_wall=_ratio(sum(r.cpu_s for r in group), sum(r.wall_s for r in group)),
-                    looping=sum(loops(r.output) for r in group),
+                    looping=sum(r.loops for r in group),
                     ended=sum(r.ended for r in group),
                 ))
     return out

@@ -15,8 +15,8 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 from ..cpu import physical_cores
-from .accounting import ALL, LOOP_NGRAM, LOOP_TIMES, REFERENCE, Summary, find_divergences, summarise
-from .run import Run
+from .accounting import ALL, REFERENCE, Summary, find_divergences, summarise
+from .run import LOOP_NGRAM, LOOP_TIMES, Run
 
 log = logging.getLogger(__name__)
 

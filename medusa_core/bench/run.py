@@ -19,6 +19,21 @@ from .methods import Method
 from .prompts import Prompt, encode_prompt
 
 
+LOOP_NGRAM = 6  # a reply "loops" when some LOOP_NGRAM-token sequence occurs ...
+LOOP_TIMES = 4  # ... at least this many times (issue 21's measure of degenerate replies)
+
+
+def loops(tokens: Sequence[int], n: int = LOOP_NGRAM, times: int = LOOP_TIMES) -> bool:
+    """True when some ``n``-token sequence occurs at least ``times`` times in ``tokens`` (overlaps count)."""
+    counts: dict[tuple[int, ...], int] = {}
+    for i in range(len(tokens) - n + 1):
+        gram = tuple(tokens[i : i + n])
+        counts[gram] = counts.get(gram, 0) + 1
+        if counts[gram] >= times:
+            return True
+    return False
+
+
 @dataclass(frozen=True)
 class Run:
     """One generation of one prompt by one method. Times are wall-clock seconds.
@@ -38,6 +53,7 @@ class Run:
         sampling: the rule the tokens were chosen by: ``StepRecord.sampling`` for this project's loop
             (greedy, sample, typical, exact); greedy or sample for HF methods.
         ended: the reply ended with an EOS token within the token limit.
+        loops: the reply loops (``loops(output)``: some 6-token sequence occurs at least 4 times).
         cpu_s: CPU time this process used during the call (all threads); well below
             ``wall_s × threads`` when other processes took the cores.
         threads: torch's intra-op CPU threads during the call (``torch.get_num_threads()``).
@@ -59,6 +75,7 @@ class Run:
     sampling: str = "greedy"
     threads: int = 1
     ended: bool = False
+    loops: bool = False
 
 
 class _HFClock:
@@ -138,7 +155,7 @@ def run_once(
             **meta, tokens=len(output), steps=clock.forwards, wall_s=end - clock.start, ttft_s=ttft,
             step_time_s=end - clock.start - ttft, timed_steps=max(clock.forwards - 1, 0), output=output,
             cpu_s=time.process_time() - cpu0, sampling="greedy" if config.greedy else "sample",
-            ended=bool(output) and output[-1] in model.eos_token_ids,
+            ended=bool(output) and output[-1] in model.eos_token_ids, loops=loops(output),
         )
     if method.kind not in ("baseline", "medusa"):
         raise ValueError(f"unknown method kind {method.kind!r}")
@@ -160,7 +177,7 @@ def run_once(
         **meta, tokens=len(output), steps=len(records), wall_s=end - start, ttft_s=(first_at or end) - start,
         step_time_s=sum(r.latency_s for r in records[1:]), timed_steps=len(records) - 1,  # records[0]: the prefill
         output=output, cpu_s=time.process_time() - cpu0, sampling=records[0].sampling,
-        ended=records[-1].stop_reason == "eos",
+        ended=records[-1].stop_reason == "eos", loops=loops(output),
     )
 
 

@@ -100,7 +100,7 @@ def measure_step_latency(
 
     def go(n: int, ids: torch.Tensor, limit: int) -> list[Any]:
         kwargs = dict(medusa=False) if n == 0 else dict(tree=[list(p) for p in trees[n]])
-        return list(model.generate(ids, max_new_tokens=limit, **kwargs))
+        return list(model.generate(ids, max_new_tokens=limit, temperature=0.0, repetition_penalty=1.0, **kwargs))  # greedy
 
     for n in sizes:
         go(n, prompt_ids[0], 8)  # warm-up and tree buffers
