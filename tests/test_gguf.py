@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from medusa_core import MedusaCheckpointError, load_medusa_model, save_medusa_heads
 from medusa_core import gguf as gguf_mod
 from medusa_core.heads import MedusaHeads
-from medusa_core.loading import backbone_source
+from medusa_core.loading import backbone_source, load_backbone
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 64, 2, 4, 2, 128
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -35,10 +35,11 @@ def _byte_symbols() -> list[str]:
     return [chr(c) for c in chars]
 
 
-def write_tiny_gguf(path: Path, arch: str = "llama", seed: int = 0) -> Path:
+def write_tiny_gguf(path: Path, arch: str = "llama", seed: int = 0, linear_type: GGMLQuantizationType | None = None) -> Path:
     """A random 2-layer ``arch`` model with a byte-level BPE tokenizer and a ChatML template, as GGUF.
 
-    The token embedding is stored as Q8_0 (dequantized on load), everything else as float32.
+    The token embedding is stored as Q8_0, the linear layers as ``linear_type`` (float32 if None),
+    everything else as float32.
     """
     rng = np.random.default_rng(seed)
     tokens = SPECIALS + _byte_symbols() + ["Ġt", "he"]
@@ -63,26 +64,26 @@ def write_tiny_gguf(path: Path, arch: str = "llama", seed: int = 0) -> Path:
     w.add_pad_token_id(2)
     w.add_chat_template(TEMPLATE)
 
-    def tensor(name, *shape, q8=False):
+    def tensor(name, *shape, kind=None):
         data = (rng.standard_normal(shape) * 0.2).astype(np.float32)
-        if q8:
-            w.add_tensor(name, quantize(data, GGMLQuantizationType.Q8_0), raw_dtype=GGMLQuantizationType.Q8_0)
+        if kind is not None:
+            w.add_tensor(name, quantize(data, kind), raw_dtype=kind)
         else:
             w.add_tensor(name, data)
 
-    tensor("token_embd.weight", vocab, HIDDEN, q8=True)
+    tensor("token_embd.weight", vocab, HIDDEN, kind=GGMLQuantizationType.Q8_0)
     tensor("output_norm.weight", HIDDEN)
     head_dim = HIDDEN // HEADS
     for i in range(LAYERS):
         tensor(f"blk.{i}.attn_norm.weight", HIDDEN)
-        tensor(f"blk.{i}.attn_q.weight", HIDDEN, HIDDEN)
-        tensor(f"blk.{i}.attn_k.weight", KV_HEADS * head_dim, HIDDEN)
-        tensor(f"blk.{i}.attn_v.weight", KV_HEADS * head_dim, HIDDEN)
-        tensor(f"blk.{i}.attn_output.weight", HIDDEN, HIDDEN)
+        tensor(f"blk.{i}.attn_q.weight", HIDDEN, HIDDEN, kind=linear_type)
+        tensor(f"blk.{i}.attn_k.weight", KV_HEADS * head_dim, HIDDEN, kind=linear_type)
+        tensor(f"blk.{i}.attn_v.weight", KV_HEADS * head_dim, HIDDEN, kind=linear_type)
+        tensor(f"blk.{i}.attn_output.weight", HIDDEN, HIDDEN, kind=linear_type)
         tensor(f"blk.{i}.ffn_norm.weight", HIDDEN)
-        tensor(f"blk.{i}.ffn_gate.weight", FFN, HIDDEN)
-        tensor(f"blk.{i}.ffn_up.weight", FFN, HIDDEN)
-        tensor(f"blk.{i}.ffn_down.weight", HIDDEN, FFN)
+        tensor(f"blk.{i}.ffn_gate.weight", FFN, HIDDEN, kind=linear_type)
+        tensor(f"blk.{i}.ffn_up.weight", FFN, HIDDEN, kind=linear_type)
+        tensor(f"blk.{i}.ffn_down.weight", HIDDEN, FFN, kind=linear_type)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -96,28 +97,63 @@ def cache(tmp_path, monkeypatch):
     return tmp_path / "cache"
 
 
-def test_a_gguf_file_converts_once_into_a_cached_folder_with_the_same_logits_as_transformers_gguf_loading(tmp_path, cache):
+def test_a_gguf_file_caches_its_config_tokenizer_and_tensor_index_once_and_no_weights(tmp_path, cache):
     path = write_tiny_gguf(tmp_path / "tiny.gguf")
     folder = Path(backbone_source(str(path)))
-    assert folder.parent == cache / "gguf" and (folder / "model.safetensors").exists()
-    direct = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", dtype=torch.float32).eval()
-    converted = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    ids = torch.tensor([[5, 17, 40, 99, 3]])
-    with torch.no_grad():
-        assert torch.equal(direct(ids).logits, converted(ids).logits)
-    stamp = (folder / "model.safetensors").stat().st_mtime_ns
+    assert folder.parent == cache / "gguf" and (folder / gguf_mod.TENSOR_INDEX).exists()
+    assert not list(folder.glob("*.safetensors")) and not list(folder.glob("*.bin"))
+    stamp = (folder / gguf_mod.TENSOR_INDEX).stat().st_mtime_ns
     assert Path(backbone_source(str(path))) == folder  # the second call reads the cache
-    assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
+    assert (folder / gguf_mod.TENSOR_INDEX).stat().st_mtime_ns == stamp
 
 
-def test_a_gguf_base_model_loads_with_medusa_heads_and_its_own_tokenizer_and_chat_template(tmp_path, cache):
+def test_a_float_gguf_loads_with_the_logits_of_transformers_gguf_loading(tmp_path, cache):
     path = write_tiny_gguf(tmp_path / "tiny.gguf")
-    backbone = AutoModelForCausalLM.from_pretrained(backbone_source(str(path)))
+    direct = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", dtype=torch.float32).eval()
+    ours = load_backbone(str(path), "none")
+    ids = torch.tensor([[5, 17, 40, 99, 3]])
+    with torch.no_grad():  # the same weights; rows multiplied one by one (RowwiseLinear), so float32 rounding apart
+        torch.testing.assert_close(ours(ids).logits, direct(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1])
+def test_a_4bit_gguf_keeps_its_blocks_as_int4_layers_and_computes_what_its_dequantized_weights_do(tmp_path, cache, kind):
+    from medusa_core.quant.layers import BF16Embedding, BF16Linear, Int4Linear
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", linear_type=kind)
+    ours = load_backbone(str(path), "gguf")
+    attention = ours.model.layers[0].self_attn
+    assert isinstance(attention.q_proj, Int4Linear) and isinstance(attention.k_proj, Int4Linear)
+    assert isinstance(ours.lm_head, BF16Linear) and isinstance(ours.model.embed_tokens, BF16Embedding)
+    assert ours.lm_head.weight.data_ptr() == ours.model.embed_tokens.weight.data_ptr()  # tied, one bf16 copy
+    direct = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", dtype=torch.float32).eval()
+    # transformers undoes llama.cpp's Q/K row permutation; the int4 layers hold the same rows
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        want = getattr(direct.model.layers[0].self_attn, name).weight
+        got = getattr(attention, name).dequantized()
+        assert (got - want).abs().max() < 0.01 * want.abs().max(), name
+    ids = torch.tensor([[5, 17, 40, 99, 3]])
+    with torch.no_grad():  # bf16 activations and scales: close, not equal
+        torch.testing.assert_close(ours(ids).logits, direct(ids).logits, rtol=0.05, atol=0.05)
+
+
+def test_quantization_gguf_needs_a_gguf_file_and_int8_is_not_offered_for_one(tmp_path, cache):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    with pytest.raises(MedusaCheckpointError, match="'gguf' needs a .gguf backbone file"):
+        load_backbone(str(tmp_path), "gguf")
+    with pytest.raises(MedusaCheckpointError, match="'int8' is not offered for GGUF"):
+        load_backbone(str(path), "int8")
+
+
+@pytest.mark.parametrize("quantization", ["none", "gguf"])
+def test_a_gguf_base_model_loads_with_medusa_heads_and_its_own_tokenizer_and_chat_template(tmp_path, cache, quantization):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", linear_type=GGMLQuantizationType.Q4_1)
+    backbone = load_backbone(str(path), "none")
     lm = backbone.get_output_embeddings()
     heads = MedusaHeads(HIDDEN, lm.out_features, 2, shared_lm_head=lm)
     save_medusa_heads(heads, tmp_path / "heads", base_model_name_or_path="somewhere/else")
-    model = load_medusa_model(tmp_path / "heads", base_model=str(path), quantization="none")
-    assert model.num_heads == 2 and model.eos_token_ids == {2}
+    model = load_medusa_model(tmp_path / "heads", base_model=str(path), quantization=quantization)
+    assert model.num_heads == 2 and model.eos_token_ids == {2} and model.quantization == (None if quantization == "none" else "gguf")
     ids = model.tokenizer.apply_chat_template([{"role": "user", "content": "the"}], add_generation_prompt=True,
                                               return_tensors="pt", return_dict=True)["input_ids"]
     assert model.tokenizer.decode(ids[0]).endswith("<|im_start|>assistant\n")

@@ -156,7 +156,8 @@ def model_panel(engine: Engine, session: Session | None = None) -> str:
     model = engine.model
     d = model.describe()
     in_use = next((r.tree_name for r in session.last_records if r.step > 0), None) if session is not None else None
-    backbone = {"nf4": "4-bit NF4", "int8": "8-bit"}.get(d["quantization"], "not quantized")
+    backbone = {"gguf": "4-bit, the GGUF file's own blocks", "nf4": "4-bit NF4", "int8": "8-bit"}.get(
+        d["quantization"], "not quantized")
     rows = [
         ("model", f"`{d['model']}`"),
         ("base model", f"`{d['base_model']}`"),

@@ -1,4 +1,4 @@
-"""The command line: ``python -m medusa_core.bench [run|tune|profile] ...`` (``--help`` lists the flags)."""
+"""The command line: ``python -m medusa_core.bench [run|tune|profile|agreement] ...`` (``--help`` lists the flags)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 from ..cpu import physical_cores
 from ..generation import SAMPLING_MODES
 from ..processors import CHAT_SAMPLING, SamplingConfig
+from .agreement import cmd_agreement
 from .methods import METHOD_KINDS, build_methods, default_trees
 from .profiling import cmd_profile
 from .prompts import load_prompts
@@ -28,7 +29,8 @@ DESCRIPTION = "Speed, measured: the benchmark program and the hardware-aware tre
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="demo", help="'demo', a Medusa checkpoint folder or a Hub id (default: demo)")
     p.add_argument("--base-model", default=None, help="backbone to use instead of the checkpoint's")
-    p.add_argument("--quantization", default="nf4", choices=["nf4", "int8", "none"], help="backbone precision (default nf4)")
+    p.add_argument("--quantization", default="auto", choices=["auto", "gguf", "nf4", "int8", "none"],
+                   help="backbone precision (default auto: a GGUF file's own 4-bit blocks on a CPU, else nf4)")
     p.add_argument("--dtype", default=None, help="compute dtype (default float32 on CPU, float16 on CUDA)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ... (default auto)")
     p.add_argument("--prompts", default=None,
@@ -54,7 +56,7 @@ def _positive_int(text: str) -> int:
 
 
 def build_parser(command: str) -> argparse.ArgumentParser:
-    """The argument parser of ``run`` (default), ``tune`` or ``profile``."""
+    """The argument parser of ``run`` (default), ``tune``, ``profile`` or ``agreement``."""
     prog = "python -m medusa_core.bench" + ("" if command == "run" else f" {command}")
     p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION if command == "run" else None)
     _model_args(p)
@@ -103,6 +105,11 @@ def build_parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("--tuned-file", type=Path, default=None,
                        help="where to merge the result (default: medusa_tuned.json next to the model)")
         p.add_argument("--dry-run", action="store_true", help="do not write the tuned-tree file")
+    elif command == "agreement":
+        p.set_defaults(quantization="none")
+        p.add_argument("--candidates", type=_csv_list, default=["gguf", "nf4"],
+                       help="precisions compared with --quantization's greedy replies (default gguf,nf4)")
+        p.add_argument("--max-new-tokens", type=int, default=128)
     elif command == "profile":
         p.add_argument("--tree", default=None, help="tree to profile (default: the model's default tree)")
         p.add_argument("--max-new-tokens", type=int, default=64)
@@ -152,7 +159,7 @@ def cmd_run(model: Any, args: argparse.Namespace, command: str) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "tune": cmd_tune, "profile": cmd_profile}
+COMMANDS = {"run": cmd_run, "tune": cmd_tune, "profile": cmd_profile, "agreement": cmd_agreement}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

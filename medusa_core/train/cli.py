@@ -38,8 +38,9 @@ def _backbone_and_tokenizer(args):
     from transformers import AutoTokenizer
 
     device = resolve_device(args.device)
-    source = backbone_source(args.model, args.trust_remote_code)  # a .gguf file: its converted folder
-    backbone = load_backbone(source, None if args.quantization == "none" else args.quantization, torch.float32, device, args.trust_remote_code)
+    source = backbone_source(args.model, args.trust_remote_code)  # a .gguf file: its config and tokenizer folder
+    backbone = load_backbone(args.model, None if args.quantization == "none" else args.quantization, torch.float32, device,
+                             args.trust_remote_code, batch_invariant=False)
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=args.trust_remote_code)
     return backbone, tokenizer
 
@@ -55,8 +56,9 @@ def main(argv: list[str] | None = None) -> None:
     sub = p.add_subparsers(dest="command", required=True)
 
     def common(sp):
-        sp.add_argument("--model", required=True, help="backbone: local folder or Hub id")
-        sp.add_argument("--quantization", default="none", choices=["nf4", "int8", "none"], help="backbone precision (QLoRA-style 4-bit: nf4)")
+        sp.add_argument("--model", required=True, help="backbone: local folder, Hub id or .gguf file")
+        sp.add_argument("--quantization", default="none", choices=["gguf", "nf4", "int8", "none"],
+                        help="backbone precision (gguf: a .gguf file's own 4-bit blocks; QLoRA-style 4-bit: nf4)")
         sp.add_argument("--device", default="auto")
         sp.add_argument("--bf16", action="store_true", help="bfloat16 autocast for the backbone passes")
         sp.add_argument("--trust-remote-code", action="store_true")

@@ -67,7 +67,7 @@ def app_runs(rows: list[dict[str, str]]) -> dict[int, tuple[int, float]]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="demo", help="'demo', 'tiny' (a random tiny model) or a Medusa folder")
-    parser.add_argument("--quantization", default="nf4")
+    parser.add_argument("--quantization", default="auto")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=len(PROMPTS))
     parser.add_argument("--rounds", type=int, default=3, help="times each prompt runs on each side")

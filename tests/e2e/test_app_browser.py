@@ -47,7 +47,7 @@ IDLE_JS = "() => !document.querySelector('#send').disabled && document.querySele
 def app_url(tmp_path_factory):
     """Launch ``python launch.py`` on the demo (or overridden) model; yield its URL; stop it."""
     model = os.environ.get("MEDUSA_CHAT_E2E_MODEL", "demo")
-    quantization = os.environ.get("MEDUSA_CHAT_E2E_QUANTIZATION", "nf4")
+    quantization = os.environ.get("MEDUSA_CHAT_E2E_QUANTIZATION", "auto")
     if model == "demo" and not (REPO / "assets" / "demo" / "config.json").exists():
         pytest.skip("the demo model is not built: assets/demo/config.json is missing (python scripts/build_demo.py)")
     if not Path(CHROMIUM).exists():
