@@ -81,11 +81,12 @@ def test_the_nf4_backbone_gets_the_heads_trained_for_it_and_medusa_stays_exact()
 
 
 def test_greedy_medusa_with_a_repetition_penalty_on_the_demo_equals_hf_generate(demo):
-    eos = sorted(demo.eos_token_ids)
+    eos, accepted = sorted(demo.eos_token_ids), 0
     for text in PROMPTS:
         ids = _ids(demo, text)
         hf = demo.backbone.generate(ids, attention_mask=ids.new_ones(ids.shape), do_sample=False, max_new_tokens=48,
                                     repetition_penalty=1.1, eos_token_id=eos, pad_token_id=eos[0])[0, ids.shape[1]:].tolist()
         records = list(demo.generate(ids, max_new_tokens=48, tree="optimised_16", temperature=0, repetition_penalty=1.1))
         assert [t for r in records for t in r.token_ids] == hf, text
-        assert sum(r.accept_length for r in records) > 10, text  # the tree really was used
+        accepted += sum(r.accept_length for r in records)
+    assert accepted > 20, accepted  # the tree really was used: candidates judged under the penalty were accepted
