@@ -72,7 +72,10 @@ class SamplingConfig:
         Unset values take ``generate``'s defaults (temperature 1, top-k 50, top-p 1, no min-p); with
         ``do_sample`` not true the reply is greedy (the penalty still applies), as in ``generate``.
         """
-        get = lambda name, default: default if getattr(generation_config, name, None) is None else getattr(generation_config, name)  # noqa: E731
+        def get(name: str, default: Any) -> Any:
+            value = getattr(generation_config, name, None)
+            return default if value is None else value
+
         penalty = float(get("repetition_penalty", 1.0))
         if not get("do_sample", False):
             return cls(repetition_penalty=penalty) if penalty != 1.0 else None
@@ -81,11 +84,18 @@ class SamplingConfig:
 
     def describe(self) -> str:
         """A short label of the settings in force, e.g. ``"T 0.2 · top-p 0.9 · rep. 1.1"`` or ``"greedy"``."""
-        parts = ["greedy"] if self.greedy else [f"T {self.temperature:g}"]
-        if not self.greedy:
-            parts += [f"top-k {self.top_k}"] * (self.top_k > 0) + [f"top-p {self.top_p:g}"] * (self.top_p < 1)
-            parts += [f"min-p {self.min_p:g}"] * (self.min_p > 0)
-        parts += [f"rep. {self.repetition_penalty:g}"] * (self.repetition_penalty != 1)
+        if self.greedy:
+            parts = ["greedy"]  # the filters do nothing at temperature 0
+        else:
+            parts = [f"T {self.temperature:g}"]
+            if self.top_k > 0:
+                parts.append(f"top-k {self.top_k}")
+            if self.top_p < 1:
+                parts.append(f"top-p {self.top_p:g}")
+            if self.min_p > 0:
+                parts.append(f"min-p {self.min_p:g}")
+        if self.repetition_penalty != 1:
+            parts.append(f"rep. {self.repetition_penalty:g}")
         return " · ".join(parts)
 
 

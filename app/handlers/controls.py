@@ -73,7 +73,7 @@ def chat_defaults(settings: AppSettings, model: MedusaModel | None) -> SamplingC
     return dataclasses.replace(base, **{n: getattr(settings, n) for n in names if getattr(settings, n) is not None})
 
 
-def sampling_fields(config: SamplingConfig) -> dict[str, float]:
+def sampling_fields(config: SamplingConfig) -> dict[str, float | int]:
     """``config`` as ``Controls`` field values."""
     return dataclasses.asdict(config)
 
