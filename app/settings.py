@@ -89,11 +89,20 @@ class AppSettings(BaseSettings):
     # ---- defaults of the page's controls (each reply can change them)
     system_prompt: str = Field("", description="initial system prompt; empty: the model's own, which its chat template writes (shown in the Model tab)")
     max_new_tokens: int = Field(256, ge=1, description="initial limit on tokens per reply")
-    temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False, description="initial temperature (0 = greedy)")
+    # Sampling (HF generate semantics); unset: the model's generation config when it sets sampling values,
+    # else medusa_core.CHAT_PRESET (T 0.2, top-p 0.9, repetition penalty 1.1, exact verification).
+    temperature: float | None = Field(None, ge=0.0, allow_inf_nan=False, description="initial temperature (0 = greedy); default: the model's, else 0.2")
+    top_k: int | None = Field(None, ge=0, description="initial top-k (0 = off); default: the model's, else 0")
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False, description="initial top-p in (0, 1] (1 = off); default: the model's, else 0.9")
+    min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False, description="initial min-p in [0, 1] (0 = off); default: the model's, else 0")
+    repetition_penalty: float | None = Field(
+        None, gt=0.0, allow_inf_nan=False, description="initial repetition penalty (1 = off, > 1 discourages repeats); default: the model's, else 1.1"
+    )
     posterior_threshold: float = Field(0.09, gt=0.0, le=1.0, allow_inf_nan=False, description="initial epsilon of typical acceptance, in (0, 1] (paper 2.3.1)")
     posterior_alpha: float = Field(0.3, gt=0.0, le=1.0, allow_inf_nan=False, description="initial delta of typical acceptance, in (0, 1] (paper 2.3.1)")
     sampling: Literal["typical", "exact"] = Field(
-        "typical", description="initial verification at temperature > 0: typical acceptance (paper 2.3.1) or exact rejection sampling"
+        "exact", description="initial verification at temperature > 0: exact rejection sampling (replies follow the model's "
+                             "sampling distribution) or typical acceptance (paper 2.3.1)"
     )
     tree: str | None = Field(None, description="initial tree name; default: the model's own default tree")
     # ---- live view and files

@@ -20,7 +20,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from medusa_core import StepRecord
+from medusa_core import SamplingConfig, StepRecord
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,11 @@ class StepRow:
     mode: str  # "medusa" or "baseline"
     tree_name: str
     tree_nodes: int  # N, nodes verified this step, root included (1 = plain decoding)
-    temperature: float
+    temperature: float  # the sampling settings of the reply (medusa_core.SamplingConfig), HF generate semantics
+    top_k: int  # 0 = off
+    top_p: float  # 1 = off
+    min_p: float  # 0 = off
+    repetition_penalty: float  # 1 = off
     posterior_threshold: float  # ε
     posterior_alpha: float  # δ
     sampling: str  # the step's rule (medusa_core.SAMPLING_RULES): greedy, sample (baseline), typical or exact
@@ -55,7 +59,7 @@ class StepRow:
         session_id: str,
         reply_index: int,
         source: str,
-        temperature: float,
+        config: SamplingConfig,
         posterior_threshold: float,
         posterior_alpha: float,
         when: datetime | None = None,
@@ -69,7 +73,11 @@ class StepRow:
             mode=record.mode,
             tree_name=record.tree_name,
             tree_nodes=record.tree_nodes,
-            temperature=temperature,
+            temperature=config.temperature,
+            top_k=config.top_k,
+            top_p=config.top_p,
+            min_p=config.min_p,
+            repetition_penalty=config.repetition_penalty,
             posterior_threshold=posterior_threshold,
             posterior_alpha=posterior_alpha,
             sampling=record.sampling,

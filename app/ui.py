@@ -22,7 +22,7 @@ from . import handlers, paths
 from .charts import EMPTY_TREE, empty_figure, speed_figure
 from .engine import Engine
 from .handlers import CONTROL_NAMES, CUSTOM_TREE, Controls
-from .handlers.controls import TREE_INFO
+from .handlers.controls import FILTER_INFO, TREE_INFO
 from .session import Session
 from .settings import AppSettings
 from .stats import summarize, summary_markdown
@@ -141,7 +141,17 @@ def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
                         visible=False, elem_id="custom-tree",
                     )
                     tree_status = gr.Markdown(elem_id="tree-status")
+                    with gr.Row():
+                        greedy_button = gr.Button("Greedy (exactness demo)", size="sm", elem_id="greedy-preset", min_width=120)
+                        chat_button = gr.Button("Chat defaults", size="sm", elem_id="chat-preset", min_width=120)
                     temperature = gr.Slider(0.0, 2.0, defaults.temperature, step=0.05, label="Temperature (0 = greedy)", elem_id="temperature")
+                    top_p = gr.Slider(0.01, 1.0, defaults.top_p, step=0.01, label="Top-p (1 = off)", info=FILTER_INFO["top_p"], elem_id="top-p")
+                    top_k = gr.Number(defaults.top_k, label="Top-k (0 = off)", info=FILTER_INFO["top_k"], precision=0, minimum=0, elem_id="top-k")
+                    min_p = gr.Slider(0.0, 1.0, defaults.min_p, step=0.01, label="Min-p (0 = off)", info=FILTER_INFO["min_p"], elem_id="min-p")
+                    repetition_penalty = gr.Slider(
+                        0.5, 2.0, defaults.repetition_penalty, step=0.01, label="Repetition penalty (1 = off)", elem_id="repetition-penalty",
+                        info="divides the score of every token already in the conversation (HF generate); applies at temperature 0 too",
+                    )
                     sampling = gr.Radio(
                         list(SAMPLING_MODES), value=defaults.sampling, label="Sampling (temperature > 0)",
                         info="typical: paper's typical acceptance, fast, drifts from the model's distribution (uses ε, δ); "
@@ -180,10 +190,12 @@ def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
             banner=banner, timer=timer, chatbot=chatbot, message=message, send=send, saved=saved, tree=tree, tree_status=tree_status,
             model_panel=model_info, compare_result=compare_result, export_file=export_file, export_path=export_path,
             tree_plot=tree_plot, step_slider=step_slider, speed_plot=speed_plot, summary=summary, reply_status=status_line,
-            posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha,
+            posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha, temperature=temperature, top_k=top_k,
+            top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, sampling=sampling,
         )
         controls = dict(
-            medusa=medusa, temperature=temperature, sampling=sampling, posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha,
+            medusa=medusa, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+            sampling=sampling, posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha,
             tree=tree, custom_tree=custom_tree, max_new_tokens=max_new_tokens, seed=seed, system_prompt=system_prompt,
             highlight=highlight,
         )
@@ -277,6 +289,10 @@ def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
         tree.change(lambda t: gr.Textbox(visible=t == CUSTOM_TREE), [tree], [custom_tree], **QUICK)
         check_fn, check_out = event(functools.partial(handlers.check_tree, engine))
         gr.on([tree.change, custom_tree.blur, custom_tree.submit], check_fn, [tree, custom_tree], check_out, **QUICK)
+        greedy_fn, greedy_out = event(handlers.greedy_preset)
+        greedy_button.click(greedy_fn, None, greedy_out, **QUICK)
+        chat_fn, chat_out = event(functools.partial(handlers.chat_preset, engine, settings))
+        chat_button.click(chat_fn, None, chat_out, **QUICK)
         explain_fn, explain_out = event(handlers.explain_controls)
         gr.on([demo.load, medusa.change, temperature.change, sampling.change], explain_fn, [medusa, temperature, sampling], explain_out, **QUICK)
         for button, handler in (

@@ -10,6 +10,8 @@ Works on token ids and knows no UI. Public API:
   et al. 2023, Chen et al. 2023): ``try_children``, ``residual_distributions``, ``node_status``.
 - The engine: ``MedusaModel.generate`` yields one ``StepRecord`` per decoding step; ``SAMPLING_MODES``
   (its ``sampling=`` argument), ``SAMPLING_RULES`` and ``NODE_STATUSES`` (fields of the record).
+- Sampling settings with HF ``generate`` semantics, applied at every tree node: ``SamplingConfig``
+  (temperature, top-k, top-p, min-p, repetition penalty) and ``CHAT_PRESET``.
 - ``physical_cores``: the default torch thread count of the app and the benchmark.
 """
 
@@ -20,6 +22,7 @@ from .generation import SAMPLING_MODES, SAMPLING_RULES, STOP_REASONS, StepRecord
 from .heads import MedusaHeads
 from .loading import DEMO_MODEL_DIR, MedusaCheckpointError, heads_from_state_dict, load_medusa_model
 from .model import MedusaModel
+from .processors import CHAT_PRESET, SamplingConfig
 from .trees import (
     MAX_TREE_NODES,
     TREE_PRESETS,
@@ -33,6 +36,7 @@ from .trees import (
 )
 
 __all__ = [
+    "CHAT_PRESET",
     "DEMO_MODEL_DIR",
     "MAX_TREE_NODES",
     "NODE_STATUSES",
@@ -43,6 +47,7 @@ __all__ = [
     "MedusaCheckpointError",
     "MedusaHeads",
     "MedusaModel",
+    "SamplingConfig",
     "StepRecord",
     "TreeBuffers",
     "build_tree_buffers",

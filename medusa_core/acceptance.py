@@ -26,7 +26,9 @@ def score_children(
     """Judge each candidate token against the backbone distribution at its parent.
 
     Args:
-        logits: [M, V] backbone logits; row m predicts the token after position m.
+        logits: [M, V] backbone logits, or processed scores (``NodeProcessors``, -inf where a filter
+            removed a token; pass temperature 1 when they are already divided by T); row m predicts
+            the token after position m.
         parent_rows: [C] row of ``logits`` that judges each candidate.
         tokens: [C] candidate token ids.
         temperature: 0 for greedy exact match, > 0 for typical acceptance.
@@ -42,7 +44,8 @@ def score_children(
         accepted = logits.argmax(dim=-1)[parent_rows] == tokens
         return accepted, torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
     log_p = torch.log_softmax(logits.float() / temperature, dim=-1)  # [M, V]
-    entropy = -(log_p.exp() * log_p).sum(dim=-1)  # [M]
+    p = log_p.exp()
+    entropy = -torch.where(p > 0, p * log_p, torch.zeros_like(p)).sum(dim=-1)  # [M]; 0·log 0 = 0 (filtered tokens)
     token_log_p = log_p[parent_rows, tokens]  # [C]
     threshold = torch.minimum(
         torch.full_like(entropy, posterior_threshold), posterior_alpha * torch.exp(-entropy)

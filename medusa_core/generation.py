@@ -6,7 +6,6 @@ and benchmarks read the records without touching the model.
 
 from __future__ import annotations
 
-import math
 import numbers
 from dataclasses import dataclass
 from typing import Any
@@ -90,19 +89,18 @@ class StepRecord:
 
 
 def check_generate_args(
-    max_new_tokens: Any, temperature: Any, posterior_threshold: Any, posterior_alpha: Any, seed: Any, sampling: Any
+    max_new_tokens: Any, posterior_threshold: Any, posterior_alpha: Any, seed: Any, sampling: Any
 ) -> None:
-    """Check ``MedusaModel.generate``'s scalar arguments before any work.
+    """Check ``MedusaModel.generate``'s scalar arguments before any work (the sampling settings are
+    checked by ``SamplingConfig``).
 
     Raises ``ValueError`` naming the first bad one and what is allowed: ``max_new_tokens`` an integer
-    >= 1 (tokens); ``temperature`` a finite number >= 0 (0 = greedy); ``posterior_threshold`` (ε) and
-    ``posterior_alpha`` (δ) in (0, 1] (paper 2.3.1); ``seed`` an integer in [0, 2**63) or None;
-    ``sampling`` one of ``SAMPLING_MODES``. Booleans are not accepted as numbers.
+    >= 1 (tokens); ``posterior_threshold`` (ε) and ``posterior_alpha`` (δ) in (0, 1] (paper 2.3.1);
+    ``seed`` an integer in [0, 2**63) or None; ``sampling`` one of ``SAMPLING_MODES``. Booleans are
+    not accepted as numbers.
     """
     if not _is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    if not _is_real(temperature) or not 0 <= temperature < math.inf:
-        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
     for name, symbol, value in (("posterior_threshold", "ε", posterior_threshold), ("posterior_alpha", "δ", posterior_alpha)):
         if not _is_real(value) or not 0 < value <= 1:
             why = (

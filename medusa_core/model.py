@@ -1,8 +1,10 @@
 """The Medusa decoding engine: a Hugging Face causal LM, Medusa heads and tree decoding (paper 2.1, 2.3.1).
 
 One decoding step reads like the paper: candidates from the heads (2.1.1), one tree-attention
-forward pass over all candidates (2.1.2), acceptance (2.3.1: greedy, typical, or exact rejection
-sampling after Leviathan et al. 2023 / Chen et al. 2023), and cache compaction so only the
+forward pass over all candidates (2.1.2), the sampling settings applied to every node's logits given
+that node's own prefix (``processors``: HF ``generate``'s repetition penalty, temperature, top-k,
+top-p, min-p), acceptance (2.3.1: greedy, typical, or exact rejection sampling after Leviathan et al.
+2023 / Chen et al. 2023) on those processed distributions, and cache compaction so only the
 accepted path's K/V entries stay. Plain autoregressive decoding (``medusa=False``) is the same loop
 with a root-only tree, so both modes share cache, stopping rules and timing.
 
@@ -12,6 +14,7 @@ Tree attention goes only through the model's public inputs: a 4-D additive atten
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from dataclasses import dataclass
@@ -23,6 +26,7 @@ from transformers import DynamicCache
 
 from .acceptance import node_status, residual_distributions, score_children, select_path, try_children
 from .generation import StepRecord, check_generate_args
+from .processors import CHAT_PRESET, NodeProcessors, SamplingConfig, tree_prefixes
 from .trees import TREE_PRESETS, TreeBuffers, build_tree_buffers, resolve_tree, validate_tree
 
 
@@ -135,6 +139,18 @@ class MedusaModel:
             return "mc_sim_7b_63"
         return "sparse_16" if self.num_heads >= 4 else f"chain_{self.num_heads}"
 
+    @property
+    def sampling_defaults(self) -> SamplingConfig:
+        """``generate``'s settings when none are given: what HF ``generate`` uses for this model, i.e.
+        the generation config's sampling values (``SamplingConfig.from_generation_config``), else greedy."""
+        return SamplingConfig.from_generation_config(getattr(self.backbone, "generation_config", None)) or SamplingConfig()
+
+    @property
+    def chat_defaults(self) -> SamplingConfig:
+        """The settings a chat starts with (app, benchmark): the generation config's sampling values when it
+        sets any, else ``CHAT_PRESET`` (greedy loops on small models: README, "Defaults and why")."""
+        return SamplingConfig.from_generation_config(getattr(self.backbone, "generation_config", None)) or CHAT_PRESET
+
     def tree_names(self) -> list[str]:
         """Tree names offered to users: the model's own trees first, then the presets that fit."""
         fitting = [n for n, c in TREE_PRESETS.items() if max(map(len, c)) <= self.num_heads]
@@ -147,7 +163,12 @@ class MedusaModel:
         *,
         max_new_tokens: int,
         tree: str | Sequence[Sequence[int]] | None = None,
-        temperature: float = 0.0,
+        config: SamplingConfig | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
         posterior_threshold: float = 0.09,
         posterior_alpha: float = 0.3,
         medusa: bool = True,
@@ -161,8 +182,15 @@ class MedusaModel:
             max_new_tokens: limit in tokens (tokens accepted past it are dropped).
             tree: a tree name (the model's own trees, ``TREE_PRESETS``, ``chain_D``, ``dense_AxB``),
                 a list of paths, or None for ``default_tree``.
-            temperature: 0 → greedy in every mode (output equals plain greedy decoding token for
-                token); > 0 → sampling from p = softmax(logits / T), verified as ``sampling`` says.
+            config: the sampling settings (``SamplingConfig``); None: ``sampling_defaults``, which
+                is what HF ``generate`` would use for this model (its generation config, else greedy).
+            temperature, top_k, top_p, min_p, repetition_penalty: override the fields of ``config``
+                (HF ``generate`` semantics, see ``SamplingConfig``). Temperature 0 → greedy in every
+                mode: the argmax of the penalised logits, so the output equals HF
+                ``generate(do_sample=False, repetition_penalty=...)`` token for token; > 0 → sampling
+                from p = softmax(processed logits), verified as ``sampling`` says. The processors run
+                at every tree node on the distribution given that node's own prefix (context + its
+                ancestors), so p at a node is exactly what plain decoding would see there.
             posterior_threshold: ε of typical acceptance (paper default 0.09); typical only.
             posterior_alpha: δ of typical acceptance (paper default 0.3); typical only.
             medusa: False → plain autoregressive decoding through the same loop, one token per step.
@@ -179,7 +207,8 @@ class MedusaModel:
         one draft; SpecInfer, Miao et al. 2024, and multi-draft speculative sampling for a tree).
         A step starts at the root, a token already drawn from the backbone's distribution (from the
         prompt's logits, or the previous step's bonus token). At the current node, with target p =
-        softmax(logits / T) of the backbone there, its children x_1, x_2, ... (distinct tokens: ranks
+        softmax(processed logits) of the backbone there (``NodeProcessors`` given the node's prefix),
+        its children x_1, x_2, ... (distinct tokens: ranks
         of one head's top-k) are tried in rank order. The heads' proposals are deterministic given the
         prefix, i.e. point-mass drafts q(x_i) = 1, so the speculative-sampling test
         ``u < min(1, p(x)/q(x))`` becomes ``u < p_res(x_i)``, with p_res the residual: p with the
@@ -198,10 +227,16 @@ class MedusaModel:
 
         Raises ``ValueError`` (before any work) naming the value and what is allowed, for: an empty
         or too-long prompt, a batch size other than 1, ``max_new_tokens`` not an integer >= 1, a
-        temperature that is not a finite number >= 0, ε or δ outside (0, 1], a seed outside
-        [0, 2**63), an unknown ``sampling``, or a tree that ``resolve_tree`` refuses.
+        sampling setting outside its range (``SamplingConfig``: temperature a finite number >= 0,
+        top_k an integer >= 0, top_p in (0, 1], min_p in [0, 1], repetition_penalty > 0), ε or δ
+        outside (0, 1], a seed outside [0, 2**63), an unknown ``sampling``, or a tree that
+        ``resolve_tree`` refuses.
         """
-        check_generate_args(max_new_tokens, temperature, posterior_threshold, posterior_alpha, seed, sampling)
+        check_generate_args(max_new_tokens, posterior_threshold, posterior_alpha, seed, sampling)
+        overrides = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty)
+        settings = dataclasses.replace(
+            self.sampling_defaults if config is None else config, **{k: v for k, v in overrides.items() if v is not None}
+        )
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"input_ids must have shape [1, T], got {list(input_ids.shape)}")
         prompt_len = input_ids.shape[1]
@@ -214,21 +249,25 @@ class MedusaModel:
         full = self._tree(tree if tree is not None else self.default_tree) if medusa else None
         if seed is None:
             seed = random.SystemRandom().randrange(2**63)
-        rule = "greedy" if temperature <= 0 else sampling if medusa else "sample"
+        rule = "greedy" if settings.greedy else sampling if medusa else "sample"
         return self._decode(
-            input_ids.to(self.device), max_new_tokens, full, temperature, posterior_threshold, posterior_alpha, seed, rule
+            input_ids.to(self.device), max_new_tokens, full, NodeProcessors(settings), posterior_threshold, posterior_alpha,
+            seed, rule,
         )
 
-    def _decode(self, input_ids, max_new_tokens, full, temperature, eps, alpha, seed, rule) -> Iterator[StepRecord]:
+    def _decode(self, input_ids, max_new_tokens, full, processors, eps, alpha, seed, rule) -> Iterator[StepRecord]:
         root_only = self._tree("baseline")
         generator = torch.Generator(device=self.device).manual_seed(seed)
         cache = self._new_cache()
         cur_len = input_ids.shape[1]  # tokens in the cache; the root (last token emitted) is not yet
+        # The distinct ids of the prompt and the reply so far: what a repetition penalty looks at.
+        seen = dict.fromkeys(input_ids[0].tolist()) if processors.needs_prefix else {}
         start = time.perf_counter()
         with torch.inference_mode():
             out = self._decoder(input_ids=input_ids, past_key_values=cache, use_cache=True)
             hidden = out.last_hidden_state[:, -1]  # [1, H]
-            root = self._choose(self._logits(hidden)[0], temperature, generator)  # [] first token
+            scores = processors(self._logits(hidden), input_ids)  # [1, V]
+            root = self._choose(scores[0], rule == "greedy", generator)  # [] first token
             first = root.item()
         self._sync()
         prefill_s = time.perf_counter() - start
@@ -241,11 +280,17 @@ class MedusaModel:
             start = time.perf_counter()
             remaining = max_new_tokens - record.total_tokens
             tree = full if medusa and remaining > 1 and cur_len + full.buffers.num_nodes <= self.max_context else root_only
+            if processors.needs_prefix:
+                seen.update(dict.fromkeys(record.token_ids))
+                context = torch.tensor(list(seen), device=self.device)  # [C] ids before the root, root included
             with torch.inference_mode():
                 tokens = self._candidates(tree, hidden, root)  # [N]
                 logits, hidden_all = self._tree_forward(tree, tokens, cur_len, cache)  # [N, V], [N, H]
-                path, length, root = self._verify(tree, logits, tokens, rule, temperature, eps, alpha, generator)
-                host = torch.cat([length.view(1), root.view(1), path, tokens]).tolist()  # the step's one host sync
+                b = tree.buffers
+                prefixes = tree_prefixes(context, tokens, b.parents, b.depth) if processors.needs_prefix else None
+                scores = processors(logits, prefixes)  # [N, V] each node's distribution given its own prefix
+                path, length, root = self._verify(tree, scores, tokens, rule, eps, alpha, generator)
+                host = torch.cat([length.view(1), root.view(1), path, tokens]).tolist()  # the step's one host sync (top-p: two)
                 nodes, token_list = host[2 : host[0] + 3], host[2 + path.shape[0] :]
                 _compact_cache(cache, cur_len, nodes, tree.buffers.num_nodes)
                 hidden = hidden_all[nodes[-1] : nodes[-1] + 1]
@@ -330,22 +375,25 @@ class MedusaModel:
         return self._logits(hidden), hidden
 
     def _verify(
-        self, tree: _Tree, logits, tokens, rule, temperature, eps, alpha, generator
+        self, tree: _Tree, scores, tokens, rule, eps, alpha, generator
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Accept a path and choose the next step's root (paper 2.3.1; exact: see ``generate``).
 
-        Args: logits [N, V] and tokens [N] of the tree forward; ``rule`` one of ``SAMPLING_RULES``.
+        Args: scores [N, V], the tree forward's logits after ``NodeProcessors`` (each node's
+        distribution is softmax(scores) given its own prefix; greedy takes the argmax), tokens [N]
+        of the tree forward; ``rule`` one of ``SAMPLING_RULES``.
 
         Returns (path [D+1] node indices of a root-to-leaf path padded with -1, accept_length [] of
         its accepted candidates, next root []), all on the device: the caller syncs once.
         """
         b = tree.buffers
         path0 = b.retrieve_indices[0]  # [D+1]
+        greedy = rule == "greedy"
         if b.num_nodes == 1:  # root only: the next token is the argmax or a sample of p
-            return path0, path0.new_zeros(()), self._choose(logits[0], temperature, generator)
+            return path0, path0.new_zeros(()), self._choose(scores[0], greedy, generator)
         rows, cands = b.parents[1:], tokens[1:]  # [N-1] each candidate's parent and token
         if rule == "exact":
-            probs = torch.softmax(logits.float() / temperature, dim=-1)  # [N, V]
+            probs = torch.softmax(scores, dim=-1)  # [N, V]
             uniforms = torch.rand(cands.shape, generator=generator, device=probs.device)  # [N-1]
             taken = try_children(probs, rows, cands, uniforms)  # [N-1], at most one child per node
             walk = taken[tree.path_nodes]  # [P, D]
@@ -357,11 +405,12 @@ class MedusaModel:
             # All zero only if float rounding rejected a child holding all the mass left: fall back to p.
             residual = torch.where(residual.sum() > 0, residual, probs.index_select(0, last)[0])
             return path, length, torch.multinomial(residual, 1, generator=generator)[0]
-        accepted, log_prob = score_children(logits, rows, cands, temperature, eps, alpha)  # [N-1]
+        temperature = 0.0 if greedy else 1.0  # the scores are already divided by T
+        accepted, log_prob = score_children(scores, rows, cands, temperature, eps, alpha)  # [N-1]
         best, length = select_path(accepted[tree.path_nodes], log_prob[tree.path_nodes], tree.path_valid, temperature)
         path = b.retrieve_indices.index_select(0, best.view(1))[0]  # [D+1]
         last = path.gather(0, length.view(1))  # [1]
-        return path, length, self._choose(logits.index_select(0, last)[0], temperature, generator)
+        return path, length, self._choose(scores.index_select(0, last)[0], greedy, generator)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Backbone logits of final-norm hidden states [..., H] -> [..., V], through the backbone's LM
@@ -375,12 +424,11 @@ class MedusaModel:
         return logits
 
     @staticmethod
-    def _choose(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> torch.Tensor:
-        """The root token from logits [V]: argmax, or a sample at ``temperature`` (no host sync)."""
-        if temperature <= 0:
-            return logits.argmax()
-        probs = torch.softmax(logits.float() / temperature, dim=-1)
-        return torch.multinomial(probs, 1, generator=generator)[0]
+    def _choose(scores: torch.Tensor, greedy: bool, generator: torch.Generator) -> torch.Tensor:
+        """The root token from processed scores [V]: the argmax, or a sample of softmax(scores) (no host sync)."""
+        if greedy:
+            return scores.argmax()
+        return torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator)[0]
 
     def _new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.backbone.config)

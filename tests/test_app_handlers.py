@@ -15,6 +15,7 @@ from pathlib import Path
 import gradio as gr
 import pytest
 import torch
+from transformers import GenerationConfig
 
 from app import handlers
 from app.engine import Engine
@@ -24,6 +25,8 @@ from app.session import Session, Turn
 from app.settings import AppSettings
 from app.stats import CSV_COLUMNS, summarize, summary_markdown
 from app.ui import build_ui
+from medusa_core import CHAT_PRESET
+from medusa_core.processors import CHAT_SAMPLING
 
 
 @pytest.fixture
@@ -34,7 +37,8 @@ def settings(tmp_path) -> AppSettings:
 
 @pytest.fixture
 def controls(settings) -> Controls:
-    return dataclasses.replace(Controls.from_settings(settings), tree="sparse_16", system_prompt="be brief")
+    """The page's controls after a click on "Greedy (exactness demo)": replies equal the engine's greedy output."""
+    return dataclasses.replace(Controls.from_settings(settings), tree="sparse_16", system_prompt="be brief", **handlers.GREEDY_PRESET)
 
 
 def send(engine, settings, session, controls, message="def add"):
@@ -145,7 +149,7 @@ def test_the_sampling_control_reaches_the_engine_and_the_page_marks_rejected_nod
     engine, settings, controls
 ):
     session = Session()
-    sampled = dataclasses.replace(controls, temperature=1.0, seed=3)
+    sampled = dataclasses.replace(controls, temperature=1.0, seed=3, sampling="typical")
     send(engine, settings, session, sampled)
     typical = [r for r in session.last_records if r.tree_nodes > 1]
     updates = send(engine, settings, session, dataclasses.replace(sampled, sampling="exact"))
@@ -434,6 +438,8 @@ def test_every_handler_returns_only_the_outputs_its_event_declares(engine, setti
     note("export_csv", handlers.export_csv(settings, session))
     note("export_transcript", handlers.export_transcript(engine, settings, session, "sys", fmt="md"))
     note("explain_controls", handlers.explain_controls(True, 0.0))
+    note("greedy_preset", handlers.greedy_preset())
+    note("chat_preset", handlers.chat_preset(engine, settings))
     note("edit_user", handlers.edit_user(engine, session, controls, 0, "def sub"))
     for u in handlers.respond(engine, settings, session, controls):
         note("respond", u)
@@ -545,6 +551,65 @@ def test_epsilon_and_delta_are_inactive_with_the_reason_at_temperature_0_and_tre
     assert exact["posterior_threshold"].interactive is False and "exact sampling" in exact["posterior_alpha"].info
     off = handlers.explain_controls(False, 0.7)
     assert all(off[k].interactive is False and "Medusa is off" in off[k].info for k in ("tree", "posterior_threshold", "posterior_alpha"))
+
+
+def test_top_k_top_p_and_min_p_are_inactive_at_temperature_0_where_greedy_ignores_them():
+    greedy, sampled = handlers.explain_controls(True, 0.0), handlers.explain_controls(True, 0.2, "exact")
+    for name in ("top_k", "top_p", "min_p"):
+        assert greedy[name].interactive is False and "temperature 0" in greedy[name].info
+        assert sampled[name].interactive is True and "temperature 0" not in sampled[name].info
+
+
+def test_the_controls_start_at_the_chat_preset_and_the_settings_override_it(tmp_path):
+    controls = Controls.from_settings(AppSettings(data_dir=tmp_path))
+    assert (controls.temperature, controls.top_k, controls.top_p, controls.min_p, controls.repetition_penalty) == (
+        CHAT_PRESET.temperature, CHAT_PRESET.top_k, CHAT_PRESET.top_p, CHAT_PRESET.min_p, CHAT_PRESET.repetition_penalty)
+    assert controls.sampling == CHAT_SAMPLING
+    mine = Controls.from_settings(AppSettings(data_dir=tmp_path, top_p=0.5, repetition_penalty=1.0, temperature=0.0))
+    assert (mine.temperature, mine.top_p, mine.repetition_penalty) == (0.0, 0.5, 1.0) and mine.top_k == CHAT_PRESET.top_k
+
+
+def test_once_ready_the_page_shows_the_models_own_sampling_defaults_from_its_generation_config(engine, settings, monkeypatch):
+    shown = {k: v.value for k, v in handlers.page_status(engine, settings).items() if k in ("temperature", "top_p", "repetition_penalty")}
+    assert shown == {"temperature": CHAT_PRESET.temperature, "top_p": CHAT_PRESET.top_p,
+                     "repetition_penalty": CHAT_PRESET.repetition_penalty}  # the tiny model's config sets none
+    generation_config = GenerationConfig(do_sample=True, temperature=0.6, top_p=0.95, top_k=20)
+    monkeypatch.setattr(engine.model.backbone, "generation_config", generation_config)
+    updates = handlers.page_status(engine, settings)
+    assert (updates["temperature"].value, updates["top_p"].value, updates["top_k"].value, updates["repetition_penalty"].value) == (
+        0.6, 0.95, 20, 1.0)
+    assert handlers.chat_preset(engine, settings)["top_k"].value == 20  # "Chat defaults" restores them too
+
+
+def test_the_greedy_preset_turns_sampling_and_the_penalty_off_so_medusa_equals_plain_greedy(engine, settings, controls):
+    preset = {name: update.value for name, update in handlers.greedy_preset().items()}
+    assert preset == handlers.GREEDY_PRESET == {"temperature": 0.0, "repetition_penalty": 1.0}
+    session = Session()
+    chat = dataclasses.replace(controls, **{n: getattr(CHAT_PRESET, n) for n in ("temperature", "top_p", "repetition_penalty")})
+    send(engine, settings, session, dataclasses.replace(chat, **preset))
+    assert session.turns[-1].reply.text == greedy_reference(engine, session, controls)
+
+
+def test_each_reply_records_its_sampling_settings_in_its_stats_line_and_the_csv(engine, settings, controls):
+    session = Session()
+    chat = dataclasses.replace(controls, temperature=0.2, top_p=0.9, top_k=0, min_p=0.05, repetition_penalty=1.1,
+                               sampling="exact", seed=1)
+    send(engine, settings, session, chat)
+    send(engine, settings, session, controls)  # then greedy
+    assert "T 0.2 · top-p 0.9 · min-p 0.05 · rep. 1.1 · exact" in session.turns[0].stats
+    assert "greedy" in session.turns[1].stats and "rep." not in session.turns[1].stats
+    with open(handlers.export_csv(settings, session)["export_file"]) as f:
+        rows = list(csv.DictReader(f))
+    first = {(r["temperature"], r["top_k"], r["top_p"], r["min_p"], r["repetition_penalty"]) for r in rows if r["reply_index"] == "0"}
+    assert first == {("0.2", "0", "0.9", "0.05", "1.1")}
+    assert {r["repetition_penalty"] for r in rows if r["reply_index"] == "1"} == {"1.0"}
+
+
+def test_a_sampling_value_out_of_range_is_not_sent_and_says_why(engine, settings, controls):
+    session = Session()
+    updates = send(engine, settings, session, dataclasses.replace(controls, top_k=-2))
+    assert session.turns[-1].state == "error" and "top_k must be an integer >= 0" in session.turns[-1].error
+    assert "top_k" in updates[-1]["tree_status"]
 
 
 def test_while_loading_the_page_shows_a_progress_bar_against_the_last_load_time(settings, engine, monkeypatch):

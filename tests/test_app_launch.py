@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from app.settings import AppSettings
-from medusa_core import SAMPLING_MODES, physical_cores
+from medusa_core import CHAT_PRESET, SAMPLING_MODES, physical_cores
+from medusa_core.processors import CHAT_SAMPLING
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -42,8 +43,12 @@ def test_defaults_serve_the_demo_model_in_nf4_on_localhost(monkeypatch, tmp_path
     s = AppSettings.from_cli([])
     assert (s.model, s.quantization, s.host, s.port, s.open) == ("demo", "auto", "127.0.0.1", 7860, False)
     assert (s.posterior_threshold, s.posterior_alpha) == (0.09, 0.3)
-    assert s.sampling == "typical"  # the paper's rule; the setting offers exactly the engine's modes
+    assert s.sampling == CHAT_SAMPLING  # the chat preset's rule; the setting offers exactly the engine's modes
     assert typing.get_args(AppSettings.model_fields["sampling"].annotation) == SAMPLING_MODES
+    # Sampling values are unset: the model's chat defaults apply, and --help says what they are.
+    assert (s.temperature, s.top_k, s.top_p, s.min_p, s.repetition_penalty) == (None,) * 5
+    for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"):
+        assert AppSettings.model_fields[name].description.endswith(f"else {getattr(CHAT_PRESET, name):g}"), name
     assert s.threads == physical_cores()  # a person's CPU is theirs: every physical core it may use
 
 

@@ -116,3 +116,20 @@ def test_highlighting_or_stopping_right_after_a_reload_keeps_the_chat_on_screen(
         fired = reloaded.fire(action, "change" if action == "highlight" else "click")
         chats = [o["chat"] for o in fired.outputs if isinstance(o.get("chat"), list)]
         assert chats and len(chats[-1]) == 2, action  # the user message and its reply
+
+
+def test_the_greedy_button_makes_the_next_reply_greedy_and_chat_defaults_bring_the_preset_back(page):
+    from medusa_core import CHAT_PRESET
+
+    fired = page.fire("greedy-preset", "click")
+    assert fired.errors == [] and page.values[page.by_id["temperature"]._id] == 0.0
+    assert page.values[page.by_id["repetition-penalty"]._id] == 1.0
+    send(page, "def add")
+    turn = page.session.turns[-1]
+    assert turn.state == "done" and "greedy" in turn.stats and "rep." not in turn.stats
+    assert {r.sampling for r in page.session.rows} == {"greedy"}
+    fired = page.fire("chat-preset", "click")
+    assert fired.errors == [] and page.values[page.by_id["top-p"]._id] == CHAT_PRESET.top_p
+    assert page.values[page.by_id["temperature"]._id] == CHAT_PRESET.temperature
+    send(page, "def sub")
+    assert f"T {CHAT_PRESET.temperature:g}" in page.session.turns[-1].stats

@@ -10,7 +10,7 @@ import pytest
 
 from app.charts import empty_figure, speed_figure, tree_figure, tree_layout
 from app.stats import CSV_COLUMNS, StepRow, rolling_mean, summarize, summary_markdown, write_csv
-from medusa_core import StepRecord, node_status
+from medusa_core import SamplingConfig, StepRecord, node_status
 
 # A 6-node tree: root 0; head-1 candidates 1 (rank 0) and 2 (rank 1); 3 = [0, 0], 4 = [0, 1], 5 = [0, 0, 0].
 PARENTS = (-1, 0, 0, 1, 1, 3)
@@ -31,7 +31,7 @@ def record(step=0, accepted=(0, 1, 3), mode="medusa", latency=0.010, prefill=0.0
 
 def row(rec: StepRecord, reply_index=0) -> StepRow:
     return StepRow.from_record(
-        rec, session_id="s1", reply_index=reply_index, source="chat", temperature=0.0, posterior_threshold=0.09, posterior_alpha=0.3
+        rec, session_id="s1", reply_index=reply_index, source="chat", config=SamplingConfig(), posterior_threshold=0.09, posterior_alpha=0.3
     )
 
 

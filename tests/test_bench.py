@@ -27,6 +27,7 @@ from medusa_core.bench import (
     find_divergences,
     first_difference,
     load_prompts,
+    loops,
     main,
     monotone_latency,
     predict_speedups,
@@ -42,14 +43,14 @@ DEMO_PROMPTS = Path(__file__).resolve().parents[1] / "assets" / "demo" / "prompt
 
 
 def run(method, *, prompt=0, category="code", repeat=0, tokens=100, steps=100, wall=1.0, ttft=0.01,
-        step_time=None, timed_steps=None, nodes=1, output=None, cpu=None, threads=1):
+        step_time=None, timed_steps=None, nodes=1, output=None, cpu=None, threads=1, ended=False):
     """A synthetic run; by default its step time is the whole wall time over all steps."""
     return Run(
         method=method, prompt=prompt, category=category, repeat=repeat, tokens=tokens, steps=steps, wall_s=wall,
         ttft_s=ttft, step_time_s=wall if step_time is None else step_time,
         timed_steps=steps if timed_steps is None else timed_steps, tree_nodes=nodes,
         output=tuple(range(tokens)) if output is None else tuple(output), cpu_s=wall if cpu is None else cpu,
-        threads=threads,
+        threads=threads, ended=ended, loops=loops(output or ()),
     )
 
 
@@ -161,6 +162,21 @@ def test_each_thread_count_gets_its_own_row_measured_against_hf_at_that_count():
     assert (d.method, d.threads, d.position, d.expected, d.got) == ("medusa:t", 2, 2, 2, 9)
 
 
+def test_a_reply_loops_when_some_6_token_sequence_occurs_4_times_overlaps_included():
+    phrase = [1, 2, 3, 4, 5, 6]
+    assert not loops(phrase * 3 + [9]) and loops(phrase * 4)
+    assert loops([7] * 9) and not loops([7] * 8)  # 9 sevens hold the 6-gram (7,)*6 four times, overlapping
+    assert loops([1, 2, 3, 4, 5] * 5) and not loops([1, 2, 3, 4, 5] * 4)  # a shorter cycle loops once 21 tokens long
+    assert not loops(list(range(100))) and loops([1, 2, 3] * 4, n=3)
+
+
+def test_the_summary_counts_replies_that_loop_and_replies_that_ended_with_eos():
+    runs = [run("hf", prompt=0, output=[1, 2, 3, 4, 5, 6] * 4, ended=False), run("hf", prompt=1, ended=True),
+            run("hf", prompt=2, ended=True)]
+    s = by_method(summarise(runs))["hf"]
+    assert (s.looping, s.ended, s.runs) == (1, 2, 3)
+
+
 def test_first_difference_finds_changed_tokens_and_unequal_lengths():
     assert first_difference([1, 2, 3], [1, 2, 3]) is None
     assert first_difference([1, 2, 3], [1, 9, 3]) == 1
@@ -252,6 +268,13 @@ def test_shipped_prompts_taken_from_the_demo_are_held_out_and_never_trained_on()
 
 def test_limit_takes_prompts_round_robin_over_the_categories():
     assert {p.category for p in load_prompts(limit=9)} == MT_BENCH | {"multi-turn"}
+
+
+def test_categories_keep_only_their_prompts_and_an_unknown_one_names_those_there_are():
+    prompts = load_prompts(None, 4, ["writing", "stem"])
+    assert len(prompts) == 4 and {p.category for p in prompts} == {"writing", "stem"}
+    with pytest.raises(ValueError, match="no prompt of the categories poetry; it has coding, extraction"):
+        load_prompts(None, None, ["poetry"])
 
 
 def test_a_prompt_file_without_a_prompt_field_is_named_with_its_line(tmp_path):
@@ -364,6 +387,40 @@ def test_a_run_at_two_thread_counts_reports_a_row_per_method_and_count_and_a_con
     markdown = (out / "summary.md").read_text()
     assert "| medusa:chain_2 | 1 |" in markdown and "| medusa:chain_2 | 2 |" in markdown
     assert "medusa:chain_2 @2t" in markdown and "threads: 1, 2" in markdown
+
+
+def test_greedy_with_a_repetition_penalty_gives_hf_the_same_penalty_and_reports_loops_and_endings(tiny, tmp_path):
+    heads, prompts = tiny
+    out = tmp_path / "out"
+    assert main([
+        "--model", str(heads), "--quantization", "none", "--prompts", str(prompts), "--methods", "hf,baseline,medusa:chain_2",
+        "--max-new-tokens", "24", "--repeats", "1", "--out", str(out), "--no-progress", "--threads", "1",
+        "--repetition-penalty", "1.5",
+    ]) == 0
+    with open(out / "summary.csv") as f:
+        overall = {r["method"]: r for r in csv.DictReader(f) if r["category"] == ALL}
+    # the penalty changes the tiny model's reply, so identity with HF proves HF got the same processor
+    assert all((overall[m]["identical"], overall[m]["compared"]) == ("2", "2") for m in ("baseline", "medusa:chain_2"))
+    with open(out / "runs.csv") as f:
+        assert all(r["ended"] in ("True", "False") for r in csv.DictReader(f))
+    markdown = (out / "summary.md").read_text()
+    assert "repetition_penalty: 1.5" in markdown and "| loops | ends (EOS) |" in markdown
+
+
+def test_the_chat_preset_starts_from_the_models_chat_defaults_and_flags_override_it(tiny):
+    from medusa_core import CHAT_PRESET, SamplingConfig
+    from medusa_core.bench.cli import sampling_settings
+    from medusa_core.processors import CHAT_SAMPLING
+
+    heads, _ = tiny
+    model = load_medusa_model(heads, quantization=None, device="cpu")
+    parse = build_parser("run").parse_args
+    assert sampling_settings(model, parse([])) == (SamplingConfig(), "typical")
+    assert sampling_settings(model, parse(["--preset", "chat"])) == (CHAT_PRESET, CHAT_SAMPLING)
+    config, mode = sampling_settings(model, parse(["--preset", "chat", "--top-k", "20", "--sampling", "typical"]))
+    assert config.top_k == 20 and config.top_p == CHAT_PRESET.top_p and mode == "typical"
+    with pytest.raises(ValueError, match="top_p must be in"):
+        sampling_settings(model, parse(["--top-p", "0"]))
 
 
 @pytest.mark.parametrize("sampling", ["typical", "exact"])

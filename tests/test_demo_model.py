@@ -78,3 +78,15 @@ def test_the_nf4_backbone_gets_the_heads_trained_for_it_and_medusa_stays_exact()
     ids = _ids(nf4, PROMPTS[0])
     medusa = [t for r in nf4.generate(ids, max_new_tokens=48, tree="optimised_16") for t in r.token_ids]
     assert medusa == [t for r in nf4.generate(ids, max_new_tokens=48, medusa=False) for t in r.token_ids]
+
+
+def test_greedy_medusa_with_a_repetition_penalty_on_the_demo_equals_hf_generate(demo):
+    eos, accepted = sorted(demo.eos_token_ids), 0
+    for text in PROMPTS:
+        ids = _ids(demo, text)
+        hf = demo.backbone.generate(ids, attention_mask=ids.new_ones(ids.shape), do_sample=False, max_new_tokens=48,
+                                    repetition_penalty=1.1, eos_token_id=eos, pad_token_id=eos[0])[0, ids.shape[1]:].tolist()
+        records = list(demo.generate(ids, max_new_tokens=48, tree="optimised_16", temperature=0, repetition_penalty=1.1))
+        assert [t for r in records for t in r.token_ids] == hf, text
+        accepted += sum(r.accept_length for r in records)
+    assert accepted > 20, accepted  # the tree really was used: candidates judged under the penalty were accepted

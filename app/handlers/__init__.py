@@ -8,7 +8,7 @@ nothing still returns a name (with ``gr.skip()``): Gradio reads an empty dict as
 
 | module | what |
 |---|---|
-| ``controls`` | ``Controls`` (what a reply reads when it starts), tree choices, custom-tree check, inactive controls |
+| ``controls`` | ``Controls`` (what a reply reads when it starts), sampling presets, tree choices, custom-tree check, inactive controls |
 | ``views`` | chat messages, status line, live view, model panel |
 | ``generation`` | the prompt that fits the context, recording the engine's steps |
 | ``chat`` | send, reply, Stop, Regenerate, edit and resend, Clear, restore after a reload, step slider, highlight |
@@ -21,17 +21,28 @@ from __future__ import annotations
 
 from .chat import add_user, clear, edit_user, regenerate, rerender_chat, respond, restore_chat, show_step, stop
 from .compare import compare
-from .controls import CONTROL_NAMES, CUSTOM_TREE, Controls, check_tree, explain_controls, tree_choices
+from .controls import (
+    CONTROL_NAMES,
+    CUSTOM_TREE,
+    GREEDY_PRESET,
+    Controls,
+    chat_preset,
+    check_tree,
+    explain_controls,
+    greedy_preset,
+    tree_choices,
+)
 from .export import export_csv, export_transcript
 from .loading import page_status
 from .views import model_panel
 
 LIVE_VIEW = ("tree_plot", "step_slider", "speed_plot", "summary")
+SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "sampling")  # the chat preset's controls
 #: The named outputs each handler may return. Each event updates only these components: every extra
 #: output costs the browser work at every streamed update. ``saved`` is the conversation in the
 #: browser's storage (``gr.BrowserState``), written when a reply ends, not while it streams.
 OUTPUTS: dict[str, tuple[str, ...]] = {
-    "page_status": ("banner", "timer", "tree", "model_panel", "tree_status"),
+    "page_status": ("banner", "timer", "tree", "model_panel", "tree_status", *SAMPLING),
     "restore_chat": ("chatbot", "reply_status"),
     "add_user": ("message", "chatbot", "reply_status", "send"),
     "respond": ("chatbot", "tree_status", "reply_status", "model_panel", "send", "saved", *LIVE_VIEW),
@@ -43,13 +54,16 @@ OUTPUTS: dict[str, tuple[str, ...]] = {
     "rerender_chat": ("chatbot",),
     "show_step": ("tree_plot", "step_slider"),
     "check_tree": ("tree_status",),
-    "explain_controls": ("tree", "posterior_threshold", "posterior_alpha"),
+    "explain_controls": ("tree", "posterior_threshold", "posterior_alpha", "top_k", "top_p", "min_p"),
+    "greedy_preset": tuple(GREEDY_PRESET),
+    "chat_preset": SAMPLING,
     "export_csv": ("export_file", "export_path"),
     "export_transcript": ("export_file", "export_path"),
 }
 
 __all__ = [
-    "CONTROL_NAMES", "CUSTOM_TREE", "OUTPUTS", "Controls", "add_user", "check_tree", "clear", "compare", "edit_user",
-    "explain_controls", "export_csv", "export_transcript", "model_panel", "page_status", "regenerate", "rerender_chat",
+    "CONTROL_NAMES", "CUSTOM_TREE", "GREEDY_PRESET", "OUTPUTS", "Controls", "add_user", "chat_preset", "check_tree", "clear",
+    "compare", "edit_user", "explain_controls", "export_csv", "export_transcript", "greedy_preset", "model_panel",
+    "page_status", "regenerate", "rerender_chat",
     "respond", "restore_chat", "show_step", "stop", "tree_choices",
 ]

@@ -26,7 +26,7 @@ from ..session import Session, Turn
 from ..settings import AppSettings
 from ..text import ReplyText, plain_text
 from .compare import compare_table
-from .controls import Controls, tree_argument
+from .controls import Controls, sampling_config, tree_argument
 from .generation import fit_prompt, record_steps
 from .views import Updates, chat_view, labels, live_view, message_turn, model_panel, reply_status, speed_view, turn_stats
 
@@ -87,7 +87,7 @@ def respond(engine: Engine, settings: AppSettings, session: Session, controls: C
             ids,
             max_new_tokens=controls.max_new_tokens,
             tree=tree,
-            temperature=controls.temperature,
+            config=sampling_config(controls),
             posterior_threshold=controls.posterior_threshold,
             posterior_alpha=controls.posterior_alpha,
             medusa=controls.medusa,

@@ -20,7 +20,7 @@ from ..engine import Engine
 from ..session import Session
 from ..settings import AppSettings
 from ..text import ReplyText
-from .controls import Controls, tree_argument
+from .controls import Controls, sampling_config, tree_argument
 from .generation import fit_prompt, record_steps
 from .views import Updates, live_view, model_panel
 
@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 
 
 def compare(engine: Engine, settings: AppSettings, session: Session, controls: Controls) -> Iterator[Updates]:
-    """Re-run the last prompt greedily with Medusa off, then on; report tokens/s, speedup, identity."""
+    """Re-run the last prompt greedily (with the controls' repetition penalty) with Medusa off, then on;
+    report tokens/s, speedup, identity."""
     index = next((i for i in range(len(session.turns) - 1, -1, -1) if session.turns[i].state != "pending"), None)
     if engine.model is None or index is None:
         yield {"compare_result": "Send a message first: Compare re-runs the last prompt."}
@@ -41,7 +42,9 @@ def compare(engine: Engine, settings: AppSettings, session: Session, controls: C
     try:
         tree = tree_argument(model, greedy.tree, greedy.custom_tree)
         ids, _ = fit_prompt(model, greedy, session.history(index), session.turns[index].user)
-        runs = {mode: model.generate(ids, max_new_tokens=greedy.max_new_tokens, tree=tree, medusa=mode == "Medusa on") for mode in ("Medusa off", "Medusa on")}
+        config = sampling_config(greedy)
+        runs = {mode: model.generate(ids, max_new_tokens=greedy.max_new_tokens, tree=tree, config=config, medusa=mode == "Medusa on")
+                for mode in ("Medusa off", "Medusa on")}
     except (ValueError, TemplateError) as e:
         yield {"compare_result": f"⚠ {html.escape(str(e))}"}
         return

@@ -1,6 +1,6 @@
 """The page's generation controls and the tree controls: the ``Controls`` a reply reads when it
-starts, the tree dropdown's choices, and the custom-tree check (paper 2.1.2: a tree is a list of
-paths of head ranks).
+starts, the sampling presets (the model's chat defaults; greedy for the exactness demo), the tree
+dropdown's choices, and the custom-tree check (paper 2.1.2: a tree is a list of paths of head ranks).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import gradio as gr
 
-from medusa_core import TREE_PRESETS, MedusaModel
+from medusa_core import CHAT_PRESET, TREE_PRESETS, MedusaModel, SamplingConfig
 
 from ..engine import Engine
 from ..settings import AppSettings
@@ -27,6 +27,10 @@ class Controls:
 
     medusa: bool
     temperature: float
+    top_k: int  # 0 = off; this and top-p, min-p matter when temperature > 0
+    top_p: float  # 1 = off
+    min_p: float  # 0 = off
+    repetition_penalty: float  # 1 = off; applies at temperature 0 too
     sampling: str  # "typical" or "exact" (medusa_core.SAMPLING_MODES); matters when temperature > 0
     posterior_threshold: float  # ε
     posterior_alpha: float  # δ
@@ -38,11 +42,11 @@ class Controls:
     highlight: bool  # highlight the tokens accepted from the heads
 
     @classmethod
-    def from_settings(cls, settings: AppSettings) -> "Controls":
-        """The controls as the page first shows them."""
+    def from_settings(cls, settings: AppSettings, model: MedusaModel | None = None) -> "Controls":
+        """The controls as the page first shows them (``model``: None while it loads; see ``chat_defaults``)."""
         return cls(
             medusa=True,
-            temperature=settings.temperature,
+            **sampling_fields(chat_defaults(settings, model)),
             sampling=settings.sampling,
             posterior_threshold=settings.posterior_threshold,
             posterior_alpha=settings.posterior_alpha,
@@ -56,6 +60,49 @@ class Controls:
 
 
 CONTROL_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Controls))
+#: The "greedy (exactness demo)" preset: argmax decoding with nothing else on, so Medusa's reply equals
+#: plain greedy decoding and HF ``generate`` token for token (top-k, top-p, min-p do nothing at T = 0).
+GREEDY_PRESET = {"temperature": 0.0, "repetition_penalty": 1.0}
+
+
+def chat_defaults(settings: AppSettings, model: MedusaModel | None) -> SamplingConfig:
+    """The sampling settings a chat starts with: the model's (its generation config's sampling values,
+    else ``CHAT_PRESET``; ``CHAT_PRESET`` while no model is loaded), overridden by those set in ``settings``."""
+    base = model.chat_defaults if model is not None else CHAT_PRESET
+    names = [f.name for f in dataclasses.fields(SamplingConfig)]
+    return dataclasses.replace(base, **{n: getattr(settings, n) for n in names if getattr(settings, n) is not None})
+
+
+def sampling_fields(config: SamplingConfig) -> dict[str, float | int]:
+    """``config`` as ``Controls`` field values."""
+    return dataclasses.asdict(config)
+
+
+def sampling_config(controls: Controls) -> SamplingConfig:
+    """The ``SamplingConfig`` of the controls; ``ValueError`` names a value out of range (a typed number box)."""
+    return SamplingConfig(**{n: getattr(controls, n) for n in sampling_fields(SamplingConfig())})
+
+
+#: The component of each sampling control, and what it does when active (HF generate semantics).
+SAMPLING_CONTROLS = {"temperature": gr.Slider, "top_k": gr.Number, "top_p": gr.Slider, "min_p": gr.Slider,
+                     "repetition_penalty": gr.Slider, "sampling": gr.Radio}
+FILTER_INFO = {
+    "top_k": "sample among the k most likely tokens only (0 = off)",
+    "top_p": "sample among the most likely tokens holding this much probability (1 = off)",
+    "min_p": "drop tokens less likely than min-p × the most likely one (0 = off)",
+}
+
+
+def greedy_preset() -> Updates:
+    """The "greedy (exactness demo)" button: temperature 0 and no repetition penalty (``GREEDY_PRESET``)."""
+    return {name: SAMPLING_CONTROLS[name](value=value) for name, value in GREEDY_PRESET.items()}
+
+
+def chat_preset(engine: Engine, settings: AppSettings) -> Updates:
+    """The "chat defaults" button (and the page once the model is ready): every sampling control at
+    ``chat_defaults`` and the verification mode of the settings."""
+    values = sampling_fields(chat_defaults(settings, engine.model)) | {"sampling": settings.sampling}
+    return {name: SAMPLING_CONTROLS[name](value=value) for name, value in values.items()}
 
 
 TREE_INFO = "the candidate tree verified at each step: the model's own trees first"
@@ -90,7 +137,10 @@ def tree_choices(model: MedusaModel) -> list[tuple[str, str]]:
 def explain_controls(medusa: bool, temperature: float, sampling: str = "typical") -> Updates:
     """Grey out the controls that do nothing for the next reply, saying why: the tree, ε and δ with
     Medusa off; ε and δ at temperature 0 (greedy decoding accepts exact matches only) and with exact
-    sampling (rejection sampling has no thresholds)."""
+    sampling (rejection sampling has no thresholds); top-k, top-p and min-p at temperature 0."""
+    greedy = "inactive at temperature 0: greedy takes the most likely token (the repetition penalty still applies)"
+    updates = {name: SAMPLING_CONTROLS[name](interactive=temperature > 0, info=greedy if temperature <= 0 else info)
+               for name, info in FILTER_INFO.items()}
     if not medusa:
         off = "inactive: Medusa is off (plain decoding, one token per step)"
         tree, typical = {"interactive": False, "info": off}, {"interactive": False, "info": off}
@@ -103,7 +153,7 @@ def explain_controls(medusa: bool, temperature: float, sampling: str = "typical"
     else:
         tree = {"interactive": True, "info": TREE_INFO}
         typical = {"interactive": True, "info": "accept a candidate when its probability > min(ε, δ·exp(−entropy))"}
-    return {"tree": gr.Dropdown(**tree), "posterior_threshold": gr.Slider(**typical), "posterior_alpha": gr.Slider(**typical)}
+    return updates | {"tree": gr.Dropdown(**tree), "posterior_threshold": gr.Slider(**typical), "posterior_alpha": gr.Slider(**typical)}
 
 
 def tree_argument(model: MedusaModel, tree: str | None, custom_tree: str) -> str | list[list[int]] | None:

@@ -16,7 +16,7 @@ from ..engine import Engine
 from ..session import Session
 from ..stats import StepRow
 from ..text import ReplyText, StreamingDetokenizer, chat_messages, prompt_ids
-from .controls import Controls
+from .controls import Controls, sampling_config
 
 
 def record_steps(
@@ -43,7 +43,7 @@ def record_steps(
                     session_id=session.id,
                     reply_index=reply_index,
                     source=source,
-                    temperature=controls.temperature,
+                    config=sampling_config(controls),
                     posterior_threshold=controls.posterior_threshold,
                     posterior_alpha=controls.posterior_alpha,
                 )

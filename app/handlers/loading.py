@@ -1,5 +1,6 @@
 """The page while the model loads: the status banner with a progress bar, then (once ready) the tree
-choices and the model panel; the polling timer switches off.
+choices, the model panel and the model's chat defaults in the sampling controls; the polling timer
+switches off.
 
 The bar's estimate is how long the same model took to load last time on this machine, kept in the
 data folder (``load_times.json``); the first load shows the elapsed time only.
@@ -14,7 +15,7 @@ import gradio as gr
 
 from ..engine import Engine
 from ..settings import AppSettings
-from .controls import tree_choices
+from .controls import chat_preset, tree_choices
 from .views import Updates, model_panel
 
 
@@ -23,7 +24,8 @@ LOAD_TIMES = "load_times.json"
 
 def page_status(engine: Engine, settings: AppSettings) -> Updates:
     """What the page shows about the model: while loading the status line and a progress bar; once
-    ready (or failed) also the tree choices and the model panel, and the polling timer switches off.
+    ready (or failed) also the tree choices, the model panel and the sampling controls at the model's
+    chat defaults (``chat_preset``), and the polling timer switches off.
 
     It reads no session state: it runs at page load and on every timer tick, and needs none."""
     if engine.model is None and engine.error is None:
@@ -39,7 +41,7 @@ def page_status(engine: Engine, settings: AppSettings) -> Updates:
             "tree": gr.Dropdown(choices=choices, value=wanted if wanted in values else model.default_tree),
             "model_panel": model_panel(engine),
             "tree_status": "" if wanted in values else f"⚠ unknown tree {settings.tree!r}: using {model.default_tree}",
-        }
+        } | chat_preset(engine, settings)
     return updates
 
 

@@ -11,12 +11,12 @@ from typing import Any
 import gradio as gr
 import torch
 
-from medusa_core import MedusaModel, StepRecord
+from medusa_core import MedusaModel, SamplingConfig, StepRecord
 
 from ..charts import EMPTY_TREE, empty_figure, speed_figure, tree_figure
 from ..engine import Engine
 from ..session import Session, Turn
-from ..stats import decode_tokens_per_s, summarize, summary_markdown
+from ..stats import StepRow, decode_tokens_per_s, summarize, summary_markdown
 from ..text import template_system_prompt, token_label
 
 #: A handler's result: component name -> new value (``app.handlers.OUTPUTS`` lists the names per handler).
@@ -63,10 +63,17 @@ STOP_REASON_TEXT = {
 }
 
 
+def settings_label(row: StepRow) -> str:
+    """The sampling settings a step used, e.g. ``"T 0.2 · top-p 0.9 · rep. 1.1 · exact"`` or ``"greedy"``."""
+    config = SamplingConfig(temperature=row.temperature, top_k=row.top_k, top_p=row.top_p, min_p=row.min_p,
+                            repetition_penalty=row.repetition_penalty)
+    return config.describe() + (f" · {row.sampling}" if row.sampling in ("typical", "exact") else "")
+
+
 def turn_stats(session: Session, turn: Turn) -> str:
     """A reply's stats line, as LM Studio shows under each message: tokens, decoding tokens/s (live
     while it streams), time to first token and wall time from send to last token (both include any
-    wait in the queue and the prompt's prefill), tokens per step, tree and how it ended."""
+    wait in the queue and the prompt's prefill), tokens per step, tree, sampling settings and how it ended."""
     rows = session.reply_rows(turn.reply_index) if turn.reply_index is not None else []
     if not rows:
         return ""
@@ -83,6 +90,7 @@ def turn_stats(session: Session, turn: Turn) -> str:
     if decode:
         parts.append(f"{sum(r.accepted_tokens for r in decode) / len(decode):.2f} tokens/step")
     parts.append(f"tree {decode[0].tree_name}" if decode and rows[0].mode == "medusa" else "Medusa off")
+    parts.append(settings_label(rows[-1]))
     parts.append(STOP_REASON_TEXT.get(rows[-1].stop_reason, turn.state))
     return " · ".join(parts)
 

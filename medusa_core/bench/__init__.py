@@ -31,12 +31,21 @@ One module per job, in the order a run uses them:
 - ``cli``: ``python -m medusa_core.bench [run|tune|profile]`` (``--help`` lists the flags).
 """
 
-from .accounting import ALL, BASELINE, REFERENCE, Divergence, Summary, find_divergences, first_difference, summarise
+from .accounting import (
+    ALL,
+    BASELINE,
+    REFERENCE,
+    Divergence,
+    Summary,
+    find_divergences,
+    first_difference,
+    summarise,
+)
 from .cli import build_parser, main
 from .methods import DEFAULT_TREES, METHOD_KINDS, Method, build_methods, default_trees
 from .prompts import Prompt, encode_prompt, load_prompts
 from .report import environment, markdown_table, summary_markdown, write_report
-from .run import Run, run_benchmark, run_once
+from .run import LOOP_NGRAM, LOOP_TIMES, Run, loops, run_benchmark, run_once
 from .tune import (
     TUNE_SIZES,
     choose_tree_size,
@@ -52,6 +61,8 @@ __all__ = [
     "ALL",
     "BASELINE",
     "DEFAULT_TREES",
+    "LOOP_NGRAM",
+    "LOOP_TIMES",
     "METHOD_KINDS",
     "REFERENCE",
     "TUNE_SIZES",
@@ -71,6 +82,7 @@ __all__ = [
     "find_divergences",
     "first_difference",
     "load_prompts",
+    "loops",
     "main",
     "markdown_table",
     "measure_step_latency",

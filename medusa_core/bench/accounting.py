@@ -1,4 +1,5 @@
-"""The accounting: summaries per method and category, and divergences from HF ``generate`` (paper appendix B.1).
+"""The accounting: summaries per method and category, divergences from HF ``generate`` (paper appendix B.1),
+and how many replies loop or end.
 
 Pure arithmetic on token counts, step counts and latencies of ``Run`` records; tested on synthetic runs.
 A method run at several torch thread counts is summarised once per count, and each count is compared
@@ -37,6 +38,7 @@ class Summary:
             (0 / 0 for the reference itself).
         cpu_per_wall: Σ CPU time ÷ Σ wall time; with one torch thread, values well below 1 mean other
             processes took the core and the wall-clock figures are inflated.
+        looping: runs whose reply loops (``loops``); ended: runs whose reply ended with EOS within the limit.
     """
 
     method: str
@@ -57,6 +59,8 @@ class Summary:
     identical: int
     compared: int
     cpu_per_wall: float = math.nan
+    looping: int = 0
+    ended: int = 0
 
 
 @dataclass(frozen=True)
@@ -176,5 +180,7 @@ def summarise(runs: Sequence[Run], *, reference: str = REFERENCE, baseline: str 
                     identical=sum(1 for p in compared if (method, threads, p) not in diverged),
                     compared=len(compared),
                     cpu_per_wall=_ratio(sum(r.cpu_s for r in group), sum(r.wall_s for r in group)),
+                    looping=sum(r.loops for r in group),
+                    ended=sum(r.ended for r in group),
                 ))
     return out

@@ -50,7 +50,7 @@ def cmd_agreement(reference: Any, args: argparse.Namespace, command: str) -> int
     """Print and write (``agreement.csv``, ``agreement.md``) the agreement of each ``--candidates`` precision."""
     from ..loading import load_medusa_model
 
-    prompts = load_prompts(args.prompts, args.limit)
+    prompts = load_prompts(args.prompts, args.limit, args.categories)
     candidates = {q: load_medusa_model(args.model, base_model=args.base_model, quantization=q, dtype=args.dtype,
                                        device=args.device) for q in args.candidates}
     result = agreement(reference, candidates, prompts, args.max_new_tokens, args.system)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import shlex
 import sys
@@ -13,6 +14,7 @@ import torch
 
 from ..cpu import physical_cores
 from ..generation import SAMPLING_MODES
+from ..processors import CHAT_SAMPLING, SamplingConfig
 from .agreement import cmd_agreement
 from .methods import METHOD_KINDS, build_methods, default_trees
 from .profiling import cmd_profile
@@ -35,6 +37,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="JSONL rows with 'prompt' (one user message) or 'messages' (a conversation ending with a user "
                         "turn; only the last reply is timed) and an optional 'category' (default: the shipped set)")
     p.add_argument("--limit", type=int, default=None, help="use N prompts spread over the set")
+    p.add_argument("--categories", type=_csv_list, default=None,
+                   help="comma list: only prompts of these categories (before --limit; default: all)")
     p.add_argument("--system", default=None, help="system message put before every prompt (default: none)")
     p.add_argument("--out", type=Path, default=None, help="output folder")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -68,10 +72,19 @@ def build_parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("--max-new-tokens", type=int, default=128)
         p.add_argument("--repeats", type=int, default=3)
         p.add_argument("--pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens of hf_pld (default 10)")
-        p.add_argument("--temperature", type=float, default=0.0,
-                       help="0: greedy, outputs compared with HF generate; > 0: every method samples (default 0)")
-        p.add_argument("--sampling", default="typical", choices=list(SAMPLING_MODES),
-                       help="Medusa's verification at temperature > 0: typical acceptance or exact rejection sampling (default typical)")
+        p.add_argument("--preset", default="greedy", choices=["greedy", "chat"],
+                       help="sampling settings the flags below start from: greedy, or the app's chat defaults (the model's "
+                            "generation config, else medusa_core.CHAT_PRESET, with its verification mode) (default greedy)")
+        p.add_argument("--temperature", type=float, default=None,
+                       help="0: greedy, outputs compared with HF generate; > 0: every method samples (default: the preset's)")
+        p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens, 0 = off (default: the preset's)")
+        p.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1], 1 = off (default: the preset's)")
+        p.add_argument("--min-p", type=float, default=None, help="min-p in [0, 1], 0 = off (default: the preset's)")
+        p.add_argument("--repetition-penalty", type=float, default=None,
+                       help="HF repetition penalty > 0, 1 = off; HF methods get the same (default: the preset's)")
+        p.add_argument("--sampling", default=None, choices=list(SAMPLING_MODES),
+                       help="Medusa's verification at temperature > 0: typical acceptance or exact rejection sampling "
+                            f"(default: typical; with --preset chat, {CHAT_SAMPLING})")
     else:
         p.add_argument("--threads", type=_positive_int, default=cores, metavar="N",
                        help=f"torch CPU threads (default: {cores}, the physical cores this process may use)")
@@ -113,18 +126,32 @@ def load_model(args: argparse.Namespace) -> Any:
                              dtype=args.dtype, device=args.device)
 
 
+def sampling_settings(model: Any, args: argparse.Namespace) -> tuple[SamplingConfig, str]:
+    """(settings, Medusa verification mode) of a run: ``--preset``, overridden by the explicit flags.
+    Raises ``ValueError`` (from ``SamplingConfig``) naming a value out of range."""
+    chat = args.preset == "chat"
+    base = model.chat_defaults if chat else SamplingConfig()
+    flags = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                 repetition_penalty=args.repetition_penalty)
+    config = dataclasses.replace(base, **{k: v for k, v in flags.items() if v is not None})
+    return config, args.sampling or (CHAT_SAMPLING if chat else "typical")
+
+
 def cmd_run(model: Any, args: argparse.Namespace, command: str) -> int:
     """The benchmark: print the table, write CSV, markdown and the chart."""
-    prompts = load_prompts(args.prompts, args.limit)
+    prompts = load_prompts(args.prompts, args.limit, args.categories)
     methods = build_methods(model, args.methods, args.trees or default_trees(model))
+    config, sampling = sampling_settings(model, args)
     out = args.out or Path("out") / "bench"
     runs, notes = run_benchmark(model, prompts, methods, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
                                 pld_tokens=args.pld_tokens, system=args.system, progress=not args.no_progress,
-                                temperature=args.temperature, sampling=args.sampling, threads=args.threads)
+                                config=config, sampling=sampling, threads=args.threads)
     settings = {"prompts": len({r.prompt for r in runs}), "threads": ", ".join(map(str, dict.fromkeys(args.threads))),
                 "max_new_tokens": args.max_new_tokens,
                 "repeats": args.repeats, "pld_tokens": args.pld_tokens, "system": args.system or "none",
-                "temperature": args.temperature, "sampling": args.sampling if args.temperature > 0 else "greedy"}
+                "temperature": config.temperature, "sampling": "greedy" if config.greedy else sampling,
+                "top_k": config.top_k, "top_p": config.top_p, "min_p": config.min_p,
+                "repetition_penalty": config.repetition_penalty}
     env = {k: v for k, v in environment(model).items() if k != "torch_threads"}  # "threads" in settings says it
     text, paths = write_report(out, runs, command=command, env=env, settings=settings, notes=notes)
     print(text)

@@ -17,7 +17,7 @@ def cmd_profile(model: Any, args: argparse.Namespace, command: str) -> int:
     """Profile Medusa generation: Python time per engine function (cProfile) and per torch op."""
     from torch.profiler import ProfilerActivity, profile
 
-    prompts = load_prompts(args.prompts, args.limit or args.runs)[: args.runs]
+    prompts = load_prompts(args.prompts, args.limit or args.runs, args.categories)[: args.runs]
     ids = [encode_prompt(model.tokenizer, p, args.system) for p in prompts]
     tree = args.tree or model.default_tree
 

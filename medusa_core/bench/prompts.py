@@ -23,7 +23,7 @@ import json
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -68,13 +68,16 @@ def _conversation(messages: Any, where: str) -> tuple[str, tuple[tuple[str, str]
     return turns[-1][1], tuple(turns[:-1])
 
 
-def load_prompts(path: str | Path | None = None, limit: int | None = None) -> list[Prompt]:
+def load_prompts(
+    path: str | Path | None = None, limit: int | None = None, categories: Sequence[str] | None = None
+) -> list[Prompt]:
     """Prompts from a JSONL file of ``prompt`` or ``messages`` rows (format: this module's docstring).
 
-    ``path=None`` reads the shipped set (``medusa_core/data/bench_prompts.jsonl``). ``limit`` keeps
-    that many, taken round robin over the categories (so every category stays represented).
+    ``path=None`` reads the shipped set (``medusa_core/data/bench_prompts.jsonl``). ``categories``
+    keeps only those categories; ``limit`` then keeps that many, taken round robin over the categories
+    (so every category stays represented).
     Raises ``ValueError`` naming the file and line of a record with neither (or both) or a malformed
-    conversation.
+    conversation, or the categories asked for when no prompt has them.
     """
     if path is None:
         text = resources.files("medusa_core").joinpath("data/bench_prompts.jsonl").read_text(encoding="utf-8")
@@ -102,6 +105,11 @@ def load_prompts(path: str | Path | None = None, limit: int | None = None) -> li
             raise ValueError(f"{where}: 'prompt' must be a string")
     if not prompts:
         raise ValueError(f"{source}: no prompts")
+    if categories is not None:
+        found = sorted({p.category for p in prompts})
+        prompts = [p for p in prompts if p.category in categories]
+        if not prompts:
+            raise ValueError(f"{source}: no prompt of the categories {', '.join(categories)}; it has {', '.join(found)}")
     if limit is not None and 0 < limit < len(prompts):
         # round robin over the categories, each in file order, then back to file order
         queues: dict[str, list[int]] = {}

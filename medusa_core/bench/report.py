@@ -16,7 +16,7 @@ import torch
 
 from ..cpu import physical_cores
 from .accounting import ALL, REFERENCE, Summary, find_divergences, summarise
-from .run import Run
+from .run import LOOP_NGRAM, LOOP_TIMES, Run
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +44,10 @@ def summary_markdown(summaries: Sequence[Summary], category: str = ALL) -> str:
         rows.append([
             s.method, s.threads, s.tree_nodes, f"{s.tok_s:.1f} ({s.tok_s_min:.1f}–{s.tok_s_max:.1f})", _fmt(s.acceleration),
             _fmt(s.step_ms), _fmt(s.overhead), _fmt(s.speedup) + "×", _fmt(s.ttft_ms, 1), same,
-            _fmt(s.cpu_per_wall),
+            _fmt(s.cpu_per_wall), f"{s.looping}/{s.runs}", f"{s.ended}/{s.runs}",
         ])
     header = ["method", "threads", "tree tokens", "tokens/s median (min–max)", "accel. rate", "step ms", "overhead",
-              "speedup vs HF", "TTFT ms", "identical to HF", "CPU/wall"]
+              "speedup vs HF", "TTFT ms", "identical to HF", "CPU/wall", "loops", "ends (EOS)"]
     return markdown_table(rows, header)
 
 
@@ -168,7 +168,9 @@ def write_report(
         "tokens/s: new tokens ÷ wall time of the whole call (prefill included), median over repeats; "
         "accel. rate: tokens per decoding step; overhead: step latency ÷ the `baseline` loop's; "
         "speedup: tokens/s ÷ HF `generate`'s at the same thread count; TTFT: time to the first new token; CPU/wall: this process's CPU "
-        "time ÷ wall time (about the thread count on a quiet machine; lower means other processes took the cores)"
+        "time ÷ wall time (about the thread count on a quiet machine; lower means other processes took the cores); "
+        f"loops: replies in which some {LOOP_NGRAM}-token sequence occurs at least {LOOP_TIMES} times; ends (EOS): "
+        "replies that ended with EOS within the token limit"
         + ("; `@Nt` in the tables below: N torch threads." if len({s.threads for s in summaries}) > 1 else "."), "",
         "## Speedup vs HF generate per category", "", category_matrix(summaries, "speedup"), "",
         "## Tokens/s per category (median over repeats)", "", category_matrix(summaries, "tok_s", 1), "",

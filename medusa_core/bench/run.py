@@ -14,8 +14,24 @@ from typing import Any, Sequence
 
 import torch
 
+from ..processors import SamplingConfig
 from .methods import Method
 from .prompts import Prompt, encode_prompt
+
+
+LOOP_NGRAM = 6  # a reply "loops" when some LOOP_NGRAM-token sequence occurs ...
+LOOP_TIMES = 4  # ... at least this many times (issue 21's measure of degenerate replies)
+
+
+def loops(tokens: Sequence[int], n: int = LOOP_NGRAM, times: int = LOOP_TIMES) -> bool:
+    """True when some ``n``-token sequence occurs at least ``times`` times in ``tokens`` (overlaps count)."""
+    counts: dict[tuple[int, ...], int] = {}
+    for i in range(len(tokens) - n + 1):
+        gram = tuple(tokens[i : i + n])
+        counts[gram] = counts.get(gram, 0) + 1
+        if counts[gram] >= times:
+            return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -36,6 +52,8 @@ class Run:
         output: the new token ids (compared with the reference method's when greedy).
         sampling: the rule the tokens were chosen by: ``StepRecord.sampling`` for this project's loop
             (greedy, sample, typical, exact); greedy or sample for HF methods.
+        ended: the reply ended with an EOS token within the token limit.
+        loops: the reply loops (``loops(output)``: some 6-token sequence occurs at least 4 times).
         cpu_s: CPU time this process used during the call (all threads); well below
             ``wall_s × threads`` when other processes took the cores.
         threads: torch's intra-op CPU threads during the call (``torch.get_num_threads()``).
@@ -56,6 +74,8 @@ class Run:
     cpu_s: float = 0.0
     sampling: str = "greedy"
     threads: int = 1
+    ended: bool = False
+    loops: bool = False
 
 
 class _HFClock:
@@ -92,11 +112,12 @@ def _sync(device: torch.device) -> None:
 
 def run_once(
     model: Any, method: Method, input_ids: torch.Tensor, *, max_new_tokens: int, pld_tokens: int = 10,
-    prompt: int = 0, category: str = "", repeat: int = 0, temperature: float = 0.0, sampling: str = "typical",
+    prompt: int = 0, category: str = "", repeat: int = 0, config: SamplingConfig = SamplingConfig(),
+    sampling: str = "typical",
 ) -> Run:
-    """Generate one reply to ``input_ids`` [1, T] with ``method`` and time it: greedy at temperature 0,
-    else sampled (Medusa verifies by ``sampling``, see ``MedusaModel.generate``) with seed
-    ``1000 * repeat + prompt``."""
+    """Generate one reply to ``input_ids`` [1, T] with ``method`` and time it, every method with the same
+    ``config`` (HF ``generate`` gets the same processors): greedy at temperature 0, else sampled (Medusa
+    verifies by ``sampling``, see ``MedusaModel.generate``) with seed ``1000 * repeat + prompt``."""
     input_ids = input_ids.to(model.device)
     prompt_len = input_ids.shape[1]
     seed = 1000 * repeat + prompt
@@ -113,8 +134,10 @@ def run_once(
         )
         if method.kind == "hf_pld":
             kwargs["prompt_lookup_num_tokens"] = pld_tokens
-        if temperature > 0:  # plain softmax sampling, as the engine does: no top-k
-            kwargs.update(do_sample=True, temperature=temperature, top_k=0)
+        kwargs["repetition_penalty"] = float(config.repetition_penalty)
+        if not config.greedy:  # every value explicit: HF's own default top-k is 50, ours 0 (off)
+            kwargs.update(do_sample=True, temperature=float(config.temperature), top_k=int(config.top_k),
+                          top_p=float(config.top_p), min_p=float(config.min_p) if config.min_p > 0 else None)
             torch.manual_seed(seed)  # HF samples from the global generator
         _sync(model.device)
         cpu0 = time.process_time()
@@ -131,7 +154,8 @@ def run_once(
         return Run(
             **meta, tokens=len(output), steps=clock.forwards, wall_s=end - clock.start, ttft_s=ttft,
             step_time_s=end - clock.start - ttft, timed_steps=max(clock.forwards - 1, 0), output=output,
-            cpu_s=time.process_time() - cpu0, sampling="sample" if temperature > 0 else "greedy",
+            cpu_s=time.process_time() - cpu0, sampling="greedy" if config.greedy else "sample",
+            ended=bool(output) and output[-1] in model.eos_token_ids, loops=loops(output),
         )
     if method.kind not in ("baseline", "medusa"):
         raise ValueError(f"unknown method kind {method.kind!r}")
@@ -143,7 +167,7 @@ def run_once(
     for record in model.generate(
         input_ids, max_new_tokens=max_new_tokens, medusa=method.kind == "medusa",
         tree=[list(p) for p in method.choices] if method.kind == "medusa" else None,
-        temperature=temperature, sampling=sampling, seed=seed,
+        config=config, sampling=sampling, seed=seed,
     ):
         first_at = first_at or time.perf_counter()
         records.append(record)
@@ -153,6 +177,7 @@ def run_once(
         **meta, tokens=len(output), steps=len(records), wall_s=end - start, ttft_s=(first_at or end) - start,
         step_time_s=sum(r.latency_s for r in records[1:]), timed_steps=len(records) - 1,  # records[0]: the prefill
         output=output, cpu_s=time.process_time() - cpu0, sampling=records[0].sampling,
+        ended=records[-1].stop_reason == "eos", loops=loops(output),
     )
 
 
@@ -167,7 +192,7 @@ def run_benchmark(
     warmup_tokens: int = 16,
     system: str | None = None,
     progress: bool = True,
-    temperature: float = 0.0,
+    config: SamplingConfig = SamplingConfig(),
     sampling: str = "typical",
     threads: Sequence[int] = (),
 ) -> tuple[list[Run], list[str]]:
@@ -196,7 +221,7 @@ def run_benchmark(
             torch.set_num_threads(t)
             for m in methods:  # warm-up: allocator, kernels, tree buffers, this many threads
                 run_once(model, m, encoded[0][2], max_new_tokens=min(warmup_tokens, max_new_tokens),
-                         pld_tokens=pld_tokens, temperature=temperature, sampling=sampling)
+                         pld_tokens=pld_tokens, config=config, sampling=sampling)
         bar = tqdm(total=repeats * len(encoded) * len(counts) * len(methods), desc="bench", unit="run",
                    disable=not progress)
         for r in range(repeats):
@@ -207,7 +232,7 @@ def run_benchmark(
                         bar.set_postfix_str(f"{m.name}, {t} threads", refresh=False)
                         runs.append(run_once(
                             model, m, ids, max_new_tokens=max_new_tokens, pld_tokens=pld_tokens,
-                            prompt=i, category=p.category, repeat=r, temperature=temperature, sampling=sampling,
+                            prompt=i, category=p.category, repeat=r, config=config, sampling=sampling,
                         ))
                         bar.update()
         bar.close()

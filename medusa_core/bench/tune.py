@@ -100,7 +100,7 @@ def measure_step_latency(
 
     def go(n: int, ids: torch.Tensor, limit: int) -> list[Any]:
         kwargs = dict(medusa=False) if n == 0 else dict(tree=[list(p) for p in trees[n]])
-        return list(model.generate(ids, max_new_tokens=limit, **kwargs))
+        return list(model.generate(ids, max_new_tokens=limit, temperature=0.0, repetition_penalty=1.0, **kwargs))  # greedy
 
     for n in sizes:
         go(n, prompt_ids[0], 8)  # warm-up and tree buffers
@@ -176,7 +176,7 @@ def cmd_tune(model: Any, args: argparse.Namespace, command: str) -> int:
         paths, e = optimal_tree(rank_accuracy, n)
         if len(paths) == n:  # a budget beyond the calibrated ranks adds nothing
             trees[n], expected[n] = paths, e
-    timing_ids = [encode_prompt(model.tokenizer, p, args.system) for p in load_prompts(args.prompts, args.latency_prompts)]
+    timing_ids = [encode_prompt(model.tokenizer, p, args.system) for p in load_prompts(args.prompts, args.latency_prompts, args.categories)]
     latency, accel = measure_step_latency(model, timing_ids, trees, max_new_tokens=args.latency_tokens,
                                           progress=not args.no_progress)
     fitted = monotone_latency(latency)
@@ -184,7 +184,7 @@ def cmd_tune(model: Any, args: argparse.Namespace, command: str) -> int:
     pick = choose_tree_size({n: s for n, s in predicted.items() if n}, args.tolerance)
     ranked = sorted((n for n in predicted if n), key=lambda n: (n != pick, -predicted[n]))[: max(args.confirm_top, 1)]
 
-    confirm_prompts = load_prompts(args.prompts, args.limit or args.confirm_prompts)
+    confirm_prompts = load_prompts(args.prompts, args.limit or args.confirm_prompts, args.categories)
     methods = [Method("hf", "hf"), Method("baseline", "baseline")] + [
         Method(f"medusa:optimal_{n}", "medusa", tuple(map(tuple, trees[n]))) for n in ranked
     ]

@@ -185,7 +185,7 @@ def test_a_new_users_session_in_headless_chromium(app_url, tmp_path):
         expect(tree_title).to_contain_text("baseline (1 node)")
         expect(page.locator("#summary")).to_contain_text(re.compile(r"Speedup vs this session's baseline replies: [\d.]+×"))
         page.locator("#medusa input[type=checkbox]").check()
-        expect(page.locator("#epsilon")).to_contain_text("inactive at temperature 0")
+        expect(page.locator("#epsilon")).to_contain_text("inactive with exact sampling")  # the chat defaults' rule
 
         # Esc stops a long reply midway and keeps the partial reply (unless it finished first).
         max_tokens = page.locator("#max-new-tokens input[type=number]")
