@@ -80,18 +80,18 @@ def rowwise_attention(
     return torch.cat(out, dim=2).transpose(1, 2).contiguous(), None
 
 
-# One pass hands the same mask tensor to every layer: read its rows once (weak keys: freed with the mask).
-_ROWS: "weakref.WeakKeyDictionary[torch.Tensor, list[int | torch.Tensor]]" = weakref.WeakKeyDictionary()
+# One pass hands the same mask tensor to every layer: read its rows once. The last mask is held weakly
+# and compared by identity (a tensor's == is elementwise), so a freed mask is never mistaken for a new one.
+_last_rows: list = [lambda: None, None]  # [weakref to the mask, its rows]
 
 
 def _visible_keys(mask: torch.Tensor | None, n: int, length: int) -> list[int | torch.Tensor]:
     """Per query row, the keys it may see: an int m for keys 0..m−1, else their indices [m] (ascending)."""
     if mask is None:
         return [length - n + i + 1 for i in range(n)]
-    if mask in _ROWS:
-        return _ROWS[mask]
-    rows = _ROWS[mask] = _read_rows(mask, n)
-    return rows
+    if _last_rows[0]() is not mask:
+        _last_rows[:] = [weakref.ref(mask), _read_rows(mask, n)]
+    return _last_rows[1]
 
 
 def _read_rows(mask: torch.Tensor, n: int) -> list[int | torch.Tensor]:

@@ -148,7 +148,7 @@ def load_medusa_model(
     calibration_file = heads_folder / CALIBRATION_FILE
     calibration = _read_json(calibration_file) if calibration_file.exists() else {}
     trees, default_tree = _fitting_trees(folder / TUNED_FILE, calibration_file, calibration, tuned_key(dev, quantization), heads)
-    return MedusaModel(
+    model = MedusaModel(
         backbone,
         heads,
         tokenizer,
@@ -159,6 +159,8 @@ def load_medusa_model(
         default_tree=default_tree,
         rank_accuracy=calibration.get("rank_accuracy"),
     )
+    model.backbone_file = base if str(base).lower().endswith(".gguf") else None  # what llama.cpp can read (bench)
+    return model
 
 
 def resolve_quantization(quantization: str | None, base: str, device: torch.device) -> str | None:

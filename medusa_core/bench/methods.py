@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from . import llama_cpp
+
 #: Method kinds: HF greedy ``generate``, HF prompt lookup decoding, this project's plain loop, Medusa.
-METHOD_KINDS = ("hf", "hf_pld", "baseline", "medusa")
+METHOD_KINDS = ("hf", "hf_pld", "llama_cpp", "baseline", "medusa")
 #: Small trees benchmarked when the model ships none of its own.
 DEFAULT_TREES = ("chain_4", "sparse_8", "sparse_16", "sparse_32")
 
@@ -19,11 +22,13 @@ class Method:
         name: its label in tables: ``hf``, ``hf_pld``, ``baseline`` or ``medusa:<tree>``.
         kind: one of ``METHOD_KINDS``.
         choices: the Medusa tree's paths (kind ``medusa`` only).
+        source: the GGUF file llama.cpp decodes (kind ``llama_cpp`` only).
     """
 
     name: str
     kind: str
     choices: tuple[tuple[int, ...], ...] = ()
+    source: str = ""  # kind llama_cpp: the GGUF file
 
     @property
     def tree_nodes(self) -> int:
@@ -38,6 +43,14 @@ def build_methods(model: Any, methods: Sequence[str], trees: Sequence[str]) -> l
     for name in methods:
         if name in ("hf", "hf_pld", "baseline"):
             out.append(Method(name, name))
+        elif name == "llama_cpp":
+            path = getattr(model, "backbone_file", None)
+            if not path or not str(path).lower().endswith(".gguf"):
+                raise ValueError("method llama_cpp needs a GGUF backbone (the demo, or --base-model FILE.gguf)")
+            if not llama_cpp.available():
+                print(llama_cpp.MISSING)
+                continue
+            out.append(Method(name, name, source=str(path)))
         elif name == "medusa" or name.startswith("medusa:"):
             for tree in trees if name == "medusa" else [name.split(":", 1)[1]]:
                 tree_name, choices = model.resolve_tree(tree)

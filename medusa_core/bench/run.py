@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import torch
 
 from ..processors import SamplingConfig
+from . import llama_cpp
 from .methods import Method
 from .prompts import Prompt, encode_prompt
 
@@ -123,6 +124,12 @@ def run_once(
     seed = 1000 * repeat + prompt
     meta = dict(method=method.name, prompt=prompt, category=category, repeat=repeat, tree_nodes=method.tree_nodes,
                 threads=torch.get_num_threads())
+    if method.kind == "llama_cpp":  # greedy only (build_methods refuses it with sampling settings)
+        output, ttft, wall = llama_cpp.generate(method.source, input_ids[0].tolist(), max_new_tokens=max_new_tokens,
+                                                eos=set(model.eos_token_ids), threads=torch.get_num_threads())
+        return Run(**meta, tokens=len(output), steps=len(output), wall_s=wall, ttft_s=ttft, step_time_s=wall - ttft,
+                   timed_steps=max(len(output) - 1, 0), output=tuple(output), cpu_s=0.0, sampling="greedy",
+                   ended=bool(output) and output[-1] in model.eos_token_ids, loops=loops(tuple(output)))
     if method.kind in ("hf", "hf_pld"):
         eos = sorted(model.eos_token_ids)
         kwargs: dict[str, Any] = dict(
