@@ -468,3 +468,28 @@ def test_tune_writes_a_tuned_tree_that_the_loader_makes_the_default(tiny, tmp_pa
     finally:
         tuned.unlink(missing_ok=True)
         (heads / "medusa_calibration.json").unlink()
+
+
+def test_the_llama_cpp_anchor_is_skipped_with_one_line_for_a_backbone_that_is_not_gguf(capsys):
+    from medusa_core.bench.methods import build_methods
+
+    class NotGGUF:
+        backbone_file = None
+
+    assert build_methods(NotGGUF(), ["llama_cpp"], []) == []
+    assert "llama_cpp skipped: the backbone is not a GGUF file" in capsys.readouterr().out
+
+
+def test_the_llama_cpp_anchor_is_skipped_with_one_line_when_llama_cpp_python_is_missing(capsys, monkeypatch):
+    from medusa_core.bench import llama_cpp
+    from medusa_core.bench.methods import build_methods
+
+    class Demo:
+        backbone_file = "/models/demo.gguf"
+
+    monkeypatch.setattr(llama_cpp, "available", lambda: False)
+    assert build_methods(Demo(), ["llama_cpp"], []) == []
+    assert 'pip install -e ".[anchors]"' in capsys.readouterr().out
+    monkeypatch.setattr(llama_cpp, "available", lambda: True)
+    [method] = build_methods(Demo(), ["llama_cpp"], [])
+    assert (method.kind, method.source, method.tree_nodes) == ("llama_cpp", "/models/demo.gguf", 1)

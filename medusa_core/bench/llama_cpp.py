@@ -12,6 +12,8 @@ import time
 from functools import lru_cache
 from typing import Any
 
+#: How a backbone that is not a GGUF file is reported (the method is skipped).
+NOT_GGUF = "llama_cpp skipped: the backbone is not a GGUF file (use the demo, or --base-model FILE.gguf)"
 #: How a missing package is reported (the method is skipped).
 MISSING = "llama_cpp skipped: llama-cpp-python is not installed (pip install -e \".[anchors]\")"
 

@@ -46,7 +46,8 @@ def build_methods(model: Any, methods: Sequence[str], trees: Sequence[str]) -> l
         elif name == "llama_cpp":
             path = getattr(model, "backbone_file", None)
             if not path or not str(path).lower().endswith(".gguf"):
-                raise ValueError("method llama_cpp needs a GGUF backbone (the demo, or --base-model FILE.gguf)")
+                print(llama_cpp.NOT_GGUF)
+                continue
             if not llama_cpp.available():
                 print(llama_cpp.MISSING)
                 continue

@@ -124,7 +124,9 @@ def run_once(
     seed = 1000 * repeat + prompt
     meta = dict(method=method.name, prompt=prompt, category=category, repeat=repeat, tree_nodes=method.tree_nodes,
                 threads=torch.get_num_threads())
-    if method.kind == "llama_cpp":  # greedy only (build_methods refuses it with sampling settings)
+    if method.kind == "llama_cpp":
+        if config.temperature > 0 or config.repetition_penalty != 1.0:  # llama.cpp's penalty has other semantics
+            raise ValueError("method llama_cpp runs plain greedy decoding only: drop it, or use greedy settings")
         output, ttft, wall = llama_cpp.generate(method.source, input_ids[0].tolist(), max_new_tokens=max_new_tokens,
                                                 eos=set(model.eos_token_ids), threads=torch.get_num_threads())
         return Run(**meta, tokens=len(output), steps=len(output), wall_s=wall, ttft_s=ttft, step_time_s=wall - ttft,
