@@ -78,9 +78,9 @@ def load_gguf_backbone(
     if unused:
         log.info("%s: tensors without a place in %s: %s", Path(path).name, type(model).__name__, unused[:5])
 
-    def values(hf_name: str) -> np.ndarray:
-        t = tensors[hf_name]
-        return np.array(processor.process(weights=dequantize(t.data, t.tensor_type), name=t.name).weights)  # writable
+    def values(t: _Tensor) -> np.ndarray:
+        weights = processor.process(weights=dequantize(t.data, t.tensor_type), name=t.name).weights
+        return np.require(weights, requirements=["W"])  # copied only when read-only (a float tensor's memory map)
 
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     lm_head = next(n for n, m in linears.items() if m is model.get_output_embeddings())
@@ -92,15 +92,18 @@ def load_gguf_backbone(
         weight, bias = f"{name}.weight", f"{name}.bias"
         if weight not in tensors:
             raise MedusaCheckpointError(f"{path}: no tensor for {weight} of {type(model).__name__}")
-        b = torch.from_numpy(values(bias)) if bias in tensors else None
+        # Each tensor leaves ``tensors`` as it is placed: its memory map closes, and its pages leave the
+        # process's resident memory at once instead of at the end of the load (peak RSS: README, "Memory").
+        w, b = tensors.pop(weight), (torch.from_numpy(values(tensors.pop(bias))) if bias in tensors else None)
         if quantization == "gguf":
             refine = LM_HEAD_REFINE if name == lm_head else 0
-            layer = (None if refine else _int4_linear(tensors[weight], processor, b)) or BF16Linear.from_weight(
-                torch.from_numpy(values(weight)), b, refine_top=refine)
+            layer = (None if refine else _int4_linear(w, processor, b)) or BF16Linear.from_weight(
+                torch.from_numpy(values(w)), b, refine_top=refine)
         else:
-            layer = _dense_linear(torch.from_numpy(values(weight)), b, quantization, dtype, device)
+            layer = _dense_linear(torch.from_numpy(values(w)), b, quantization, dtype, device)
         model.set_submodule(name, layer)
-    emb = torch.from_numpy(values(f"{embed}.weight"))
+        del w, layer
+    emb = torch.from_numpy(values(tensors.pop(f"{embed}.weight")))
     padding = model.get_input_embeddings().padding_idx
     if quantization == "gguf":
         model.set_submodule(embed, BF16Embedding.from_weight(emb, dtype, padding))
@@ -111,12 +114,10 @@ def load_gguf_backbone(
         if tied:
             model.set_submodule(lm_head, _dense_linear(emb, None, "none", dtype, device))
             model.get_output_embeddings().weight = model.get_input_embeddings().weight
-    placed = {f"{n}.weight" for n in linears} | {f"{n}.bias" for n in linears} | {f"{embed}.weight"}
-    for name, tensor in tensors.items():
-        if name not in placed:
-            module, _, attr = name.rpartition(".")
-            value = torch.from_numpy(values(name)).to(dtype)
-            model.get_submodule(module).register_parameter(attr, nn.Parameter(value, requires_grad=False))
+    for name, tensor in tensors.items():  # what is left: norms and other small parameters
+        module, _, attr = name.rpartition(".")
+        value = torch.from_numpy(values(tensor)).to(dtype)
+        model.get_submodule(module).register_parameter(attr, nn.Parameter(value, requires_grad=False))
     missing = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.is_meta]
     if missing:
         raise MedusaCheckpointError(f"{path}: the file has no tensor for {missing[:5]} of {type(model).__name__}")
