@@ -17,7 +17,8 @@ the few ops that are not, and test 1-row against N-row results bit for bit):
   the same values, that one-token decoding makes at that position (keys 0..p), so the result is the
   same bits. Passes of more than ``MAX_ROWWISE`` rows (a long prompt's prefill, shared by every
   decoding mode) use transformers' SDPA as they are.
-- the LM head: ``BF16Linear`` for a 4-bit backbone, ``RowwiseLinear`` for a float32 one.
+- the LM head: ``int4_lm_head`` for a 4-bit backbone (a 4-bit first pass, the top logits refined in
+  float32), ``RowwiseLinear`` for a float32 one.
 
 It is registered with transformers' public ``AttentionInterface`` / ``AttentionMaskInterface`` under
 ``ATTENTION`` and selected with ``model.set_attn_implementation``; no modelling code is copied.
@@ -34,7 +35,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .quant.layers import LM_HEAD_REFINE, BF16Linear
+from .quant.layers import int4_lm_head
 
 #: Name of the attention implementation (``config._attn_implementation``).
 ATTENTION = "medusa_rowwise"
@@ -140,7 +141,7 @@ def make_batch_invariant(model: nn.Module, *, quantized: bool) -> nn.Module:
     Selects ``rowwise_attention``. Float ``nn.Linear`` layers become ``RowwiseLinear`` (same
     weights) when the decoder's linears are float too (``quantized=False``); with a 4-bit decoder
     (``Int4Linear``, bitsandbytes NF4: batch-invariant kernels already) a float LM head is replaced by
-    a ``BF16Linear`` copy in bfloat16 that refines each row's top logits in float32 instead (a tied
+    ``int4_lm_head``: a 4-bit first pass whose top logits each row refines in float32 (a tied
     input embedding keeps its own weights).
     """
     register()
@@ -149,7 +150,7 @@ def make_batch_invariant(model: nn.Module, *, quantized: bool) -> nn.Module:
     if quantized:
         if type(head) is nn.Linear:
             bias = None if head.bias is None else head.bias.detach()
-            model.set_output_embeddings(BF16Linear.from_weight(head.weight.detach(), bias, refine_top=LM_HEAD_REFINE))
+            model.set_output_embeddings(int4_lm_head(head.weight.detach(), bias))
             model.config.tie_word_embeddings = False
         return model
     for name, module in list(model.named_modules()):

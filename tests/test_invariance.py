@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType, dequantize, quantize
 from medusa_core import load_medusa_model
 from medusa_core.invariant import RowwiseLinear, rowwise_attention
 from medusa_core.quant.gguf_blocks import int4_groups
-from medusa_core.quant.layers import BF16Linear, Int4Linear
+from medusa_core.quant.layers import LM_HEAD_REFINE, BF16Linear, Int4Linear, int4_lm_head
 
 ROWS = (2, 3, 4, 5, 8, 17, 33)
 BF16_CPU = torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -53,6 +53,52 @@ def test_a_bf16_lm_head_gives_its_top_logits_as_float32_products_of_its_weights(
     assert torch.equal(logits.argmax(-1), exact.argmax(-1))
     coarse = BF16Linear.from_weight(head.weight)(x)  # without refinement: bf16-rounded logits
     assert (coarse.gather(-1, top) != exact.gather(-1, top)).any()
+
+
+@pytest.mark.skipif(not BF16_CPU, reason="bfloat16 matmuls are batch-invariant on CPUs with AVX512-BF16")
+def test_an_int4_lm_head_rows_are_bitwise_the_same_alone_and_in_passes_of_any_size():
+    head = int4_lm_head(torch.randn(4096, 576) * 0.05)
+    assert isinstance(head.coarse, Int4Linear)
+    _rows_alone_equal_rows_together(head, 576)
+
+
+def test_an_int4_lm_head_gives_its_top_logits_as_float32_products_and_the_rest_within_a_4bit_step():
+    torch.manual_seed(3)
+    weight = torch.randn(4096, 576) * 0.05
+    head, x = int4_lm_head(weight), torch.randn(5, 576)
+    logits, coarse = head(x), head.coarse(x)  # coarse: the 4-bit first pass alone
+    exact = x @ head.weight.float().T  # float32 products of the bfloat16 weights
+    top = coarse.topk(LM_HEAD_REFINE, dim=-1).indices  # the logits the head refines
+    torch.testing.assert_close(logits.gather(-1, top), exact.gather(-1, top), rtol=1e-6, atol=1e-5)
+    assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+    rest = torch.ones_like(logits, dtype=torch.bool).scatter(-1, top, False)
+    assert torch.equal(logits[rest], coarse[rest]) and not torch.equal(coarse, exact)
+    assert (coarse - exact).abs().mean() < 0.1 * exact.abs().mean()  # 4-bit weights: close, not equal
+
+
+def test_int4_quantization_keeps_each_weight_within_half_a_step_of_its_group():
+    torch.manual_seed(4)
+    weight = torch.randn(48, 64)
+    weight[0, :32] = 0.25  # a constant group
+    layer = Int4Linear.quantize(weight, rows=16)  # three chunks of rows
+    groups = weight.reshape(48, 2, 32)
+    step = ((groups.amax(-1) - groups.amin(-1)) / 15).repeat_interleave(32, dim=1)  # [48, 64]
+    error = (layer.dequantized() - weight).abs()
+    # bfloat16 scale and zero add their own rounding to the half step of the codes
+    assert (error <= step / 2 + 0.01 * weight.abs().amax()).all()
+    assert error[0, :32].max() < 1e-2
+
+
+def test_an_lm_head_that_needs_gradients_takes_the_bfloat16_product_so_heads_can_train_through_it():
+    head = int4_lm_head(torch.randn(4096, 576) * 0.05)
+    x = torch.randn(3, 576, requires_grad=True)
+    head(x).sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+def test_an_lm_head_shape_the_int4_kernel_cannot_tile_keeps_the_bfloat16_first_pass():
+    head = int4_lm_head(torch.randn(261, 64))  # the tiny GGUF test models' vocabulary: 261 % 16 != 0
+    assert head.coarse is None and head(torch.randn(2, 64)).shape == (2, 261)
 
 
 def test_rowwise_linear_rows_are_bitwise_the_same_alone_and_in_passes_of_any_size():

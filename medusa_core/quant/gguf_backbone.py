@@ -8,8 +8,9 @@ tensors are memory-mapped from the file, then each is placed:
 
 - ``"gguf"`` (the file's own 4-bit weights): Q4_0 / Q4_1 linear weights become ``Int4Linear`` from
   their blocks as they are (``gguf_blocks``; a row permutation is applied to codes and scales alike);
-  other linear weights, the token embedding and the LM head are dequantized to bfloat16
-  (``BF16Linear`` / ``BF16Embedding``); norms and biases stay float32. CPU only.
+  other linear weights and the token embedding are dequantized to bfloat16 (``BF16Linear`` /
+  ``BF16Embedding``); the LM head is ``int4_lm_head`` (a 4-bit first pass, each row's top logits
+  refined in float32 from its bfloat16 weights); norms and biases stay float32. CPU only.
 - ``"none"``: every tensor dequantized to ``dtype`` (float32 by default), plain ``nn.Linear``.
 - ``"nf4"``: dequantized one linear at a time and re-quantized by bitsandbytes (``Linear4bit``).
 
@@ -32,7 +33,7 @@ from gguf import GGMLQuantizationType
 from ..errors import MedusaCheckpointError
 from ..gguf import TENSOR_INDEX
 from .gguf_blocks import INT4_TYPES, int4_groups
-from .layers import LM_HEAD_REFINE, BF16Embedding, BF16Linear, Int4Linear
+from .layers import BF16Embedding, BF16Linear, Int4Linear, int4_lm_head
 
 log = logging.getLogger(__name__)
 
@@ -95,10 +96,10 @@ def load_gguf_backbone(
         # Each tensor leaves ``tensors`` as it is placed: its memory map closes, and its pages leave the
         # process's resident memory at once instead of at the end of the load (peak RSS: README, "Memory").
         w, b = tensors.pop(weight), (torch.from_numpy(values(tensors.pop(bias))) if bias in tensors else None)
-        if quantization == "gguf":
-            refine = LM_HEAD_REFINE if name == lm_head else 0
-            layer = (None if refine else _int4_linear(w, processor, b)) or BF16Linear.from_weight(
-                torch.from_numpy(values(w)), b, refine_top=refine)
+        if quantization == "gguf" and name == lm_head:
+            layer = int4_lm_head(torch.from_numpy(values(w)), b)
+        elif quantization == "gguf":
+            layer = _int4_linear(w, processor, b) or BF16Linear.from_weight(torch.from_numpy(values(w)), b)
         else:
             layer = _dense_linear(torch.from_numpy(values(w)), b, quantization, dtype, device)
         model.set_submodule(name, layer)
@@ -108,7 +109,7 @@ def load_gguf_backbone(
     if quantization == "gguf":
         model.set_submodule(embed, BF16Embedding.from_weight(emb, dtype, padding))
         if tied:
-            model.set_submodule(lm_head, BF16Linear.from_weight(model.get_input_embeddings().weight, refine_top=LM_HEAD_REFINE))
+            model.set_submodule(lm_head, int4_lm_head(model.get_input_embeddings().weight))
     else:
         model.set_submodule(embed, nn.Embedding.from_pretrained(emb.to(dtype), freeze=True, padding_idx=padding))
         if tied:

@@ -62,6 +62,24 @@ class Int4Linear(nn.Module):
         out = out.to(x.dtype).reshape(*shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, rows: int = 4096) -> "Int4Linear":
+        """4-bit weights of a float ``weight`` [N, K]: per group of 32 inputs, min–max codes 0..15 (as
+        GGUF's Q4_1: scale = (max − min) / 15, w ≈ codes · scale + min), quantized ``rows`` rows at a time
+        to keep float temporaries small. Raises ``ValueError`` as the constructor does."""
+        n, k = weight.shape
+        if k % GROUP_SIZE:
+            raise ValueError(f"int4 weights need in_features % {GROUP_SIZE} == 0, got {n} x {k}")
+        codes = torch.empty(n, k, dtype=torch.uint8)
+        scale, low = torch.empty(n, k // GROUP_SIZE), torch.empty(n, k // GROUP_SIZE)
+        for start in range(0, n, rows):
+            g = weight[start : start + rows].float().reshape(-1, k // GROUP_SIZE, GROUP_SIZE)  # [r, K/32, 32]
+            lo, hi = g.amin(-1), g.amax(-1)
+            step = ((hi - lo) / 15).clamp(min=torch.finfo(torch.bfloat16).tiny)  # a constant group: any step
+            codes[start : start + rows] = ((g - lo[..., None]) / step[..., None]).round_().clamp_(0, 15).reshape(-1, k)
+            scale[start : start + rows], low[start : start + rows] = step, lo
+        return cls(codes, scale, low + 8 * scale, bias)
+
     def dequantized(self) -> torch.Tensor:
         """The weights [N, K] as float32 (what the kernel multiplies by; for tests and the heads)."""
         eye = torch.eye(self.in_features, dtype=torch.bfloat16)
@@ -83,10 +101,20 @@ class BF16Linear(nn.Linear):
     logit of 25 to steps of 0.125, which ties or swaps the top tokens of close calls (on the demo,
     "The" and "L'" as the first token of "What is the capital of France?"); the refined top-k are
     the float32 products of the bf16-stored weights. The argmax is exact whenever it lies in the
-    bf16 top-k, which needs a row's k-th logit to trail its best by more than the bf16 rounding.
+    coarse top-k, which needs a row's k-th logit to trail its best by more than the coarse error.
+
+    With a ``coarse`` layer (``lm_head``: an ``Int4Linear`` copy of the weights) the first pass runs
+    from 4-bit weights instead of bfloat16 ones: an LM head reads its whole [V, H] weight every step
+    (the demo's is 56 MB in bfloat16, as much as all its 4-bit decoder layers together), and the
+    refinement still gives the top-k their float32 values. Passes that need gradients (training the
+    heads through the shared LM head) take the bfloat16 product: the int4 kernel has no backward.
     """
 
     refine_top: int = 0
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.coarse: nn.Module | None = None  # a submodule slot (a class attribute would hide the module)
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, refine_top: int = 0) -> "BF16Linear":
@@ -99,7 +127,10 @@ class BF16Linear(nn.Linear):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x.to(torch.bfloat16), self.weight, self.bias).to(x.dtype)
+        if self.coarse is not None and not (torch.is_grad_enabled() and x.requires_grad):
+            out = self.coarse(x)
+        else:
+            out = F.linear(x.to(torch.bfloat16), self.weight, self.bias).to(x.dtype)
         if not self.refine_top:
             return out
         flat, rows = x.reshape(-1, self.in_features).float(), out.reshape(-1, self.out_features)  # [M, K], [M, N]
@@ -128,3 +159,16 @@ class BF16Embedding(nn.Embedding):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return super().forward(ids).to(self.out_dtype)
+
+
+def int4_lm_head(weight: torch.Tensor, bias: torch.Tensor | None = None) -> BF16Linear:
+    """The LM head of a 4-bit CPU backbone: a 4-bit first pass (``Int4Linear.quantize`` of ``weight`` [V, H]),
+    then each row's top ``LM_HEAD_REFINE`` logits recomputed in float32 from the bfloat16 weights (shared
+    with a tied embedding when ``weight`` already is bfloat16). Batch-invariant: both passes are. A shape
+    the int4 kernel does not tile (V % 16 or H % 32) keeps the bfloat16 first pass."""
+    layer = BF16Linear.from_weight(weight, bias, refine_top=LM_HEAD_REFINE)
+    try:
+        layer.coarse = Int4Linear.quantize(layer.weight, None if bias is None else layer.bias)
+    except ValueError:
+        pass  # untiled shape: the bfloat16 product, as documented
+    return layer
