@@ -9,7 +9,9 @@ Works on token ids and knows no UI. Public API:
 - Acceptance (paper 2.3.1): ``evaluate_posterior``; exact rejection sampling over the tree (Leviathan
   et al. 2023, Chen et al. 2023): ``try_children``, ``residual_distributions``, ``node_status``.
 - The engine: ``MedusaModel.generate`` yields one ``StepRecord`` per decoding step; ``SAMPLING_MODES``
-  (its ``sampling=`` argument), ``SAMPLING_RULES`` and ``NODE_STATUSES`` (fields of the record).
+  (its ``sampling=`` argument), ``DRAFT_SOURCES`` (its ``drafts=``), ``SAMPLING_RULES``, ``NODE_STATUSES``
+  and ``NODE_SOURCES`` (fields of the record).
+- N-gram drafts in the tree (prompt lookup beside the heads, issue 20): ``NgramDrafter``, ``DraftConfig``.
 - Sampling settings with HF ``generate`` semantics, applied at every tree node: ``SamplingConfig``
   (temperature, top-k, top-p, min-p, repetition penalty) and ``CHAT_PRESET``.
 - ``physical_cores``: the default torch thread count of the app and the benchmark.
@@ -18,11 +20,13 @@ Works on token ids and knows no UI. Public API:
 from .acceptance import NODE_STATUSES, evaluate_posterior, node_status, residual_distributions, try_children
 from .cpu import physical_cores
 from .export import export_vllm, save_medusa_heads
-from .generation import SAMPLING_MODES, SAMPLING_RULES, STOP_REASONS, StepRecord
+from .drafts import DraftConfig, NgramDrafter
+from .generation import DRAFT_SOURCES, SAMPLING_MODES, SAMPLING_RULES, STOP_REASONS, StepRecord
 from .heads import MedusaHeads
 from .loading import DEMO_MODEL_DIR, MedusaCheckpointError, heads_from_state_dict, load_medusa_model
 from .model import MedusaModel
 from .processors import CHAT_PRESET, SamplingConfig
+from .steptree import NODE_SOURCES
 from .trees import (
     MAX_TREE_NODES,
     TREE_PRESETS,
@@ -38,15 +42,19 @@ from .trees import (
 __all__ = [
     "CHAT_PRESET",
     "DEMO_MODEL_DIR",
+    "DRAFT_SOURCES",
     "MAX_TREE_NODES",
+    "NODE_SOURCES",
     "NODE_STATUSES",
     "SAMPLING_MODES",
     "SAMPLING_RULES",
     "STOP_REASONS",
     "TREE_PRESETS",
+    "DraftConfig",
     "MedusaCheckpointError",
     "MedusaHeads",
     "MedusaModel",
+    "NgramDrafter",
     "SamplingConfig",
     "StepRecord",
     "TreeBuffers",

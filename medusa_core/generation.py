@@ -16,6 +16,9 @@ STOP_REASONS = ("eos", "max_new_tokens", "context")
 SAMPLING_MODES = ("typical", "exact")
 #: Values of ``StepRecord.sampling``: the rule a step's tokens were chosen by.
 SAMPLING_RULES = ("greedy", "sample", "typical", "exact")
+#: Values of ``generate(drafts=...)``: where a Medusa step's candidates come from (the heads' tree, n-gram
+#: prompt lookup, or both in one tree).
+DRAFT_SOURCES = ("hybrid", "heads", "ngram")
 
 
 @dataclass(frozen=True)
@@ -32,14 +35,19 @@ class StepRecord:
     Attributes:
         step: 0-based step index within the reply; 0 is the prefill.
         mode: ``"medusa"`` or ``"baseline"`` (plain decoding, one token per step).
-        tree_name: name of the tree used; ``"prefill"`` for step 0; ``"baseline"`` for a root-only
-            step (baseline mode, or a Medusa step when one token remains or the context is nearly full).
+        tree_name: name of the Medusa tree used; ``"prefill"`` for step 0; ``"baseline"`` for a root-only
+            step (baseline mode, or a Medusa step when one token remains or the context is nearly full);
+            ``"ngram"`` for a step of ``drafts="ngram"`` (no heads: the root and the n-gram chain, if any).
         tree_nodes: N, nodes of the tree verified this step, root included.
         node_token_ids: token id of every node.
         node_parents: parent node index of every node (-1 for the root).
         node_heads: 0-based Medusa head that proposed every node (head k guesses k+2 tokens ahead;
-            -1 for the root, the backbone's own token).
-        node_ranks: rank of every node's token in its head's top-k (0 for the root).
+            -1 for the root, the backbone's own token, and for n-gram nodes).
+        node_ranks: rank of every node's token in its head's top-k (0 for the root and n-gram nodes).
+        node_sources: where every node's token comes from, one of ``steptree.NODE_SOURCES``:
+            ``"root"``, ``"head"`` (head ``node_heads[i]``, rank ``node_ranks[i]``) or ``"ngram"`` (copied
+            from the context by prompt lookup; a drafted token that a head also proposed stays ``"head"``).
+        drafts: the reply's ``generate(drafts=...)``, one of ``DRAFT_SOURCES``; ``""`` in baseline mode.
         accepted_nodes: node indices of the accepted path, root first.
         sampling: the rule the step used, one of ``SAMPLING_RULES``: ``"greedy"`` (temperature 0:
             argmax root, candidates must equal the argmax), ``"sample"`` (baseline mode at
@@ -51,7 +59,7 @@ class StepRecord:
             (tried and rejected) or ``"untried"`` (never reached).
         token_ids: tokens added to the reply this step: the tokens of ``accepted_nodes[1:]``, then
             the next root (after cutting at EOS / the token limit); step 0: the first token.
-        accept_length: candidates accepted from the heads this step (before any cut).
+        accept_length: candidates (head or n-gram nodes) accepted this step (before any cut).
         latency_s: wall-clock seconds of the step (synchronised on CUDA); step 0: the prefill.
         prefill_s: seconds of the prompt's prefill (step 0 only, equal to its ``latency_s``; else 0).
         total_tokens: tokens generated so far in the reply, this step included.
@@ -75,12 +83,27 @@ class StepRecord:
     prefill_s: float = 0.0
     stop_reason: str | None = None
     node_status: tuple[str, ...] = ()
+    node_sources: tuple[str, ...] = ()
+    drafts: str = ""
 
     @property
-    def head_tokens(self) -> int:
+    def draft_tokens(self) -> int:
         """Candidates of this step that are in the reply: ``accept_length`` after the cut at EOS /
         the token limit (the cut drops the next root first, then candidates from the end)."""
         return min(self.accept_length, len(self.token_ids))
+
+    @property
+    def head_tokens(self) -> int:
+        """Of ``draft_tokens``, those proposed by the heads (all of them when ``node_sources`` is empty)."""
+        return self.draft_tokens - self.ngram_tokens
+
+    @property
+    def ngram_tokens(self) -> int:
+        """Of ``draft_tokens``, those copied by n-gram lookup (``node_sources`` ``"ngram"``)."""
+        if not self.node_sources:
+            return 0
+        kept = self.accepted_nodes[1 : 1 + self.draft_tokens]
+        return sum(self.node_sources[i] == "ngram" for i in kept)
 
     @property
     def tokens_per_s(self) -> float:
@@ -89,15 +112,15 @@ class StepRecord:
 
 
 def check_generate_args(
-    max_new_tokens: Any, posterior_threshold: Any, posterior_alpha: Any, seed: Any, sampling: Any
+    max_new_tokens: Any, posterior_threshold: Any, posterior_alpha: Any, seed: Any, sampling: Any, drafts: Any
 ) -> None:
     """Check ``MedusaModel.generate``'s scalar arguments before any work (the sampling settings are
     checked by ``SamplingConfig``).
 
     Raises ``ValueError`` naming the first bad one and what is allowed: ``max_new_tokens`` an integer
     >= 1 (tokens); ``posterior_threshold`` (ε) and ``posterior_alpha`` (δ) in (0, 1] (paper 2.3.1);
-    ``seed`` an integer in [0, 2**63) or None; ``sampling`` one of ``SAMPLING_MODES``. Booleans are
-    not accepted as numbers.
+    ``seed`` an integer in [0, 2**63) or None; ``sampling`` one of ``SAMPLING_MODES``; ``drafts`` one of
+    ``DRAFT_SOURCES``. Booleans are not accepted as numbers.
     """
     if not _is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
@@ -114,6 +137,8 @@ def check_generate_args(
         raise ValueError(f"seed must be an integer in [0, 2**63) or None (a fresh seed), got {seed!r}")
     if sampling not in SAMPLING_MODES:
         raise ValueError(f"sampling must be one of {', '.join(map(repr, SAMPLING_MODES))}, got {sampling!r}")
+    if drafts not in DRAFT_SOURCES:
+        raise ValueError(f"drafts must be one of {', '.join(map(repr, DRAFT_SOURCES))}, got {drafts!r}")
 
 
 def _is_int(value: Any) -> bool:

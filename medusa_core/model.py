@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -25,23 +24,11 @@ from torch import nn
 from transformers import DynamicCache
 
 from .acceptance import node_status, residual_distributions, score_children, select_path, try_children
+from .drafts import DraftConfig, NgramDrafter
 from .generation import StepRecord, check_generate_args
 from .processors import CHAT_PRESET, NodeProcessors, SamplingConfig, tree_prefixes
-from .trees import TREE_PRESETS, TreeBuffers, build_tree_buffers, resolve_tree, validate_tree
-
-
-@dataclass(frozen=True, eq=False)
-class _Tree:
-    """A tree's buffers on the model's device, with what each step needs precomputed."""
-
-    name: str
-    buffers: TreeBuffers
-    bias: torch.Tensor  # [N, N] additive tree-attention mask in the model's dtype
-    path_nodes: torch.Tensor  # [P, D] index into the N-1 non-root nodes (padding clamped to 0)
-    path_valid: torch.Tensor  # [P, D] bool
-    node_parents: tuple[int, ...]
-    node_heads: tuple[int, ...]
-    node_ranks: tuple[int, ...]
+from .steptree import StepTree, graft, static_tree
+from .trees import TREE_PRESETS, resolve_tree, validate_tree
 
 
 class MedusaModel:
@@ -94,7 +81,7 @@ class MedusaModel:
         self.eos_token_ids = _eos_ids(backbone)
         # Heads may run in a cheaper dtype than the backbone: they only propose, the backbone verifies.
         self._head_dtype = next(heads.parameters(), backbone.get_input_embeddings().weight).dtype
-        self._trees: dict[str, _Tree] = {}
+        self._trees: dict[str, StepTree] = {}
         self._default_tree = default_tree
         for tree in [*self.trees, *([default_tree] if default_tree else [])]:
             try:
@@ -174,6 +161,8 @@ class MedusaModel:
         medusa: bool = True,
         seed: int | None = None,
         sampling: str = "typical",
+        drafts: str = "heads",
+        draft_config: DraftConfig = DraftConfig(),
     ) -> Iterator[StepRecord]:
         """Decode a reply, yielding one ``StepRecord`` per decoding step (paper 2.1–2.3).
 
@@ -201,6 +190,17 @@ class MedusaModel:
                 ``p(x) > min(ε, δ·exp(−H(p)))``; fast, but the reply no longer follows p.
                 ``"exact"``: recursive rejection sampling over the tree; the reply is distributed
                 exactly as plain sampling (``medusa=False``) from p. See below.
+            drafts: where a Medusa step's candidates come from, one of ``DRAFT_SOURCES``:
+                ``"heads"`` (default, the paper's Medusa): the tree's nodes, ranks of the heads' top-k (2.1.2);
+                ``"ngram"``: prompt lookup only, the tokens that followed the latest earlier occurrence
+                of the context's last tokens (``drafts.NgramDrafter`` over the prompt and the reply so
+                far), as one chain; a step without a match verifies the root alone;
+                ``"hybrid"``: the heads' tree with the n-gram chain grafted on (``steptree.graft``), both
+                verified in the same pass. Drafts are point masses like the heads' candidates, so greedy
+                output stays plain greedy output and exact sampling stays exact. Ignored with
+                ``medusa=False``.
+            draft_config: n-gram sizes and the longest chain (``DraftConfig``); the chain is also cut so
+                the step's tree fits the context window and the token limit.
 
         Exact sampling (Leviathan et al. 2023, "Fast inference from transformers via speculative
         decoding", and Chen et al. 2023, "Accelerating LLM decoding with speculative sampling", for
@@ -229,10 +229,10 @@ class MedusaModel:
         or too-long prompt, a batch size other than 1, ``max_new_tokens`` not an integer >= 1, a
         sampling setting outside its range (``SamplingConfig``: temperature a finite number >= 0,
         top_k an integer >= 0, top_p in (0, 1], min_p in [0, 1], repetition_penalty > 0), ε or δ
-        outside (0, 1], a seed outside [0, 2**63), an unknown ``sampling``, or a tree that
+        outside (0, 1], a seed outside [0, 2**63), an unknown ``sampling`` or ``drafts``, or a tree that
         ``resolve_tree`` refuses.
         """
-        check_generate_args(max_new_tokens, posterior_threshold, posterior_alpha, seed, sampling)
+        check_generate_args(max_new_tokens, posterior_threshold, posterior_alpha, seed, sampling, drafts)
         overrides = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty)
         settings = dataclasses.replace(
             self.sampling_defaults if config is None else config, **{k: v for k, v in overrides.items() if v is not None}
@@ -246,16 +246,21 @@ class MedusaModel:
             raise ValueError(
                 f"the prompt has {prompt_len} tokens; the model's context window is {self.max_context} tokens"
             )
-        full = self._tree(tree if tree is not None else self.default_tree) if medusa else None
+        full = None
+        if medusa:
+            full = self._tree("ngram") if drafts == "ngram" else self._tree(tree if tree is not None else self.default_tree)
         if seed is None:
             seed = random.SystemRandom().randrange(2**63)
         rule = "greedy" if settings.greedy else sampling if medusa else "sample"
+        drafter = NgramDrafter(draft_config, input_ids[0].tolist()) if medusa and drafts != "heads" else None
         return self._decode(
             input_ids.to(self.device), max_new_tokens, full, NodeProcessors(settings), posterior_threshold, posterior_alpha,
-            seed, rule,
+            seed, rule, drafter, drafts if medusa else "",
         )
 
-    def _decode(self, input_ids, max_new_tokens, full, processors, eps, alpha, seed, rule) -> Iterator[StepRecord]:
+    def _decode(
+        self, input_ids, max_new_tokens, full, processors, eps, alpha, seed, rule, drafter, drafts
+    ) -> Iterator[StepRecord]:
         root_only = self._tree("baseline")
         generator = torch.Generator(device=self.device).manual_seed(seed)
         cache = self._new_cache()
@@ -274,36 +279,43 @@ class MedusaModel:
         # Step 0 is the prefill: its token goes out at once (time to first token = prefill time).
         medusa = full is not None
         record = self._record(0, root_only, (0,), [first], [first], prefill_s, medusa=medusa, rule=rule, produced=0,
-                              max_new_tokens=max_new_tokens, cur_len=cur_len)
+                              max_new_tokens=max_new_tokens, cur_len=cur_len, drafts=drafts)
         yield record
         while record.stop_reason is None:
             start = time.perf_counter()
             remaining = max_new_tokens - record.total_tokens
-            tree = full if medusa and remaining > 1 and cur_len + full.buffers.num_nodes <= self.max_context else root_only
+            tree = full if medusa and remaining > 1 and cur_len + full.num_nodes <= self.max_context else root_only
             if processors.needs_prefix:
                 seen.update(dict.fromkeys(record.token_ids))
                 context = torch.tensor(list(seen), device=self.device)  # [C] ids before the root, root included
+            chain = []
+            if drafter is not None:
+                drafter.extend(record.token_ids)  # the context now ends with the root
+                if tree is full:  # room for a chain: the token limit and the context window cap it
+                    chain = drafter.propose(min(remaining - 1, self.max_context - cur_len - tree.num_nodes))
             with torch.inference_mode():
                 tokens = self._candidates(tree, hidden, root)  # [N]
+                if chain:  # host sync of N tokens: the chain shares the nodes that hold its tokens
+                    tree, token_ids = graft(tree, tokens.tolist(), chain)
+                    tokens = torch.tensor(token_ids, device=self.device) if tree.num_nodes > tokens.shape[0] else tokens
                 logits, hidden_all = self._tree_forward(tree, tokens, cur_len, cache)  # [N, V], [N, H]
-                b = tree.buffers
-                prefixes = tree_prefixes(context, tokens, b.parents, b.depth) if processors.needs_prefix else None
+                prefixes = tree_prefixes(context, tokens, tree.parents, tree.depth) if processors.needs_prefix else None
                 scores = processors(logits, prefixes)  # [N, V] each node's distribution given its own prefix
                 path, length, root = self._verify(tree, scores, tokens, rule, eps, alpha, generator)
                 host = torch.cat([length.view(1), root.view(1), path, tokens]).tolist()  # the step's one host sync (top-p: two)
                 nodes, token_list = host[2 : host[0] + 3], host[2 + path.shape[0] :]
-                _compact_cache(cache, cur_len, nodes, tree.buffers.num_nodes)
+                _compact_cache(cache, cur_len, nodes, tree.num_nodes)
                 hidden = hidden_all[nodes[-1] : nodes[-1] + 1]
             cur_len += len(nodes)
             # The accepted candidates, then the token chosen after them: the next step's root.
             new_tokens = [token_list[i] for i in nodes[1:]] + [host[1]]
             record = self._record(record.step + 1, tree, tuple(nodes), token_list, new_tokens, time.perf_counter() - start,
                                   medusa=medusa, rule=rule, produced=record.total_tokens, max_new_tokens=max_new_tokens,
-                                  cur_len=cur_len)
+                                  cur_len=cur_len, drafts=drafts)
             yield record
 
     def _record(
-        self, step, tree, nodes, token_list, new_tokens, latency_s, *, medusa, rule, produced, max_new_tokens, cur_len
+        self, step, tree, nodes, token_list, new_tokens, latency_s, *, medusa, rule, produced, max_new_tokens, cur_len, drafts
     ) -> StepRecord:
         """The ``StepRecord`` of a step that accepted ``nodes`` of ``tree`` (whose tokens are
         ``token_list``) and emits ``new_tokens``, cut at EOS and the token limit."""
@@ -322,11 +334,13 @@ class MedusaModel:
             step=step,
             mode="medusa" if medusa else "baseline",
             tree_name="prefill" if step == 0 else tree.name,
-            tree_nodes=tree.buffers.num_nodes,
+            tree_nodes=tree.num_nodes,
             node_token_ids=tuple(token_list),
             node_parents=tree.node_parents,
             node_heads=tree.node_heads,
             node_ranks=tree.node_ranks,
+            node_sources=tree.node_sources,
+            drafts=drafts,
             accepted_nodes=nodes,
             sampling=rule,
             node_status=node_status(tree.node_parents, list(nodes)) if rule == "exact" else (),
@@ -339,34 +353,32 @@ class MedusaModel:
         )
 
     # ---------------------------------------------------------------------------------- step stages
-    def _candidates(self, tree: _Tree, hidden: torch.Tensor, root: torch.Tensor) -> torch.Tensor:
-        """Tree tokens [N]: the root, then each node's rank in its head's top-k (paper 2.1.1).
+    def _candidates(self, tree: StepTree, hidden: torch.Tensor, root: torch.Tensor) -> torch.Tensor:
+        """Tokens [N] of a static tree: the root, then each node's rank in its head's top-k (paper 2.1.1).
 
         Heads run only at the last accepted position ``hidden`` [1, H] and only the tree's depth of them.
         """
-        b = tree.buffers
-        if b.num_nodes == 1:
+        if tree.num_nodes == 1:
             return root.view(1)
-        head_logits = self.heads(hidden.to(self._head_dtype), num_heads=b.depth)[:, 0]  # [D, V]
-        top = head_logits.topk(b.topk, dim=-1).indices  # [D, topk]
-        return torch.cat([root.view(1), top.flatten()])[b.tree_indices]
+        head_logits = self.heads(hidden.to(self._head_dtype), num_heads=tree.head_depth)[:, 0]  # [D, V]
+        top = head_logits.topk(tree.topk, dim=-1).indices  # [D, topk]
+        return torch.cat([root.view(1), top.flatten()])[tree.tree_indices]
 
     def _tree_forward(
-        self, tree: _Tree, tokens: torch.Tensor, cur_len: int, cache: DynamicCache
+        self, tree: StepTree, tokens: torch.Tensor, cur_len: int, cache: DynamicCache
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One backbone pass over all N tree tokens (paper 2.1.2); appends N entries to the cache.
 
         Returns (logits [N, V], final-norm hidden states [N, H]).
         """
-        b = tree.buffers
-        n = b.num_nodes
+        n = tree.num_nodes
         mask = None  # a single token attends to everything: the model's own causal mask is right
         if n > 1:
             prefix = torch.zeros(n, cur_len, dtype=tree.bias.dtype, device=tree.bias.device)
             mask = torch.cat([prefix, tree.bias], dim=1)[None, None]  # [1, 1, N, cur_len + N]
         out = self._decoder(
             input_ids=tokens[None],
-            position_ids=(b.position_ids + cur_len)[None],
+            position_ids=(tree.position_ids + cur_len)[None],
             attention_mask=mask,
             past_key_values=cache,
             use_cache=True,
@@ -375,7 +387,7 @@ class MedusaModel:
         return self._logits(hidden), hidden
 
     def _verify(
-        self, tree: _Tree, scores, tokens, rule, eps, alpha, generator
+        self, tree: StepTree, scores, tokens, rule, eps, alpha, generator
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Accept a path and choose the next step's root (paper 2.3.1; exact: see ``generate``).
 
@@ -386,12 +398,11 @@ class MedusaModel:
         Returns (path [D+1] node indices of a root-to-leaf path padded with -1, accept_length [] of
         its accepted candidates, next root []), all on the device: the caller syncs once.
         """
-        b = tree.buffers
-        path0 = b.retrieve_indices[0]  # [D+1]
+        path0 = tree.retrieve_indices[0]  # [D+1]
         greedy = rule == "greedy"
-        if b.num_nodes == 1:  # root only: the next token is the argmax or a sample of p
+        if tree.num_nodes == 1:  # root only: the next token is the argmax or a sample of p
             return path0, path0.new_zeros(()), self._choose(scores[0], greedy, generator)
-        rows, cands = b.parents[1:], tokens[1:]  # [N-1] each candidate's parent and token
+        rows, cands = tree.parents[1:], tokens[1:]  # [N-1] each candidate's parent and token
         if rule == "exact":
             probs = torch.softmax(scores, dim=-1)  # [N, V]
             uniforms = torch.rand(cands.shape, generator=generator, device=probs.device)  # [N-1]
@@ -399,7 +410,7 @@ class MedusaModel:
             walk = taken[tree.path_nodes]  # [P, D]
             # Every longest accepted prefix is the same walk (one child per node): the first such path will do.
             best, length = select_path(walk, torch.zeros(walk.shape, device=walk.device), tree.path_valid, 0.0)
-            path = b.retrieve_indices.index_select(0, best.view(1))[0]  # [D+1]
+            path = tree.retrieve_indices.index_select(0, best.view(1))[0]  # [D+1]
             last = path.gather(0, length.view(1))  # [1]
             residual = residual_distributions(probs, rows, cands).index_select(0, last)[0]  # [V]
             # All zero only if float rounding rejected a child holding all the mass left: fall back to p.
@@ -408,7 +419,7 @@ class MedusaModel:
         temperature = 0.0 if greedy else 1.0  # the scores are already divided by T
         accepted, log_prob = score_children(scores, rows, cands, temperature, eps, alpha)  # [N-1]
         best, length = select_path(accepted[tree.path_nodes], log_prob[tree.path_nodes], tree.path_valid, temperature)
-        path = b.retrieve_indices.index_select(0, best.view(1))[0]  # [D+1]
+        path = tree.retrieve_indices.index_select(0, best.view(1))[0]  # [D+1]
         last = path.gather(0, length.view(1))  # [1]
         return path, length, self._choose(scores.index_select(0, last)[0], greedy, generator)
 
@@ -457,27 +468,15 @@ class MedusaModel:
             )
         return name, choices
 
-    def _tree(self, tree: str | Sequence[Sequence[int]]) -> _Tree:
-        if tree == "baseline":
-            name, choices = "baseline", []
+    def _tree(self, tree: str | Sequence[Sequence[int]]) -> StepTree:
+        """The static ``StepTree`` of a tree, built once; ``"baseline"`` and ``"ngram"`` are the root alone."""
+        if tree in ("baseline", "ngram"):
+            name, choices = tree, []
         else:
             name, choices = self.resolve_tree(tree)
         key = name if isinstance(tree, str) else repr(sorted(map(tuple, choices)))
         if key not in self._trees:
-            b = build_tree_buffers(choices).to(self.device)
-            bias = torch.zeros(b.attn_mask.shape, dtype=self.dtype, device=self.device)
-            bias.masked_fill_(~b.attn_mask, torch.finfo(self.dtype).min)
-            path = b.retrieve_indices[:, 1:]
-            self._trees[key] = _Tree(
-                name=name,
-                buffers=b,
-                bias=bias,
-                path_nodes=(path - 1).clamp(min=0),
-                path_valid=path > 0,
-                node_parents=tuple(b.parents.tolist()),
-                node_heads=tuple(b.node_heads()),
-                node_ranks=tuple(b.node_ranks()),
-            )
+            self._trees[key] = static_tree(name, choices, self.dtype, self.device)
         return self._trees[key]
 
     def describe(self) -> dict[str, Any]:

@@ -5,7 +5,8 @@ Part 1 checks the per-node rule on hand-built distributions. Part 2 is the proof
 tiny model with a 16-token vocabulary, the first 3 tokens of thousands of seeded ``"exact"`` replies
 follow plain sampling's distribution (computed from the backbone, and matched by ``medusa=False``
 replies) under a chi-square test, for random heads, oracle heads and heads that never propose the
-argmax; typical acceptance with ε = δ = 1e-6 fails the same test. The same holds with temperature,
+argmax, and with n-gram drafts from the context in the tree (``drafts="hybrid"`` / ``"ngram"``);
+typical acceptance with ε = δ = 1e-6 fails the same test. The same holds with temperature,
 top-p and a repetition penalty (HF's processors, each node judged given its own prefix), and a penalty
 blind to the node's ancestors in the tree fails it (the power check). Part 3 checks the engine's records.
 """
@@ -260,18 +261,24 @@ CASES = [
     ("exact", "oracle", True),
     ("blind", "oracle", True),
 ]
+# The same with n-gram drafts from the context (prompt lookup) in the tree: point masses like the heads'.
+DRAFT_CASES = [("exact", "random", False, "hybrid"), ("exact", "misses", True, "hybrid"), ("exact", "oracle", True, "ngram"),
+               ("typical", "random", False, "ngram")]
+ALL_CASES = [(*case, "heads") for case in CASES] + DRAFT_CASES
 
 
-@pytest.mark.parametrize("sampling, heads, processed", CASES,
-                         ids=[f"{s}-{h or ''}-{'processed' if p else 'T'}".replace("--", "-") for s, h, p in CASES])
+@pytest.mark.parametrize("sampling, heads, processed, drafts", ALL_CASES,
+                         ids=[f"{s}-{h or ''}-{'processed' if p else 'T'}{'' if d == 'heads' else '-' + d}".replace("--", "-")
+                              for s, h, p, d in ALL_CASES])
 def test_the_first_three_tokens_follow_plain_sampling_in_exact_mode_and_not_in_typical_mode(
-    sampling, heads, processed, record_property, monkeypatch
+    sampling, heads, processed, drafts, record_property, monkeypatch
 ):
     backbone = tiny_vocab_backbone()
     target = plain_sampling_distribution(backbone, processed)  # [V, V, V]
     model = MedusaModel(backbone, heads_of(heads or "random", backbone))
     medusa = sampling != "plain"
-    kwargs = dict(max_new_tokens=3, tree=TREE, config=PROCESSED if processed else SamplingConfig(TEMPERATURE), medusa=medusa)
+    kwargs = dict(max_new_tokens=3, tree=TREE, config=PROCESSED if processed else SamplingConfig(TEMPERATURE), medusa=medusa,
+                  drafts=drafts)
     blind_case = sampling == "blind"
     if blind_case:
         blind = lambda context, tokens, parents, depth: context.view(1, -1).expand(tokens.shape[0], -1)  # noqa: E731
@@ -280,7 +287,7 @@ def test_the_first_three_tokens_follow_plain_sampling_in_exact_mode_and_not_in_t
     if medusa:
         kwargs |= dict(sampling=sampling, posterior_threshold=1e-6, posterior_alpha=1e-6)  # ε, δ: typical only
     counts = torch.zeros(VOCAB**3)
-    steps = accepted = 0
+    steps = accepted = copied = 0
     runs = TYPICAL_RUNS if sampling == "typical" else RUNS
     for seed in range(runs):
         records = list(model.generate(STAT_PROMPT, seed=seed, **kwargs))
@@ -288,6 +295,7 @@ def test_the_first_three_tokens_follow_plain_sampling_in_exact_mode_and_not_in_t
         counts[(t1 * VOCAB + t2) * VOCAB + t3] += 1
         steps += len(records)
         accepted += sum(r.accept_length for r in records)
+        copied += sum(r.ngram_tokens for r in records)
     # The joint law of (t1, t2, t3), and each position's own law, which shows a shift at one position
     # with 15 degrees of freedom instead of the joint's ~170.
     counts = counts.view(VOCAB, VOCAB, VOCAB)
@@ -299,7 +307,7 @@ def test_the_first_three_tokens_follow_plain_sampling_in_exact_mode_and_not_in_t
     repeat = torch.eye(VOCAB, dtype=torch.bool).expand(VOCAB, VOCAB, VOCAB)  # [t1, t2, t3]: t3 == t2
     tests["t3=t2"] = chi_square(torch.stack([counts[repeat].sum(), counts[~repeat].sum()]),
                                 torch.stack([target[repeat].sum(), target[~repeat].sum()]))
-    summary = f"{'blind ' * blind_case}{sampling}/{heads or '-'}{' processed' * processed} ({runs} runs, {accepted / steps:.2f} candidates accepted per step): " + "; ".join(
+    summary = f"{'blind ' * blind_case}{sampling}/{heads or '-'}{' processed' * processed}/{drafts} ({runs} runs, {accepted / steps:.2f} candidates accepted per step, {copied} n-gram tokens): " + "; ".join(
         f"{name} chi2 = {stat:.1f}, dof = {dof}, p = {p:.3g}" for name, (stat, dof, p) in tests.items()
     )
     print(summary)
@@ -310,6 +318,8 @@ def test_the_first_three_tokens_follow_plain_sampling_in_exact_mode_and_not_in_t
         assert min(p for _, _, p in tests.values()) >= ALPHA, summary
     if sampling == "exact":  # the walk really went both ways: candidates accepted, and bonus tokens drawn
         assert 0 < accepted < steps * 2, summary
+    if drafts != "heads" and medusa:  # n-gram candidates were accepted, so the test saw them
+        assert copied > 0, summary
 
 
 # ----------------------------------------------------------------------------------- engine records

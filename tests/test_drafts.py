@@ -1,0 +1,195 @@
+"""N-gram drafts in the tree (issue 20): the prompt lookup, the grafted step tree, and the engine with drafts.
+
+Part 1 checks ``NgramDrafter`` on hand-written contexts: a match, no match, the longest and latest
+match preferred, a copy that overlaps its own suffix, and a chain cut at a limit. Part 2 checks
+``steptree.graft`` on a hand-drawn tree. Part 3 is the key property: greedy decoding with n-gram drafts
+(alone or beside the heads) equals plain greedy decoding on every tiny architecture, with heads that
+are always right or always wrong, drafts that are always right (a reply that repeats the prompt)
+or always wrong, a repetition penalty, and a context window that the chain would run past.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ARCH_SETTINGS, PROMPT, greedy_reference  # plain data and the reference decoder
+from tiny_models import random_heads, tiny_backbone
+from transformers import DynamicCache
+
+from medusa_core import DRAFT_SOURCES, DraftConfig, MedusaModel, NgramDrafter
+from medusa_core.steptree import graft, static_tree
+
+N_NEW = 40
+
+
+def reply(records) -> list[int]:
+    return [t for r in records for t in r.token_ids]
+
+
+# ------------------------------------------------------------------------------------- the lookup
+def test_the_tokens_after_the_latest_earlier_occurrence_of_the_suffix_are_proposed():
+    drafter = NgramDrafter(DraftConfig(max_ngram=3, min_ngram=1, max_tokens=3), [7, 1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 6, 1, 2])
+    # suffix [1, 2] (no [6, 1, 2] earlier) occurs at 1 and 6: the latest, at 6, is followed by 3, 4, 5
+    assert drafter.propose(10) == [3, 4, 5]
+
+
+def test_no_match_proposes_nothing():
+    assert NgramDrafter(DraftConfig(), [1, 2, 3, 4]).propose(10) == []
+    assert NgramDrafter(DraftConfig(), []).propose(10) == []
+    assert NgramDrafter(DraftConfig(min_ngram=2), [5, 6, 7, 5]).propose(10) == []  # [5] alone is too short
+
+
+def test_a_longer_suffix_match_wins_over_a_later_shorter_one():
+    # [8, 1] occurs at 0 (followed by 2); [1] alone occurs later at 4 (followed by 3)
+    drafter = NgramDrafter(DraftConfig(max_ngram=2, max_tokens=1), [8, 1, 2, 0, 1, 3, 8, 1])
+    assert drafter.propose(5) == [2]
+
+
+def test_a_copy_that_overlaps_the_suffix_continues_the_repeating_pattern():
+    # [a b a b]: the suffix [a b] last occurred at 0; the copy reads 2, 3 and then its own tokens
+    drafter = NgramDrafter(DraftConfig(max_ngram=2, max_tokens=7), [4, 5, 4, 5])
+    assert drafter.propose(7) == [4, 5, 4, 5, 4, 5, 4]
+    assert NgramDrafter(DraftConfig(max_ngram=3, max_tokens=4), [9, 9, 9]).propose(4) == [9, 9, 9, 9]
+
+
+def test_the_chain_is_cut_at_the_limit_and_at_max_tokens():
+    drafter = NgramDrafter(DraftConfig(max_tokens=4), [1, 2, 3, 4, 5, 6, 7, 1])
+    assert drafter.propose(2) == [2, 3]  # e.g. the room left in the context window
+    assert drafter.propose(100) == [2, 3, 4, 5]
+    assert drafter.propose(0) == [] and drafter.propose(-3) == []
+
+
+def test_extending_the_context_indexes_new_tokens_like_building_it_at_once():
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3, 3, 8, 3, 2, 7, 9, 5]
+    grown = NgramDrafter(DraftConfig())
+    for i, t in enumerate(tokens):
+        grown.extend([t])
+        assert grown.propose(10) == NgramDrafter(DraftConfig(), tokens[: i + 1]).propose(10)
+
+
+@pytest.mark.parametrize("kwargs", [dict(min_ngram=0), dict(min_ngram=3, max_ngram=2), dict(max_tokens=0)])
+def test_draft_sizes_out_of_range_are_refused(kwargs):
+    with pytest.raises(ValueError, match="ngram|max_tokens"):
+        DraftConfig(**kwargs)
+
+
+# ------------------------------------------------------------------------------ the grafted tree
+TREE = [[0], [1], [0, 0]]  # nodes: 0 root, 1 = [0], 2 = [1], 3 = [0, 0]
+
+
+def test_a_chain_follows_the_nodes_that_hold_its_tokens_and_hangs_the_rest_below_them():
+    tree = static_tree("t", TREE, torch.float32, torch.device("cpu"))
+    tokens = [10, 11, 12, 13]
+    grafted, ids = graft(tree, tokens, [11, 13, 20, 21])  # shares [0] and [0, 0], adds two nodes
+    assert ids == [10, 11, 12, 13, 20, 21]
+    assert grafted.node_parents == (-1, 0, 0, 1, 3, 4)
+    assert grafted.node_sources == ("root", "head", "head", "head", "ngram", "ngram")
+    assert grafted.position_ids.tolist() == [0, 1, 1, 2, 3, 4]
+    sees = (grafted.bias == 0).int().tolist()
+    assert sees[4] == [1, 1, 0, 1, 1, 0] and sees[5] == [1, 1, 0, 1, 1, 1]
+    assert sees[3][4:] == [0, 0]  # old nodes never see the new ones
+    assert [0, 1, 3, 4, 5] in grafted.retrieve_indices.tolist()
+    assert grafted.depth == 4 and grafted.head_depth == 2
+
+
+def test_a_chain_whose_first_token_no_head_proposed_becomes_a_new_child_of_the_root():
+    tree = static_tree("t", TREE, torch.float32, torch.device("cpu"))
+    grafted, ids = graft(tree, [10, 11, 12, 13], [30, 31])
+    assert grafted.node_parents == (-1, 0, 0, 1, 0, 4) and ids[4:] == [30, 31]
+    assert grafted.children[0] == (1, 2, 4)  # tried after the heads' candidates
+    assert sorted(map(tuple, grafted.retrieve_indices.tolist()))[-1][:3] == (0, 4, 5)
+
+
+def test_a_chain_already_in_the_tree_leaves_the_tree_unchanged():
+    tree = static_tree("t", TREE, torch.float32, torch.device("cpu"))
+    assert graft(tree, [10, 11, 12, 13], [11, 13]) == (tree, [10, 11, 12, 13])
+
+
+# ---------------------------------------------------------------------------- the engine with drafts
+@pytest.mark.parametrize("drafts", ["hybrid", "ngram"])
+@pytest.mark.parametrize("heads", ["oracle", "random"])
+@pytest.mark.parametrize("arch", list(ARCH_SETTINGS))
+def test_greedy_decoding_with_ngram_drafts_equals_plain_greedy_decoding(
+    arch, heads, drafts, backbone_for, reference_for, oracle_model, random_model
+):
+    backbone = backbone_for(arch)
+    model = oracle_model(backbone, N_NEW) if heads == "oracle" else random_model(backbone)
+    records = list(model.generate(PROMPT, max_new_tokens=N_NEW, tree="sparse_16", drafts=drafts))
+    assert reply(records) == reference_for(arch, N_NEW)
+    for r in records[1:]:
+        assert r.drafts == drafts and len(r.node_sources) == r.tree_nodes
+        assert r.head_tokens + r.ngram_tokens == r.draft_tokens
+        if drafts == "ngram":
+            assert set(r.node_sources) <= {"root", "ngram"} and r.tree_name in ("ngram", "baseline")
+
+
+class ScriptedDrafter:
+    """A stand-in for ``NgramDrafter`` that knows the greedy reply: it proposes its next tokens
+    (``right``) or the same tokens shifted by one id (always wrong)."""
+
+    def __init__(self, full: list[int], right: bool, vocab: int):
+        self.full, self.right, self.vocab = full, right, vocab
+        self.tokens: list[int] = []
+
+    def __call__(self, config, tokens):  # called as NgramDrafter(config, prompt ids)
+        self.tokens = list(tokens)
+        return self
+
+    def extend(self, tokens):
+        self.tokens += list(tokens)
+
+    def propose(self, limit):
+        chain = self.full[len(self.tokens) : len(self.tokens) + min(limit, 6)]
+        return chain if self.right else [(t + 1) % self.vocab for t in chain]
+
+
+@pytest.mark.parametrize("drafts", ["hybrid", "ngram"])
+def test_drafts_that_are_always_right_are_accepted_whole_and_always_wrong_ones_never(
+    drafts, backbone_for, reference_for, random_model, monkeypatch
+):
+    backbone = backbone_for("mistral")
+    model = random_model(backbone)
+    expected = reference_for("mistral", N_NEW)
+    full = PROMPT[0].tolist() + expected
+    for right in (True, False):
+        monkeypatch.setattr("medusa_core.model.NgramDrafter", ScriptedDrafter(full, right, model.vocab_size))
+        records = list(model.generate(PROMPT, max_new_tokens=N_NEW, tree="chain_2", drafts=drafts))
+        assert reply(records) == expected
+        copied = sum(r.ngram_tokens for r in records)
+        if right:  # 6 copied tokens + the next root per step; the last steps are cut at the limit
+            assert copied >= N_NEW - 2 * len(records) and len(records) <= N_NEW // 6 + 3
+        else:
+            assert copied == 0 and all("ngram" in r.node_sources for r in records[1:-1])
+
+
+def test_greedy_with_a_repetition_penalty_and_drafts_equals_hf_generate(backbone_for, random_model):
+    backbone = backbone_for("qwen2")
+    model = random_model(backbone)
+    with torch.inference_mode():
+        out = backbone.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), do_sample=False, max_new_tokens=N_NEW,
+                                repetition_penalty=1.3)
+    expected = out[0, PROMPT.shape[1]:].tolist()
+    for drafts in ("hybrid", "ngram"):
+        records = list(model.generate(PROMPT, max_new_tokens=N_NEW, tree="sparse_16", repetition_penalty=1.3, drafts=drafts))
+        assert reply(records) == expected
+
+
+def test_a_chain_that_would_run_past_the_context_window_is_cut_and_the_reply_stays_exact():
+    backbone = tiny_backbone("llama", seed=3, max_position_embeddings=40)
+    model = MedusaModel(backbone, random_heads(backbone))
+    prompt = torch.tensor([[5, 17, 42, 8] * 7])  # 28 tokens that repeat: the lookup always finds a long chain
+    records = list(model.generate(prompt, max_new_tokens=30, drafts="hybrid", tree="chain_2"))
+    cached = prompt.shape[1]
+    for r in records[1:]:
+        assert cached + r.tree_nodes <= model.max_context  # every step's tree fitted the window
+        cached += len(r.token_ids)
+    assert records[-1].stop_reason == "context"
+    expected = greedy_reference(backbone, prompt, len(reply(records)))
+    assert reply(records) == expected
+
+
+def test_an_unknown_draft_source_is_refused_before_any_work(random_model, backbone_for):
+    model = random_model(backbone_for("llama"))
+    with pytest.raises(ValueError, match="drafts must be one of 'hybrid', 'heads', 'ngram'"):
+        model.generate(PROMPT, max_new_tokens=4, drafts="lookup")
+    assert DRAFT_SOURCES == ("hybrid", "heads", "ngram")
