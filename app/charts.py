@@ -18,6 +18,7 @@ from .stats import StepRow, rolling_mean
 
 ACCEPTED = "#d62728"  # the accepted path: strong red, used for nothing else
 BACKBONE = "#444444"  # the root: the backbone's own token
+NGRAM = "#e6550d"  # n-gram copies (prompt lookup), drawn as diamonds
 HEAD_COLOURS = ("#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2", "#bcbd22")
 MODE_COLOURS = {"medusa": "#1f77b4", "baseline": "#ff7f0e"}
 ROLLING_WINDOW = 8
@@ -102,8 +103,9 @@ EMPTY_TREE = "Each step's candidate tree<br>appears here while a reply streams"
 
 
 def tree_figure(record: StepRecord, labels: Sequence[str], height: int = 380) -> Figure:
-    """One step's candidate tree: nodes by depth with their token text, coloured by head (paler for
-    lower-ranked candidates), the accepted path in red; hover shows token id, head, rank and status.
+    """One step's candidate tree: nodes by depth with their token text, coloured by source: the backbone's
+    root, head k (paler for lower-ranked candidates) or an n-gram copy from the context (orange
+    diamonds); the accepted path in red; hover shows token id, source (head k rank r / n-gram copy) and status.
     Exact sampling steps also mark the candidates tried and rejected with an ✕ (``record.node_status``).
 
     Labels that would overlap (a 64-node tree has ~40 leaves) are left to the hover, the accepted
@@ -112,7 +114,7 @@ def tree_figure(record: StepRecord, labels: Sequence[str], height: int = 380) ->
     """
     parents = record.node_parents
     x, y = tree_layout(parents)
-    path = list(record.accepted_nodes[: 1 + record.head_tokens])  # nodes cut at EOS / the token limit are not in the reply
+    path = list(record.accepted_nodes[: 1 + record.draft_tokens])  # nodes cut at EOS / the token limit are not in the reply
     accepted = set(path)
     status = record.node_status or tuple("accepted" if i in accepted else "not accepted" for i in range(record.tree_nodes))
     margin = dict(l=50, r=10, t=60, b=80)
@@ -129,31 +131,31 @@ def tree_figure(record: StepRecord, labels: Sequence[str], height: int = 380) ->
         dict(type="scatter", x=edge_x, y=edge_y, mode="lines", line=dict(color="#c8c8c8", width=1), hoverinfo="skip", showlegend=False),
         dict(type="scatter", x=[x[i] for i in path], y=[y[i] for i in path], mode="lines", line=dict(color=ACCEPTED, width=4), hoverinfo="skip", name="accepted path"),
     ]
-    for head in sorted(set(record.node_heads)):  # 0-based head index; -1 = root. Shown 1-based, as in the paper.
-        nodes = [i for i in range(record.tree_nodes) if record.node_heads[i] == head]
+    sources = record.node_sources or ("root",) + ("head",) * (record.tree_nodes - 1)
+    # One trace per source: the root (head -1), each head (0-based; shown 1-based, as in the paper), n-gram copies.
+    groups = sorted({(sources[i] == "ngram", record.node_heads[i]) for i in range(record.tree_nodes)})
+    for ngram, head in groups:
+        nodes = [i for i in range(record.tree_nodes) if (sources[i] == "ngram", record.node_heads[i]) == (ngram, head)]
+        where = [_source_text(sources[i], record.node_heads[i], record.node_ranks[i]) for i in nodes]
         data.append(
             dict(
                 type="scatter",
                 x=[x[i] for i in nodes],
                 y=[y[i] for i in nodes],
                 mode="markers+text",
-                name="backbone" if head < 0 else f"head {head + 1}",
+                name="n-gram copy" if ngram else "backbone" if head < 0 else f"head {head + 1}",
                 text=[_short(labels[i]) if i in labelled else "" for i in nodes],
                 textposition="middle right",
                 textfont=dict(size=11, color=[ACCEPTED if i in accepted else "#333333" for i in nodes]),
                 marker=dict(
-                    symbol=["x" if status[i] == "rejected" else "circle" for i in nodes],
+                    symbol=["x" if status[i] == "rejected" else "diamond" if ngram else "circle" for i in nodes],
                     size=10,
-                    color=BACKBONE if head < 0 else HEAD_COLOURS[head % len(HEAD_COLOURS)],
+                    color=NGRAM if ngram else BACKBONE if head < 0 else HEAD_COLOURS[head % len(HEAD_COLOURS)],
                     opacity=[1.0 if i in accepted else max(0.3, 0.9 - 0.15 * record.node_ranks[i]) for i in nodes],
                     line=dict(color="white", width=1),
                 ),
-                customdata=[
-                    [labels[i], record.node_token_ids[i], "backbone" if head < 0 else head + 1, record.node_ranks[i], i, status[i]]
-                    for i in nodes
-                ],
-                hovertemplate="token %{customdata[0]} (id %{customdata[1]})<br>head %{customdata[2]}, rank %{customdata[3]}"
-                "<br>%{customdata[5]}<extra></extra>",
+                customdata=[[labels[i], record.node_token_ids[i], w, record.node_ranks[i], i, status[i]] for i, w in zip(nodes, where)],
+                hovertemplate="token %{customdata[0]} (id %{customdata[1]})<br>%{customdata[2]}<br>%{customdata[5]}<extra></extra>",
             )
         )
     data.append(  # red rings on the accepted nodes, kept out of the legend
@@ -162,12 +164,15 @@ def tree_figure(record: StepRecord, labels: Sequence[str], height: int = 380) ->
             marker=dict(size=14, color=TRANSPARENT, line=dict(color=ACCEPTED, width=3)),
         )
     )
-    added, kept = len(record.token_ids), record.head_tokens
+    added, kept = len(record.token_ids), record.draft_tokens
     cut = record.accept_length - kept
     where = "after EOS" if record.stop_reason == "eos" else "at the token limit"
+    copied = f", {record.ngram_tokens} from n-gram" if record.drafts in ("hybrid", "ngram") else ""
+    drafts = " + n-gram" if record.drafts == "hybrid" else ""
     title = (
-        f"step {record.step} · {record.tree_name} ({record.tree_nodes} node{'' if record.tree_nodes == 1 else 's'})<br>"
-        f"+{added} token{'' if added == 1 else 's'} ({kept} from heads{f'; {cut} cut {where}' if cut else ''}) · {record.sampling}"
+        f"step {record.step} · {record.tree_name}{drafts} ({record.tree_nodes} node{'' if record.tree_nodes == 1 else 's'})<br>"
+        f"+{added} token{'' if added == 1 else 's'} ({record.head_tokens} from heads{copied}{f'; {cut} cut {where}' if cut else ''})"
+        f" · {record.sampling}"
     )
     return Figure(
         data=data,
@@ -186,6 +191,13 @@ def tree_figure(record: StepRecord, labels: Sequence[str], height: int = 380) ->
             uirevision="tree",
         ),
     )
+
+
+def _source_text(source: str, head: int, rank: int) -> str:
+    """A node's source for its hover: ``"backbone"``, ``"head 2 rank 0"`` (1-based head) or ``"n-gram copy"``."""
+    if source == "ngram":
+        return "n-gram copy"
+    return "backbone (root)" if head < 0 else f"head {head + 1} rank {rank}"
 
 
 def _short(label: str, limit: int = 8) -> str:

@@ -9,7 +9,9 @@ Pure functions over ``StepRow`` lists. Definitions (Medusa paper, section 3):
 - *acceptance rate of head k*: the share of Medusa steps whose accepted path reached depth k,
   i.e. that kept a token proposed by head k;
 - per *sampling rule* (``StepRecord.sampling``: greedy, typical, exact): the acceleration rate of the
-  Medusa steps that used it, so typical and exact acceptance compare side by side.
+  Medusa steps that used it, so typical and exact acceptance compare side by side;
+- per *draft source* (``StepRecord.drafts``: hybrid, heads, ngram): the same, and how many accepted
+  tokens the heads and the n-gram lookup proposed.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class StepRow:
     mode: str  # "medusa" or "baseline"
     tree_name: str
     tree_nodes: int  # N, nodes verified this step, root included (1 = plain decoding)
+    drafts: str  # where candidates came from (medusa_core.DRAFT_SOURCES): hybrid, heads, ngram; "" with Medusa off
     temperature: float  # the sampling settings of the reply (medusa_core.SamplingConfig), HF generate semantics
     top_k: int  # 0 = off
     top_p: float  # 1 = off
@@ -43,7 +46,8 @@ class StepRow:
     posterior_alpha: float  # δ
     sampling: str  # the step's rule (medusa_core.SAMPLING_RULES): greedy, sample (baseline), typical or exact
     accepted_tokens: int  # tokens added to the reply this step (the backbone's own + those from heads)
-    head_tokens: int  # of which proposed by the heads (the step's accept length)
+    head_tokens: int  # of which proposed by the heads
+    ngram_tokens: int  # of which copied from the context by n-gram lookup (prompt lookup)
     step_latency_ms: float  # includes the prefill on step 0
     prefill_ms: float
     tokens_per_s: float  # accepted_tokens / step latency
@@ -73,6 +77,7 @@ class StepRow:
             mode=record.mode,
             tree_name=record.tree_name,
             tree_nodes=record.tree_nodes,
+            drafts=record.drafts,
             temperature=config.temperature,
             top_k=config.top_k,
             top_p=config.top_p,
@@ -83,6 +88,7 @@ class StepRow:
             sampling=record.sampling,
             accepted_tokens=len(record.token_ids),
             head_tokens=record.head_tokens,
+            ngram_tokens=record.ngram_tokens,
             step_latency_ms=round(record.latency_s * 1e3, 4),
             prefill_ms=round(record.prefill_s * 1e3, 4),
             tokens_per_s=round(record.tokens_per_s, 3),
@@ -138,12 +144,16 @@ class Summary:
     speedup: float | None  # medusa / baseline tokens per second
     head_acceptance: tuple[float, ...]  # rate for heads 1..K (empty without Medusa steps)
     acceleration_by_sampling: tuple[tuple[str, int, float], ...]  # (rule, Medusa steps, tokens / step), first use first
+    acceleration_by_drafts: tuple[tuple[str, int, float], ...] = ()  # (draft source, Medusa steps, tokens / step)
+    head_tokens: int = 0  # accepted tokens the heads proposed, over the Medusa steps
+    ngram_tokens: int = 0  # accepted tokens the n-gram lookup copied
 
 
 def summarize(rows: Sequence[StepRow], num_heads: int) -> Summary:
     """Summary of a session's decoding steps (prefills left out); tree-less steps (N = 1) of Medusa
-    replies, near a reply's token limit, count as neither."""
-    medusa = [r for r in rows if r.mode == "medusa" and r.tree_nodes > 1]
+    replies, near a reply's token limit, count as neither, except with n-gram drafts alone, where a
+    step without a match verifies the root alone as part of the method."""
+    medusa = [r for r in rows if r.mode == "medusa" and (r.tree_nodes > 1 or (r.drafts == "ngram" and r.step > 0))]
     baseline = [r for r in rows if r.mode == "baseline" and r.step > 0]
     medusa_speed, baseline_speed = decode_tokens_per_s(medusa), decode_tokens_per_s(baseline)
     return Summary(
@@ -160,15 +170,19 @@ def summarize(rows: Sequence[StepRow], num_heads: int) -> Summary:
         )
         if medusa
         else (),
-        acceleration_by_sampling=_acceleration_by_sampling(medusa),
+        acceleration_by_sampling=_acceleration_by(medusa, "sampling"),
+        acceleration_by_drafts=_acceleration_by(medusa, "drafts"),
+        head_tokens=sum(r.head_tokens for r in medusa),
+        ngram_tokens=sum(r.ngram_tokens for r in medusa),
     )
 
 
-def _acceleration_by_sampling(medusa: Sequence[StepRow]) -> tuple[tuple[str, int, float], ...]:
+def _acceleration_by(medusa: Sequence[StepRow], field: str) -> tuple[tuple[str, int, float], ...]:
+    """(value of ``field``, steps, tokens / step) of the steps grouped by that field, first use first."""
     groups: dict[str, list[StepRow]] = {}
     for r in medusa:
-        groups.setdefault(r.sampling, []).append(r)
-    return tuple((rule, len(g), sum(r.accepted_tokens for r in g) / len(g)) for rule, g in groups.items())
+        groups.setdefault(getattr(r, field), []).append(r)
+    return tuple((value, len(g), sum(r.accepted_tokens for r in g) / len(g)) for value, g in groups.items())
 
 
 def _mean_step_ms(rows: Sequence[StepRow]) -> float | None:
@@ -205,5 +219,11 @@ def summary_markdown(summary: Summary) -> str:
             "",
             "Tokens / step by sampling rule: "
             + " · ".join(f"**{rule}** {rate:.2f} ({n} steps)" for rule, n, rate in s.acceleration_by_sampling),
+            "",
+            "Tokens / step by drafts: "
+            + " · ".join(f"**{drafts}** {rate:.2f} ({n} steps)" for drafts, n, rate in s.acceleration_by_drafts),
+            "",
+            f"Accepted beyond the backbone's own token: **{s.head_tokens}** from the heads, "
+            f"**{s.ngram_tokens}** from n-gram drafts",
         ]
     return "\n".join(lines)

@@ -22,7 +22,7 @@ from . import handlers, paths
 from .charts import EMPTY_TREE, empty_figure, speed_figure
 from .engine import Engine
 from .handlers import CONTROL_NAMES, CUSTOM_TREE, Controls
-from .handlers.controls import FILTER_INFO, TREE_INFO
+from .handlers.controls import DRAFT_CHOICES, DRAFTS_INFO, FILTER_INFO, TREE_INFO
 from .session import Session
 from .settings import AppSettings
 from .stats import summarize, summary_markdown
@@ -125,7 +125,7 @@ def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
                 with gr.Row():
                     regenerate = gr.Button("Regenerate (Ctrl+Enter)", size="sm", elem_id="regenerate")
                     clear = gr.Button("Clear", size="sm", elem_id="clear")
-                    highlight = gr.Checkbox(defaults.highlight, label="Highlight tokens from the heads", elem_id="highlight")
+                    highlight = gr.Checkbox(defaults.highlight, label="Highlight drafted tokens (heads or n-gram)", elem_id="highlight")
                 status_line = gr.Markdown(elem_id="reply-status")
             with gr.Column(scale=4, min_width=400, elem_id="live-column"):
                 tree_plot = gr.Plot(empty_figure(EMPTY_TREE, 380), elem_id="tree-plot", show_label=False)
@@ -135,6 +135,7 @@ def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
             with gr.Column(scale=3, min_width=300, elem_id="side-column"):
                 with gr.Tab("Controls"):
                     medusa = gr.Checkbox(defaults.medusa, label="Medusa (off = plain decoding, one token per step)", elem_id="medusa")
+                    drafts = gr.Radio(DRAFT_CHOICES, value=defaults.drafts, label="Drafts", info=DRAFTS_INFO, elem_id="drafts")
                     tree = gr.Dropdown([], value=None, label="Tree", info=TREE_INFO, elem_id="tree")
                     custom_tree = gr.Textbox(
                         defaults.custom_tree, label="Custom tree (JSON paths of head ranks)", placeholder="[[0], [1], [0, 0], [0, 0, 0]]",
@@ -171,8 +172,9 @@ def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
                         placeholder="empty: the model's own default system prompt (its chat template's; see the Model tab)",
                     )
                 with gr.Tab("Compare"):
-                    gr.Markdown("Re-runs the last prompt greedily with Medusa off, then on, with the tree and token limit of Controls.")
-                    compare = gr.Button("Compare Medusa off / on", variant="primary", elem_id="compare")
+                    gr.Markdown("Re-runs the last prompt greedily with Medusa off, then with each source of drafts (heads only, "
+                                "n-gram only, hybrid), with the tree and token limit of Controls.")
+                    compare = gr.Button("Compare Medusa off / heads / n-gram / hybrid", variant="primary", elem_id="compare")
                     compare_result = gr.Markdown(elem_id="compare-result")
                 with gr.Tab("Model"):
                     model_info = gr.Markdown(handlers.model_panel(engine), elem_id="model-panel")
@@ -191,10 +193,10 @@ def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
             model_panel=model_info, compare_result=compare_result, export_file=export_file, export_path=export_path,
             tree_plot=tree_plot, step_slider=step_slider, speed_plot=speed_plot, summary=summary, reply_status=status_line,
             posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha, temperature=temperature, top_k=top_k,
-            top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, sampling=sampling,
+            top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, sampling=sampling, drafts=drafts,
         )
         controls = dict(
-            medusa=medusa, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+            medusa=medusa, drafts=drafts, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
             sampling=sampling, posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha,
             tree=tree, custom_tree=custom_tree, max_new_tokens=max_new_tokens, seed=seed, system_prompt=system_prompt,
             highlight=highlight,

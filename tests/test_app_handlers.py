@@ -78,12 +78,12 @@ def test_a_reply_streams_step_by_step_and_equals_the_engines_greedy_output(engin
     assert final["step_slider"].value == shown
 
 
-def test_the_highlight_marks_exactly_the_tokens_accepted_from_the_heads(engine, settings, controls):
+def test_the_highlight_marks_exactly_the_tokens_accepted_from_drafts(engine, settings, controls):
     session = Session()
     send(engine, settings, session, controls)
-    head_tokens = sum(r.head_tokens for r in session.rows)
+    drafted = sum(r.head_tokens + r.ngram_tokens for r in session.rows)
     free_text = "".join(t for t, free in session.turns[0].reply.runs if free)
-    assert bool(free_text) == (head_tokens > 0)
+    assert bool(free_text) == (drafted > 0)
     shown = handlers.rerender_chat(session, True)["chatbot"][-1]["content"]
     assert ("<mark" in shown) == bool(free_text)
     assert "<mark" not in handlers.rerender_chat(session, False)["chatbot"][-1]["content"]
@@ -268,15 +268,19 @@ def test_an_error_inside_generation_appears_in_the_chat_and_the_app_keeps_servin
     assert session.turns[1].state == "done"
 
 
-def test_compare_runs_medusa_off_then_on_and_reports_identical_greedy_replies(engine, settings, controls):
+def test_compare_runs_medusa_off_then_heads_n_gram_and_hybrid_drafts_and_reports_identical_greedy_replies(
+    engine, settings, controls
+):
     session = Session()
     send(engine, settings, session, dataclasses.replace(controls, temperature=0.7))
     updates = list(handlers.compare(engine, settings, session, controls))
     table = updates[-1]["compare_result"]
-    assert "Medusa off" in table and "Medusa on" in table and "Speedup" in table
-    assert "Identical replies: **yes**" in table
+    for variant in ("Medusa off", "heads", "n-gram", "hybrid"):
+        assert f"| {variant} |" in table
+    assert table.count("**yes** ✓") == 3 and "speedup" in table and "from n-gram" in table
     compare_rows = [r for r in session.rows if r.source == "compare"]
     assert {r.mode for r in compare_rows} == {"baseline", "medusa"}
+    assert {r.drafts for r in compare_rows} == {"", "heads", "ngram", "hybrid"}
     assert {r.temperature for r in compare_rows} == {0.0}
     assert updates[-1]["summary"].count("–") < summary_markdown(summarize([], 4)).count("–")
 
@@ -379,7 +383,7 @@ def test_stop_during_compare_ends_it_and_says_so(engine, settings, controls):
     next(stream)
     session.stop_requested.set()
     final = list(stream)[-1]["compare_result"]
-    assert "Stopped before both runs finished" in final and "Medusa on" not in final
+    assert "Stopped before every run finished" in final and "| hybrid |" not in final
     assert not session.busy
 
 
@@ -390,7 +394,7 @@ def test_a_stop_pressed_after_a_reply_ended_does_not_stop_the_next_one(engine, s
     send(engine, settings, session, controls, "return")
     assert session.turns[1].state == "done"
     table = list(handlers.compare(engine, settings, session, controls))[-1]["compare_result"]
-    assert "Identical replies" in table
+    assert "identical reply" in table
 
 
 def test_the_status_line_follows_the_latest_reply(engine, settings, controls):
@@ -460,7 +464,7 @@ def test_stop_during_compares_medusa_on_run_says_stopped_and_draws_no_verdict(en
     session.stop_requested.set()
     final = list(stream)[-1]["compare_result"]
     assert "Stopped" in final
-    assert "Identical" not in final and "Speedup" not in final
+    assert "identical reply" not in final and "×" not in final
     assert "Stopped" in handlers.stop(engine, session, False)["compare_result"]  # also when Stop cancelled the stream
 
 

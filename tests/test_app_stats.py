@@ -105,7 +105,7 @@ def test_tree_figure_is_valid_plotly_and_draws_the_accepted_path_in_red():
     names = [t["name"] for t in fig.data if t.get("mode") == "markers+text"]
     assert names == ["backbone", "head 1", "head 2", "head 3"]  # shown 1-based, as in the paper
     head1 = fig.data[names.index("head 1") + 2]
-    assert head1["text"] == ["a", "b"] and head1["customdata"][1] == ["b", 12, 1, 1, 2, "not accepted"]
+    assert head1["text"] == ["a", "b"] and head1["customdata"][1] == ["b", 12, "head 1 rank 1", 1, 2, "not accepted"]
     assert "step 0" in fig.layout["title"]["text"] and "2 from heads" in fig.layout["title"]["text"]
     assert set(head1["marker"]["symbol"]) == {"circle"}  # only exact sampling knows what was tried
 
@@ -229,3 +229,48 @@ def test_the_tree_plot_labels_its_rank_axis_and_its_legend_shows_no_accepted_rin
         if trace.get("showlegend", True) and trace.get("mode", "").startswith("markers"):
             line = trace["marker"].get("line", {})
             assert not isinstance(line.get("color"), list) and line.get("color") != "#d62728", trace["name"]
+
+
+def hybrid_record(step=1) -> StepRecord:
+    """The 6-node tree with an n-gram chain grafted below node 3 (nodes 6, 7), accepted 0-1-3-6-7."""
+    base = record(step, accepted=(0, 1, 3, 6, 7))
+    return dataclasses.replace(
+        base, tree_name="hand", tree_nodes=8, node_token_ids=tuple(range(10, 18)), node_parents=PARENTS + (3, 6),
+        node_heads=HEADS + (-1, -1), node_ranks=RANKS + (0, 0), node_sources=("root",) + ("head",) * 5 + ("ngram",) * 2,
+        drafts="hybrid", token_ids=(11, 13, 16, 17, 9), total_tokens=5,
+    )
+
+
+def test_the_tree_figure_marks_n_gram_copies_apart_from_the_heads_and_the_title_counts_both():
+    rec = hybrid_record()
+    fig = tree_figure(rec, [f"t{i}" for i in range(8)])
+    go.Figure(fig.to_dict())
+    by_name = {t["name"]: t for t in fig.data if t.get("mode") == "markers+text"}
+    assert list(by_name) == ["backbone", "head 1", "head 2", "head 3", "n-gram copy"]
+    copies = by_name["n-gram copy"]
+    assert [c[4] for c in copies["customdata"]] == [6, 7] and {c[2] for c in copies["customdata"]} == {"n-gram copy"}
+    assert set(copies["marker"]["symbol"]) == {"diamond"} and copies["marker"]["color"] != by_name["backbone"]["marker"]["color"]
+    assert by_name["head 2"]["customdata"][0][2] == "head 2 rank 0"
+    assert "(2 from heads, 2 from n-gram)" in fig.layout["title"]["text"] and "hand + n-gram" in fig.layout["title"]["text"]
+    path = next(t for t in fig.data if t.get("name") == "accepted path")
+    assert len(path["x"]) == 5
+
+
+def test_rows_summary_and_csv_say_how_many_accepted_tokens_came_from_the_heads_and_from_n_gram_drafts(tmp_path):
+    rows = [row(hybrid_record(1)), row(hybrid_record(2)), row(record(3, accepted=(0, 1)))]
+    assert [(r.head_tokens, r.ngram_tokens, r.drafts) for r in rows] == [(2, 2, "hybrid"), (2, 2, "hybrid"), (1, 0, "")]
+    s = summarize(rows, num_heads=3)
+    assert (s.head_tokens, s.ngram_tokens) == (5, 4)
+    assert s.acceleration_by_drafts == (("hybrid", 2, 5.0), ("", 1, 2.0))
+    assert "**5** from the heads, **4** from n-gram drafts" in summary_markdown(s)
+    with write_csv(rows, tmp_path / "s.csv").open() as f:
+        read = list(csv.DictReader(f))
+    assert [(r["drafts"], r["head_tokens"], r["ngram_tokens"]) for r in read][0] == ("hybrid", "2", "2")
+
+
+def test_root_only_steps_of_n_gram_drafts_count_as_medusa_steps_but_a_prefill_does_not():
+    lone = dataclasses.replace(record(2, accepted=(0,)), tree_name="ngram", tree_nodes=1, node_token_ids=(10,), node_parents=(-1,),
+                               node_heads=(-1,), node_ranks=(0,), node_sources=("root",), drafts="ngram", token_ids=(9,))
+    prefill = dataclasses.replace(lone, step=0, tree_name="prefill")
+    s = summarize([row(prefill), row(lone), row(hybrid_record(3))], num_heads=3)
+    assert s.medusa_steps == 2 and s.acceleration_rate == 3.0

@@ -61,10 +61,24 @@ def test_the_chain_is_cut_at_the_limit_and_at_max_tokens():
 
 def test_extending_the_context_indexes_new_tokens_like_building_it_at_once():
     tokens = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3, 3, 8, 3, 2, 7, 9, 5]
-    grown = NgramDrafter(DraftConfig())
+    always = DraftConfig(min_path_probability=0.0)  # every proposal as long as the copy allows
+    grown = NgramDrafter(always)
     for i, t in enumerate(tokens):
         grown.extend([t])
-        assert grown.propose(10) == NgramDrafter(DraftConfig(), tokens[: i + 1]).propose(10)
+        assert grown.propose(10) == NgramDrafter(always, tokens[: i + 1]).propose(10)
+
+
+def test_chain_positions_that_were_rarely_right_in_this_reply_are_no_longer_proposed():
+    drafter = NgramDrafter(DraftConfig(max_ngram=1, max_tokens=4, min_path_probability=0.3), [1, 2, 3, 4, 5, 1])
+    assert drafter.propose(4) == [2, 3, 4, 5]  # the prior: 1 right in 2 at every position
+    drafter.extend([2, 3, 9])  # two copied tokens right, then the reply went elsewhere
+    assert drafter.path_probability(1, 1) == 2 / 3 and drafter.path_probability(1, 2) == 1 / 3
+    drafter.extend([1])  # the suffix [1] again, latest at 5: copy 2, 3, 9, 1 (1 in 3 is still >= 0.3)
+    assert drafter.propose(4) == [2, 3, 9, 1]
+    drafter.extend([2, 7])  # one right
+    assert drafter.path_probability(1, 1) == 2 / 4 and drafter.path_probability(1, 2) == 1 / 4
+    drafter.extend([1])  # the suffix [1], latest at 10: the copy 2, 7, ... stops where 1 in 4 < 0.3
+    assert drafter.propose(4) == [2, 7]
 
 
 @pytest.mark.parametrize("kwargs", [dict(min_ngram=0), dict(min_ngram=3, max_ngram=2), dict(max_tokens=0)])

@@ -12,7 +12,7 @@ nothing still returns a name (with ``gr.skip()``): Gradio reads an empty dict as
 | ``views`` | chat messages, status line, live view, model panel |
 | ``generation`` | the prompt that fits the context, recording the engine's steps |
 | ``chat`` | send, reply, Stop, Regenerate, edit and resend, Clear, restore after a reload, step slider, highlight |
-| ``compare`` | Compare Medusa off / on |
+| ``compare`` | Compare Medusa off and its three draft sources |
 | ``export`` | CSV statistics, Markdown and JSON transcripts |
 | ``loading`` | the page while the model loads |
 """
@@ -54,7 +54,7 @@ OUTPUTS: dict[str, tuple[str, ...]] = {
     "rerender_chat": ("chatbot",),
     "show_step": ("tree_plot", "step_slider"),
     "check_tree": ("tree_status",),
-    "explain_controls": ("tree", "posterior_threshold", "posterior_alpha", "top_k", "top_p", "min_p"),
+    "explain_controls": ("tree", "drafts", "posterior_threshold", "posterior_alpha", "top_k", "top_p", "min_p"),
     "greedy_preset": tuple(GREEDY_PRESET),
     "chat_preset": SAMPLING,
     "export_csv": ("export_file", "export_path"),

@@ -91,6 +91,7 @@ def respond(engine: Engine, settings: AppSettings, session: Session, controls: C
             posterior_threshold=controls.posterior_threshold,
             posterior_alpha=controls.posterior_alpha,
             medusa=controls.medusa,
+            drafts=controls.drafts,
             seed=controls.seed,
             sampling=controls.sampling,
         )

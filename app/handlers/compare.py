@@ -1,6 +1,7 @@
-"""Compare: re-run the last prompt greedily with Medusa off, then on, and report tokens/s, the
-speedup and whether the two replies are identical (greedy Medusa must reproduce plain greedy
-decoding, paper 2.3.1).
+"""Compare: re-run the last prompt greedily with Medusa off, then with each source of drafts (the
+heads only, n-gram prompt lookup only, both in one tree), and report tokens/s, each variant's speedup
+and whether its reply is identical to the plain one (greedy Medusa must reproduce plain greedy
+decoding, paper 2.3.1, whatever proposes the candidates).
 """
 
 from __future__ import annotations
@@ -26,10 +27,14 @@ from .views import Updates, live_view, model_panel
 
 log = logging.getLogger(__name__)
 
+OFF = "Medusa off"
+#: The runs of a Compare: its label, and ``generate``'s ``drafts`` (None: Medusa off), in the order they run.
+VARIANTS = {OFF: None, "heads": "heads", "n-gram": "ngram", "hybrid": "hybrid"}
+
 
 def compare(engine: Engine, settings: AppSettings, session: Session, controls: Controls) -> Iterator[Updates]:
-    """Re-run the last prompt greedily (with the controls' repetition penalty) with Medusa off, then on;
-    report tokens/s, speedup, identity."""
+    """Re-run the last prompt greedily (with the controls' repetition penalty) with Medusa off, then with
+    heads, n-gram and hybrid drafts; report tokens/s, speedup and identity of each."""
     index = next((i for i in range(len(session.turns) - 1, -1, -1) if session.turns[i].state != "pending"), None)
     if engine.model is None or index is None:
         yield {"compare_result": "Send a message first: Compare re-runs the last prompt."}
@@ -43,8 +48,9 @@ def compare(engine: Engine, settings: AppSettings, session: Session, controls: C
         tree = tree_argument(model, greedy.tree, greedy.custom_tree)
         ids, _ = fit_prompt(model, greedy, session.history(index), session.turns[index].user)
         config = sampling_config(greedy)
-        runs = {mode: model.generate(ids, max_new_tokens=greedy.max_new_tokens, tree=tree, config=config, medusa=mode == "Medusa on")
-                for mode in ("Medusa off", "Medusa on")}
+        runs = {mode: model.generate(ids, max_new_tokens=greedy.max_new_tokens, tree=tree, config=config,
+                                     medusa=drafts is not None, drafts=drafts or "heads")
+                for mode, drafts in VARIANTS.items()}
     except (ValueError, TemplateError) as e:
         yield {"compare_result": f"⚠ {html.escape(str(e))}"}
         return
@@ -76,10 +82,11 @@ def compare(engine: Engine, settings: AppSettings, session: Session, controls: C
 
 
 def compare_table(results: dict[str, list[StepRecord]], running: str | None) -> str:
-    """The Compare panel: a row per run so far; once both runs ended by themselves (EOS, token limit,
-    context), the speedup and whether the replies are identical. A stopped Compare draws no verdict:
-    a partial run's speed and text say nothing about the whole reply."""
-    lines = ["| | tokens | steps | tok/step | time (s) | tok/s |", "|---|---|---|---|---|---|"]
+    """The Compare panel: a row per run so far (with the tokens the heads and the n-gram lookup
+    proposed); once every run ended by itself (EOS, token limit, context), each variant's speedup over
+    Medusa off and whether its reply is identical. A stopped Compare draws no verdict: a partial run's
+    speed and text say nothing about the whole reply."""
+    lines = ["| | tokens | steps | tok/step | from heads | from n-gram | time (s) | tok/s |", "|---|---|---|---|---|---|---|---|"]
     speed: dict[str, float] = {}
     for mode, records in results.items():
         tokens = sum(len(r.token_ids) for r in records)
@@ -90,25 +97,29 @@ def compare_table(results: dict[str, list[StepRecord]], running: str | None) -> 
             speed[mode] = decode_tokens / decode_s
         per_step = decode_tokens / len(decode) if decode else 0.0
         suffix = " (running…)" if mode == running else ""
+        heads, ngram = sum(r.head_tokens for r in records), sum(r.ngram_tokens for r in records)
         lines.append(
-            f"| {mode}{suffix} | {tokens} | {len(decode)} | {per_step:.2f} | {total_s:.2f} | {speed.get(mode, 0.0):.1f} |"
+            f"| {mode}{suffix} | {tokens} | {len(decode)} | {per_step:.2f} | {heads} | {ngram} | {total_s:.2f} "
+            f"| {speed.get(mode, 0.0):.1f} |"
         )
-    finished = len(results) == 2 and all(records and records[-1].stop_reason for records in results.values())
+    finished = len(results) == len(VARIANTS) and all(records and records[-1].stop_reason for records in results.values())
     if running is None and finished:
-        off, on = results["Medusa off"], results["Medusa on"]
-        a = [t for r in off for t in r.token_ids]
-        b = [t for r in on for t in r.token_ids]
-        same = a == b
-        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        ratio = speed["Medusa on"] / speed["Medusa off"] if speed.get("Medusa off") and "Medusa on" in speed else None
+        plain = [t for r in results[OFF] for t in r.token_ids]
+        lines += ["", "| vs Medusa off | speedup | identical reply |", "|---|---|---|"]
+        for mode, records in results.items():
+            if mode == OFF:
+                continue
+            reply = [t for r in records for t in r.token_ids]
+            first = next((i for i, (x, y) in enumerate(zip(plain, reply)) if x != y), min(len(plain), len(reply)))
+            ratio = speed[mode] / speed[OFF] if speed.get(OFF) and mode in speed else None
+            same = "**yes** ✓" if reply == plain else f"**no**: differs from token {first}"
+            lines.append(f"| {mode} | **{ratio:.2f}×** | {same} |" if ratio else f"| {mode} | – | {same} |")
         lines += [
             "",
-            f"**Speedup: {ratio:.2f}×**" if ratio else "**Speedup: –**",
-            "Identical replies: **yes** ✓" if same else f"Identical replies: **no**: they differ from token {first}",
-            "",
-            "Greedy decoding, same prompt, tree and token limit; tokens/s leaves out the prompt's prefill.",
+            "Greedy decoding, same prompt, tree and token limit; tokens/s leaves out the prompt's prefill; "
+            "from heads / n-gram: accepted tokens each source proposed.",
         ]
     elif running is None:
-        lines += ["", "Stopped before both runs finished: no speedup or identity verdict."]
+        lines += ["", "Stopped before every run finished: no speedup or identity verdict."]
     return "\n".join(lines)
 

@@ -26,6 +26,7 @@ class Controls:
     """The page's generation controls, read when a reply starts (a change applies to the next reply)."""
 
     medusa: bool
+    drafts: str  # where candidates come from (medusa_core.DRAFT_SOURCES): hybrid, heads or ngram
     temperature: float
     top_k: int  # 0 = off; this and top-p, min-p matter when temperature > 0
     top_p: float  # 1 = off
@@ -46,6 +47,7 @@ class Controls:
         """The controls as the page first shows them (``model``: None while it loads; see ``chat_defaults``)."""
         return cls(
             medusa=True,
+            drafts=settings.drafts,
             **sampling_fields(chat_defaults(settings, model)),
             sampling=settings.sampling,
             posterior_threshold=settings.posterior_threshold,
@@ -106,6 +108,10 @@ def chat_preset(engine: Engine, settings: AppSettings) -> Updates:
 
 
 TREE_INFO = "the candidate tree verified at each step: the model's own trees first"
+DRAFTS_INFO = ("where each step's candidates come from: hybrid = the heads' tree plus a chain copied from the conversation "
+               "(prompt lookup), both verified in one pass; heads = the heads only (the paper's Medusa); n-gram = the copied chain only")
+#: The Drafts control's choices: (label, ``generate(drafts=...)`` value), the default first.
+DRAFT_CHOICES = [("hybrid (heads + n-gram)", "hybrid"), ("heads only", "heads"), ("n-gram only", "ngram")]
 PUBLISHED_TREE_NODES = 64  # the Medusa paper's published trees: 63 candidates + root, tuned for 7B–33B models on GPUs
 
 
@@ -135,7 +141,7 @@ def tree_choices(model: MedusaModel) -> list[tuple[str, str]]:
 
 
 def explain_controls(medusa: bool, temperature: float, sampling: str = "typical") -> Updates:
-    """Grey out the controls that do nothing for the next reply, saying why: the tree, ε and δ with
+    """Grey out the controls that do nothing for the next reply, saying why: the tree, drafts, ε and δ with
     Medusa off; ε and δ at temperature 0 (greedy decoding accepts exact matches only) and with exact
     sampling (rejection sampling has no thresholds); top-k, top-p and min-p at temperature 0."""
     greedy = "inactive at temperature 0: greedy takes the most likely token (the repetition penalty still applies)"
@@ -144,6 +150,7 @@ def explain_controls(medusa: bool, temperature: float, sampling: str = "typical"
     if not medusa:
         off = "inactive: Medusa is off (plain decoding, one token per step)"
         tree, typical = {"interactive": False, "info": off}, {"interactive": False, "info": off}
+        drafts = {"interactive": False, "info": off}
     elif temperature <= 0:
         tree = {"interactive": True, "info": TREE_INFO}
         typical = {"interactive": False, "info": "inactive at temperature 0: greedy decoding accepts exact matches only"}
@@ -153,7 +160,9 @@ def explain_controls(medusa: bool, temperature: float, sampling: str = "typical"
     else:
         tree = {"interactive": True, "info": TREE_INFO}
         typical = {"interactive": True, "info": "accept a candidate when its probability > min(ε, δ·exp(−entropy))"}
-    return updates | {"tree": gr.Dropdown(**tree), "posterior_threshold": gr.Slider(**typical), "posterior_alpha": gr.Slider(**typical)}
+    if medusa:
+        drafts = {"interactive": True, "info": DRAFTS_INFO}
+    return updates | {"tree": gr.Dropdown(**tree), "drafts": gr.Radio(**drafts), "posterior_threshold": gr.Slider(**typical), "posterior_alpha": gr.Slider(**typical)}
 
 
 def tree_argument(model: MedusaModel, tree: str | None, custom_tree: str) -> str | list[list[int]] | None:

@@ -73,7 +73,8 @@ def settings_label(row: StepRow) -> str:
 def turn_stats(session: Session, turn: Turn) -> str:
     """A reply's stats line, as LM Studio shows under each message: tokens, decoding tokens/s (live
     while it streams), time to first token and wall time from send to last token (both include any
-    wait in the queue and the prompt's prefill), tokens per step, tree, sampling settings and how it ended."""
+    wait in the queue and the prompt's prefill), tokens per step, tree and draft source with the accepted
+    tokens each source proposed, sampling settings and how it ended."""
     rows = session.reply_rows(turn.reply_index) if turn.reply_index is not None else []
     if not rows:
         return ""
@@ -89,7 +90,13 @@ def turn_stats(session: Session, turn: Turn) -> str:
     decode = [r for r in rows if r.step > 0]  # step 0 is the prefill and its first token
     if decode:
         parts.append(f"{sum(r.accepted_tokens for r in decode) / len(decode):.2f} tokens/step")
-    parts.append(f"tree {decode[0].tree_name}" if decode and rows[0].mode == "medusa" else "Medusa off")
+    if decode and rows[0].mode == "medusa":
+        drafts = rows[0].drafts
+        tree = "n-gram drafts" if drafts == "ngram" else f"tree {decode[0].tree_name}" + (" + n-gram" if drafts == "hybrid" else "")
+        heads, ngram = sum(r.head_tokens for r in rows), sum(r.ngram_tokens for r in rows)
+        parts += [tree, f"{heads} from heads, {ngram} from n-gram"]
+    else:
+        parts.append("Medusa off")
     parts.append(settings_label(rows[-1]))
     parts.append(STOP_REASON_TEXT.get(rows[-1].stop_reason, turn.state))
     return " · ".join(parts)

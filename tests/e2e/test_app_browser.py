@@ -217,33 +217,33 @@ def test_a_new_users_session_in_headless_chromium(app_url, tmp_path):
         expect(bots).to_have_count(3)
         expect(page.locator("#chat [data-testid=user]")).to_have_count(3)
 
-        # Compare re-runs the last prompt with Medusa off, then on.
+        # Compare re-runs the last prompt with Medusa off, then with heads, n-gram and hybrid drafts.
         page.get_by_role("tab", name="Compare").click()
         page.locator("#compare").click()
         result = page.locator("#compare-result")
-        expect(result).to_contain_text("Identical replies", timeout=REPLY_TIMEOUT_S * 2_000)
-        expect(result).to_contain_text(re.compile(r"Speedup: [\d.]+×"))
+        expect(result).to_contain_text("identical reply", timeout=REPLY_TIMEOUT_S * 4_000)
+        expect(result).to_contain_text(re.compile(r"hybrid\s+[\d.]+×"))
         page.screenshot(path=str(SCREENSHOTS / "3-compare.png"), full_page=True)
 
         # The statistics CSV: one row per step of the session, and a saved copy whose path is shown.
         downloaded = tmp_path / "session.csv"
         rows = download_csv(page, downloaded)
         for column in ("session_id", "reply_index", "step", "mode", "tree_name", "tree_nodes", "temperature",
-                       "posterior_threshold", "posterior_alpha", "accepted_tokens", "head_tokens", "step_latency_ms",
+                       "posterior_threshold", "posterior_alpha", "accepted_tokens", "head_tokens", "ngram_tokens", "drafts", "step_latency_ms",
                        "tokens_per_s", "timestamp"):
             assert column in rows[0], column
         replies: dict[int, list[dict[str, str]]] = {}
         for r in rows:
             replies.setdefault(int(r["reply_index"]), []).append(r)
-        assert sorted(replies) == [0, 1, 2, 3, 4, 5]  # four chat replies (one regenerated), then compare's off and on runs
-        assert [r["source"] for r in rows if r["step"] == "0"] == ["chat"] * 4 + ["compare"] * 2
+        assert sorted(replies) == list(range(8))  # four chat replies (one regenerated), then compare's four runs
+        assert [r["source"] for r in rows if r["step"] == "0"] == ["chat"] * 4 + ["compare"] * 4
         assert len(replies[0]) == steps
         assert {r["mode"] for r in replies[1]} == {r["mode"] for r in replies[4]} == {"baseline"}
         assert (replies[2][-1]["stop_reason"] == "stopped") == stopped
         for reply in replies.values():
             assert [int(r["step"]) for r in reply] == list(range(len(reply)))
             assert sum(int(r["accepted_tokens"]) for r in reply) == int(reply[-1]["total_tokens"])
-            assert all(int(r["head_tokens"]) <= int(r["accepted_tokens"]) for r in reply)
+            assert all(int(r["head_tokens"]) + int(r["ngram_tokens"]) <= int(r["accepted_tokens"]) for r in reply)
         saved = Path(re.search(r"to `?(/\S+\.csv)", page.locator("#export-path").inner_text()).group(1))
         assert saved.read_text() == downloaded.read_text()
 
