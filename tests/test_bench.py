@@ -334,13 +334,17 @@ def test_benchmark_program_on_a_tiny_model_writes_csv_and_markdown_for_every_met
         "--model", str(heads), "--quantization", "none", "--prompts", str(prompts), "--trees", "chain_2,sparse_8",
         "--max-new-tokens", "12", "--repeats", "2", "--out", str(out), "--no-progress", "--threads", "1",
     ]) == 0
-    methods = {"hf", "hf_pld", "baseline", "medusa:chain_2", "medusa:sparse_8"}
+    methods = {"hf", "hf_pld", "baseline", "medusa:chain_2", "medusa:sparse_8", "ngram", "medusa+ngram:chain_2",
+               "medusa+ngram:sparse_8"}
     with open(out / "summary.csv") as f:
         rows = list(csv.DictReader(f))
     assert {r["method"] for r in rows} == methods
     assert {r["category"] for r in rows} == {"python", "coding", ALL}
     with open(out / "runs.csv") as f:
-        assert len(list(csv.DictReader(f))) == len(methods) * 2 * 2  # methods x prompts x repeats
+        runs = list(csv.DictReader(f))
+    assert len(runs) == len(methods) * 2 * 2  # methods x prompts x repeats
+    assert all(r["ngram_tokens"] == "0" for r in runs if not r["method"].endswith("ngram") and "+ngram" not in r["method"])
+    assert all(r["head_tokens"] == "0" for r in runs if r["method"] == "ngram")
     overall = {r["method"]: r for r in rows if r["category"] == ALL}
     assert overall["medusa:sparse_8"]["tree_nodes"] == "9"
     # float32 on CPU: every greedy method reproduces HF generate token for token
@@ -493,3 +497,19 @@ def test_the_llama_cpp_anchor_is_skipped_with_one_line_when_llama_cpp_python_is_
     monkeypatch.setattr(llama_cpp, "available", lambda: True)
     [method] = build_methods(Demo(), ["llama_cpp"], [])
     assert (method.kind, method.source, method.tree_nodes) == ("llama_cpp", "/models/demo.gguf", 1)
+
+
+def test_the_draft_methods_run_the_engine_with_n_gram_drafts_alone_or_beside_each_tree():
+    from medusa_core.bench.methods import build_methods
+
+    class Model:
+        def resolve_tree(self, tree):
+            return tree, [[0], [0, 0]]
+
+    methods = build_methods(Model(), ["ngram", "medusa+ngram", "medusa+ngram:x", "medusa"], ["a", "b"])
+    assert [(m.name, m.kind, m.drafts, m.tree_nodes) for m in methods] == [
+        ("ngram", "medusa", "ngram", 1), ("medusa+ngram:a", "medusa", "hybrid", 3), ("medusa+ngram:b", "medusa", "hybrid", 3),
+        ("medusa+ngram:x", "medusa", "hybrid", 3), ("medusa:a", "medusa", "heads", 3), ("medusa:b", "medusa", "heads", 3),
+    ]
+    with pytest.raises(ValueError, match="medusa\\+ngram:<tree>"):
+        build_methods(Model(), ["lookup"], ["a"])

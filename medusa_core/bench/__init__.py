@@ -22,7 +22,7 @@ is a statistical property, tested in ``tests/test_sampling.py``).
 One module per job, in the order a run uses them:
 
 - ``prompts``: the JSONL prompt set and its chat-template encoding.
-- ``methods``: the methods under test (``hf``, ``hf_pld``, ``baseline``, ``medusa:<tree>``).
+- ``methods``: the methods under test (``hf``, ``hf_pld``, ``baseline``, ``medusa:<tree>``, ``ngram``, ``medusa+ngram:<tree>``).
 - ``run``: one timed generation (``run_once``) and the interleaved benchmark (``run_benchmark``).
 - ``accounting``: ``summarise`` and ``find_divergences``, pure arithmetic on ``Run`` records.
 - ``report``: markdown, CSV and charts.

@@ -16,7 +16,7 @@ from ..cpu import physical_cores
 from ..generation import SAMPLING_MODES
 from ..processors import CHAT_SAMPLING, SamplingConfig
 from .agreement import cmd_agreement
-from .methods import METHOD_KINDS, build_methods, default_trees
+from .methods import DRAFT_METHODS, METHOD_KINDS, build_methods, default_trees
 from .profiling import cmd_profile
 from .prompts import load_prompts
 from .report import environment, write_report
@@ -65,8 +65,10 @@ def build_parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("--threads", type=_positive_int, nargs="+", default=[cores], metavar="N",
                        help="torch CPU threads; several counts (e.g. --threads 1 2) give a row per method and count, "
                             f"interleaved prompt by prompt (default: {cores}, the physical cores this process may use)")
-        p.add_argument("--methods", type=_csv_list, default=list(METHOD_KINDS),
-                       help="comma list of hf, hf_pld, baseline, medusa, medusa:<tree> (default: all)")
+        p.add_argument("--methods", type=_csv_list, default=list(METHOD_KINDS + DRAFT_METHODS),
+                       help="comma list of hf, hf_pld, llama_cpp, baseline, medusa, medusa:<tree>, ngram (this engine's n-gram "
+                            "drafts alone), medusa+ngram, medusa+ngram:<tree> (the hybrid: heads and n-gram drafts in one tree) "
+                            "(default: hf, hf_pld, llama_cpp, baseline, medusa, ngram, medusa+ngram)")
         p.add_argument("--trees", type=_csv_list, default=None,
                        help="trees for 'medusa' (default: the model's own trees, else chain_4,sparse_8,sparse_16,sparse_32)")
         p.add_argument("--max-new-tokens", type=int, default=128)

@@ -1,4 +1,5 @@
-"""The decoding methods under test: HF ``generate``, HF prompt lookup, the plain loop, Medusa per tree."""
+"""The decoding methods under test: HF ``generate``, HF prompt lookup, the plain loop, Medusa per tree, and this
+engine's n-gram drafts alone or beside the heads (``generate(drafts=...)``, issue 20)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from . import llama_cpp
 
 #: Method kinds: HF greedy ``generate``, HF prompt lookup decoding, this project's plain loop, Medusa.
 METHOD_KINDS = ("hf", "hf_pld", "llama_cpp", "baseline", "medusa")
+#: Method names that run this engine's n-gram drafts: alone (kind ``medusa``, no heads) or beside each tree.
+DRAFT_METHODS = ("ngram", "medusa+ngram")
 #: Small trees benchmarked when the model ships none of its own.
 DEFAULT_TREES = ("chain_4", "sparse_8", "sparse_16", "sparse_32")
 
@@ -19,9 +22,11 @@ class Method:
     """A decoding method under test.
 
     Attributes:
-        name: its label in tables: ``hf``, ``hf_pld``, ``baseline`` or ``medusa:<tree>``.
+        name: its label in tables: ``hf``, ``hf_pld``, ``baseline``, ``medusa:<tree>``, ``ngram`` or
+            ``medusa+ngram:<tree>``.
         kind: one of ``METHOD_KINDS``.
-        choices: the Medusa tree's paths (kind ``medusa`` only).
+        choices: the Medusa tree's paths (kind ``medusa`` only; empty for ``ngram``).
+        drafts: ``generate(drafts=...)`` of kind ``medusa``: ``heads``, ``ngram`` or ``hybrid``.
         source: the GGUF file llama.cpp decodes (kind ``llama_cpp`` only).
     """
 
@@ -29,16 +34,19 @@ class Method:
     kind: str
     choices: tuple[tuple[int, ...], ...] = ()
     source: str = ""  # kind llama_cpp: the GGUF file
+    drafts: str = "heads"
 
     @property
     def tree_nodes(self) -> int:
-        """N, tokens verified per step (root included); 1 for every non-Medusa method."""
+        """N, tokens of the heads' tree verified per step (root included; n-gram chains come on top);
+        1 for every non-Medusa method and for ``ngram``."""
         return len(self.choices) + 1
 
 
 def build_methods(model: Any, methods: Sequence[str], trees: Sequence[str]) -> list[Method]:
-    """Methods from names: ``hf``, ``hf_pld``, ``baseline``, ``medusa`` (one per tree in ``trees``)
-    or ``medusa:<tree>``. Raises ``ValueError`` for an unknown method or a tree the model cannot run."""
+    """Methods from names: ``hf``, ``hf_pld``, ``baseline``, ``medusa`` (one per tree in ``trees``),
+    ``medusa:<tree>``, ``ngram`` (n-gram drafts only), ``medusa+ngram`` (the hybrid, one per tree) or
+    ``medusa+ngram:<tree>``. Raises ``ValueError`` for an unknown method or a tree the model cannot run."""
     out: list[Method] = []
     for name in methods:
         if name in ("hf", "hf_pld", "baseline"):
@@ -52,12 +60,17 @@ def build_methods(model: Any, methods: Sequence[str], trees: Sequence[str]) -> l
                 print(llama_cpp.MISSING)
                 continue
             out.append(Method(name, name, source=str(path)))
-        elif name == "medusa" or name.startswith("medusa:"):
-            for tree in trees if name == "medusa" else [name.split(":", 1)[1]]:
+        elif name == "ngram":
+            out.append(Method(name, "medusa", drafts="ngram"))
+        elif name.split(":", 1)[0] in ("medusa", "medusa+ngram"):
+            prefix, drafts = ("medusa", "heads") if name.startswith("medusa:") or name == "medusa" else ("medusa+ngram", "hybrid")
+            for tree in trees if ":" not in name else [name.split(":", 1)[1]]:
                 tree_name, choices = model.resolve_tree(tree)
-                out.append(Method(f"medusa:{tree_name}", "medusa", tuple(map(tuple, choices))))
+                out.append(Method(f"{prefix}:{tree_name}", "medusa", tuple(map(tuple, choices)), drafts=drafts))
         else:
-            raise ValueError(f"unknown method {name!r}: use {', '.join(METHOD_KINDS)} or medusa:<tree>")
+            raise ValueError(
+                f"unknown method {name!r}: use {', '.join(METHOD_KINDS + DRAFT_METHODS)}, medusa:<tree> or medusa+ngram:<tree>"
+            )
     names = [m.name for m in out]
     if len(set(names)) != len(names):
         raise ValueError(f"methods listed twice: {names}")

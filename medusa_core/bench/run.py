@@ -49,7 +49,8 @@ class Run:
         ttft_s: until the first new token is in the caller's hands.
         step_time_s: time of the ``timed_steps`` decoding steps, prefill excluded.
         timed_steps: steps that ``step_time_s`` covers.
-        tree_nodes: N verified per Medusa step (1 for other methods).
+        tree_nodes: N of the heads' tree verified per Medusa step (1 for other methods).
+        head_tokens / ngram_tokens: this project's loop: accepted tokens the heads / the n-gram lookup proposed.
         output: the new token ids (compared with the reference method's when greedy).
         sampling: the rule the tokens were chosen by: ``StepRecord.sampling`` for this project's loop
             (greedy, sample, typical, exact); greedy or sample for HF methods.
@@ -77,6 +78,8 @@ class Run:
     threads: int = 1
     ended: bool = False
     loops: bool = False
+    head_tokens: int = 0
+    ngram_tokens: int = 0
 
 
 class _HFClock:
@@ -175,7 +178,7 @@ def run_once(
     first_at = None
     for record in model.generate(
         input_ids, max_new_tokens=max_new_tokens, medusa=method.kind == "medusa",
-        tree=[list(p) for p in method.choices] if method.kind == "medusa" else None,
+        tree=[list(p) for p in method.choices] if method.choices else None, drafts=method.drafts,
         config=config, sampling=sampling, seed=seed,
     ):
         first_at = first_at or time.perf_counter()
@@ -187,6 +190,7 @@ def run_once(
         step_time_s=sum(r.latency_s for r in records[1:]), timed_steps=len(records) - 1,  # records[0]: the prefill
         output=output, cpu_s=time.process_time() - cpu0, sampling=records[0].sampling,
         ended=records[-1].stop_reason == "eos", loops=loops(output),
+        head_tokens=sum(r.head_tokens for r in records), ngram_tokens=sum(r.ngram_tokens for r in records),
     )
 
 
