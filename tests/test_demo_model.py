@@ -90,3 +90,17 @@ def test_greedy_medusa_with_a_repetition_penalty_on_the_demo_equals_hf_generate(
         assert [t for r in records for t in r.token_ids] == hf, text
         accepted += sum(r.accept_length for r in records)
     assert accepted > 20, accepted  # the tree really was used: candidates judged under the penalty were accepted
+
+
+def test_greedy_with_n_gram_drafts_on_the_demo_equals_plain_greedy_on_bench_prompts_and_copies_tokens(demo):
+    from medusa_core.bench.prompts import encode_prompt, load_prompts
+
+    copied = 0
+    for prompt in load_prompts(None, 4, None):  # shipped held-out prompts, four categories
+        ids = encode_prompt(demo.tokenizer, prompt, None)
+        plain = [t for r in demo.generate(ids, max_new_tokens=64, medusa=False) for t in r.token_ids]
+        for drafts in ("hybrid", "ngram"):
+            records = list(demo.generate(ids, max_new_tokens=64, drafts=drafts))
+            assert [t for r in records for t in r.token_ids] == plain, (prompt.category, drafts)
+            copied += sum(r.ngram_tokens for r in records)
+    assert copied > 10, copied  # the lookup's chains were really verified and accepted
