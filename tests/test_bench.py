@@ -438,7 +438,8 @@ def test_a_sampled_benchmark_records_each_runs_rule_and_compares_no_outputs(samp
     ]) == 0
     with open(out / "runs.csv") as f:
         rules = {r["method"]: r["sampling"] for r in csv.DictReader(f)}
-    assert rules == {"hf": "sample", "hf_pld": "sample", "baseline": "sample", "medusa:chain_2": sampling}
+    assert rules == {"hf": "sample", "hf_pld": "sample", "baseline": "sample", "medusa:chain_2": sampling, "ngram": sampling,
+                     "medusa+ngram:chain_2": sampling}
     with open(out / "summary.csv") as f:
         overall = {r["method"]: r for r in csv.DictReader(f) if r["category"] == ALL}
     assert float(overall["medusa:chain_2"]["acceleration"]) >= 1.0 and float(overall["medusa:chain_2"]["speedup"]) > 0
