@@ -1,7 +1,9 @@
 """The Medusa decoding engine: a Hugging Face causal LM, Medusa heads and tree decoding (paper 2.1, 2.3.1).
 
-One decoding step reads like the paper: candidates from the heads (2.1.1), one tree-attention
-forward pass over all candidates (2.1.2), the sampling settings applied to every node's logits given
+One decoding step reads like the paper: candidates from the heads (2.1.1), optionally with a chain of
+tokens copied from the context by prompt lookup grafted into the same tree (``drafts``, ``steptree``:
+the drafts are one more source of tree nodes, not a second loop), one tree-attention forward pass
+over all candidates (2.1.2), the sampling settings applied to every node's logits given
 that node's own prefix (``processors``: HF ``generate``'s repetition penalty, temperature, top-k,
 top-p, min-p), acceptance (2.3.1: greedy, typical, or exact rejection sampling after Leviathan et al.
 2023 / Chen et al. 2023) on those processed distributions, and cache compaction so only the
