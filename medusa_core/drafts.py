@@ -36,14 +36,18 @@ class DraftConfig:
     # were right up to it is at least this: one more tree token costs ~0.15–0.2 of a step on a 2-core
     # CPU (row-wise attention); 0.3 made the most tokens/s of 0.1, 0.2, 0.3 on 8 shipped prompts.
     min_path_probability: float = 0.3
+    # Trees shaped per step (EAGLE-2-like, within the static tree as the budget): verify a head node only
+    # when the product of the heads' softmax probabilities along its path is at least this; 0 = every node.
+    min_head_probability: float = 0.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"n-gram sizes must satisfy 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not 0 <= self.min_path_probability <= 1:
-            raise ValueError(f"min_path_probability must be in [0, 1], got {self.min_path_probability}")
+        for name in ("min_path_probability", "min_head_probability"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
 
 
 class NgramDrafter:

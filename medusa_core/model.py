@@ -17,6 +17,7 @@ Tree attention goes only through the model's public inputs: a 4-D additive atten
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import time
 from typing import Any, Iterator, Sequence
@@ -29,7 +30,7 @@ from .acceptance import node_status, residual_distributions, score_children, sel
 from .drafts import DraftConfig, NgramDrafter
 from .generation import StepRecord, check_generate_args
 from .processors import CHAT_PRESET, NodeProcessors, SamplingConfig, tree_prefixes
-from .steptree import StepTree, graft, static_tree
+from .steptree import StepTree, graft, prune, static_tree
 from .trees import TREE_PRESETS, resolve_tree, validate_tree
 
 
@@ -84,6 +85,7 @@ class MedusaModel:
         # Heads may run in a cheaper dtype than the backbone: they only propose, the backbone verifies.
         self._head_dtype = next(heads.parameters(), backbone.get_input_embeddings().weight).dtype
         self._trees: dict[str, StepTree] = {}
+        self._pruned_trees: dict[tuple[str, int, tuple[int, ...]], StepTree] = {}
         self._default_tree = default_tree
         for tree in [*self.trees, *([default_tree] if default_tree else [])]:
             try:
@@ -202,7 +204,11 @@ class MedusaModel:
                 output stays plain greedy output and exact sampling stays exact. Ignored with
                 ``medusa=False``.
             draft_config: n-gram sizes and the longest chain (``DraftConfig``); the chain is also cut so
-                the step's tree fits the context window and the token limit.
+                the step's tree fits the context window and the token limit. Its ``min_head_probability``
+                > 0 shapes the heads' tree per step (EAGLE-2-like, the tree given is the budget): a node
+                is verified only when the product of the heads' softmax probabilities of the tokens on
+                its path is at least that value (uncalibrated softmax; a deterministic choice given the
+                context, so exactness is unchanged).
 
         Exact sampling (Leviathan et al. 2023, "Fast inference from transformers via speculative
         decoding", and Chen et al. 2023, "Accelerating LLM decoding with speculative sampling", for
@@ -257,11 +263,11 @@ class MedusaModel:
         drafter = NgramDrafter(draft_config, input_ids[0].tolist()) if medusa and drafts != "heads" else None
         return self._decode(
             input_ids.to(self.device), max_new_tokens, full, NodeProcessors(settings), posterior_threshold, posterior_alpha,
-            seed, rule, drafter, drafts if medusa else "",
+            seed, rule, drafter, drafts if medusa else "", draft_config.min_head_probability if drafts != "ngram" else 0.0,
         )
 
     def _decode(
-        self, input_ids, max_new_tokens, full, processors, eps, alpha, seed, rule, drafter, drafts
+        self, input_ids, max_new_tokens, full, processors, eps, alpha, seed, rule, drafter, drafts, shape_at
     ) -> Iterator[StepRecord]:
         root_only = self._tree("baseline")
         generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -296,7 +302,10 @@ class MedusaModel:
                 if tree is full:  # room for a chain: the token limit and the context window cap it
                     chain = drafter.propose(min(remaining - 1, self.max_context - cur_len - tree.num_nodes))
             with torch.inference_mode():
-                tokens = self._candidates(tree, hidden, root)  # [N]
+                tokens, log_p = self._candidates(tree, hidden, root, shape_at > 0)  # [N], [N] or None
+                if log_p is not None:  # keep the nodes whose path probability reaches shape_at (host sync)
+                    keep = self._keep(tree, log_p, shape_at)
+                    tree, tokens = self._pruned(tree, keep), tokens[keep] if len(keep) < tokens.shape[0] else tokens
                 if chain:  # host sync of N tokens: the chain shares the nodes that hold its tokens
                     tree, token_ids = graft(tree, tokens.tolist(), chain)
                     tokens = torch.tensor(token_ids, device=self.device) if tree.num_nodes > tokens.shape[0] else tokens
@@ -355,16 +364,39 @@ class MedusaModel:
         )
 
     # ---------------------------------------------------------------------------------- step stages
-    def _candidates(self, tree: StepTree, hidden: torch.Tensor, root: torch.Tensor) -> torch.Tensor:
-        """Tokens [N] of a static tree: the root, then each node's rank in its head's top-k (paper 2.1.1).
+    def _candidates(
+        self, tree: StepTree, hidden: torch.Tensor, root: torch.Tensor, with_log_p: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Tokens [N] of a static tree: the root, then each node's rank in its head's top-k (paper 2.1.1),
+        and with ``with_log_p`` each node's log softmax probability under its head ([N], 0 at the root).
 
         Heads run only at the last accepted position ``hidden`` [1, H] and only the tree's depth of them.
         """
         if tree.num_nodes == 1:
-            return root.view(1)
+            return root.view(1), None
         head_logits = self.heads(hidden.to(self._head_dtype), num_heads=tree.head_depth)[:, 0]  # [D, V]
-        top = head_logits.topk(tree.topk, dim=-1).indices  # [D, topk]
-        return torch.cat([root.view(1), top.flatten()])[tree.tree_indices]
+        top = head_logits.topk(tree.topk, dim=-1)  # [D, topk]
+        tokens = torch.cat([root.view(1), top.indices.flatten()])[tree.tree_indices]
+        if not with_log_p:
+            return tokens, None
+        log_p = top.values.float() - head_logits.float().logsumexp(dim=-1, keepdim=True)  # [D, topk]
+        return tokens, torch.cat([log_p.new_zeros(1), log_p.flatten()])[tree.tree_indices]
+
+    @staticmethod
+    def _keep(tree: StepTree, log_p: torch.Tensor, min_probability: float) -> list[int]:
+        """Nodes of ``tree`` whose path probability (the product of the heads' probabilities of the tokens
+        from the root down to the node) is at least ``min_probability``: a prefix-closed list, root first."""
+        path_log_p = (tree.bias == 0).to(log_p.dtype) @ log_p  # [N] Σ log p over each node's ancestors and itself
+        return (path_log_p >= math.log(min_probability)).nonzero().flatten().tolist()
+
+    def _pruned(self, tree: StepTree, keep: list[int]) -> StepTree:
+        """``steptree.prune(tree, keep)``, built once per (tree, kept nodes)."""
+        key = (tree.name, id(tree), tuple(keep))
+        if key not in self._pruned_trees:
+            if len(self._pruned_trees) > 4096:  # shapes of a few small trees: this bound is never reached in practice
+                self._pruned_trees.clear()
+            self._pruned_trees[key] = prune(tree, keep)
+        return self._pruned_trees[key]
 
     def _tree_forward(
         self, tree: StepTree, tokens: torch.Tensor, cur_len: int, cache: DynamicCache

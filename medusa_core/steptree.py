@@ -134,6 +134,35 @@ def graft(tree: StepTree, tokens: list[int], chain: Sequence[int]) -> tuple[Step
     return grafted, tokens + rest
 
 
+def prune(tree: StepTree, keep: Sequence[int]) -> StepTree:
+    """The subtree of ``tree`` made of the nodes ``keep`` (sorted, root first, prefix-closed: every kept
+    node's parent is kept), in the same order, so siblings keep the order they are tried in.
+    ``tree`` itself when every node is kept."""
+    if len(keep) == tree.num_nodes:
+        return tree
+    new = {old: i for i, old in enumerate(keep)}
+    parents = (-1,) + tuple(new[tree.node_parents[i]] for i in keep[1:])
+    children = _children(parents)
+    rows = []
+    for leaf in (i for i in range(len(keep)) if not children[i]):
+        row = [leaf]
+        while row[-1] > 0:
+            row.append(parents[row[-1]])
+        rows.append(row[::-1])
+    device = tree.parents.device
+    retrieve = torch.full((len(rows), max(map(len, rows))), -1, dtype=torch.long, device=device)
+    for r, row in enumerate(rows):
+        retrieve[r, : len(row)] = torch.tensor(row, device=device)
+    index = torch.tensor(list(keep), device=device)
+    return StepTree(
+        name=tree.name, parents=torch.tensor(parents, device=device), position_ids=tree.position_ids[index],
+        bias=tree.bias[index][:, index], retrieve_indices=retrieve, **_paths(retrieve), tree_indices=tree.tree_indices[index],
+        topk=tree.topk, head_depth=tree.head_depth, node_parents=parents,
+        node_heads=tuple(tree.node_heads[i] for i in keep), node_ranks=tuple(tree.node_ranks[i] for i in keep),
+        node_sources=tuple(tree.node_sources[i] for i in keep), children=children, depth=retrieve.shape[1] - 1,
+    )
+
+
 def _paths(retrieve: torch.Tensor) -> dict[str, torch.Tensor]:
     """``path_nodes`` and ``path_valid`` [P, D] of ``retrieve_indices`` [P, D+1]."""
     path = retrieve[:, 1:]

@@ -17,7 +17,7 @@ from tiny_models import random_heads, tiny_backbone
 from transformers import DynamicCache
 
 from medusa_core import DRAFT_SOURCES, DraftConfig, MedusaModel, NgramDrafter
-from medusa_core.steptree import graft, static_tree
+from medusa_core.steptree import graft, prune, static_tree
 
 N_NEW = 40
 
@@ -81,9 +81,10 @@ def test_chain_positions_that_were_rarely_right_in_this_reply_are_no_longer_prop
     assert drafter.propose(4) == [2, 7]
 
 
-@pytest.mark.parametrize("kwargs", [dict(min_ngram=0), dict(min_ngram=3, max_ngram=2), dict(max_tokens=0)])
+@pytest.mark.parametrize("kwargs", [dict(min_ngram=0), dict(min_ngram=3, max_ngram=2), dict(max_tokens=0),
+                                    dict(min_path_probability=1.5), dict(min_head_probability=-0.1)])
 def test_draft_sizes_out_of_range_are_refused(kwargs):
-    with pytest.raises(ValueError, match="ngram|max_tokens"):
+    with pytest.raises(ValueError, match="ngram|max_tokens|probability"):
         DraftConfig(**kwargs)
 
 
@@ -117,6 +118,18 @@ def test_a_chain_whose_first_token_no_head_proposed_becomes_a_new_child_of_the_r
 def test_a_chain_already_in_the_tree_leaves_the_tree_unchanged():
     tree = static_tree("t", TREE, torch.float32, torch.device("cpu"))
     assert graft(tree, [10, 11, 12, 13], [11, 13]) == (tree, [10, 11, 12, 13])
+
+
+def test_a_pruned_tree_keeps_the_chosen_nodes_in_order_with_their_ancestry_and_paths():
+    tree = static_tree("t", [[0], [1], [0, 0], [0, 1], [1, 0]], torch.float32, torch.device("cpu"))
+    # nodes: 0 root, 1 [0], 2 [1], 3 [0,0], 4 [0,1], 5 [1,0]; keep the root, [0], [1], [0, 1]
+    pruned = prune(tree, [0, 1, 2, 4])
+    assert pruned.node_parents == (-1, 0, 0, 1) and pruned.node_ranks == (0, 0, 1, 1)
+    assert pruned.position_ids.tolist() == [0, 1, 1, 2] and pruned.depth == 2
+    assert (pruned.bias == 0).int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]
+    assert sorted(map(tuple, pruned.retrieve_indices.tolist())) == [(0, 1, 3), (0, 2, -1)]
+    assert prune(tree, list(range(6))) is tree
+    assert prune(tree, [0]).num_nodes == 1
 
 
 # ---------------------------------------------------------------------------- the engine with drafts
@@ -200,6 +213,22 @@ def test_a_chain_that_would_run_past_the_context_window_is_cut_and_the_reply_sta
     assert records[-1].stop_reason == "context"
     expected = greedy_reference(backbone, prompt, len(reply(records)))
     assert reply(records) == expected
+
+
+@pytest.mark.parametrize("heads", ["oracle", "random"])
+@pytest.mark.parametrize("arch", ["llama", "gemma", "phi3"])
+def test_trees_shaped_by_the_heads_confidence_keep_greedy_output_and_drop_unlikely_nodes(
+    arch, heads, backbone_for, reference_for, oracle_model, random_model
+):
+    backbone = backbone_for(arch)
+    model = oracle_model(backbone, N_NEW) if heads == "oracle" else random_model(backbone)
+    shaped = DraftConfig(min_head_probability=0.05)
+    full = list(model.generate(PROMPT, max_new_tokens=N_NEW, tree="sparse_16", drafts="heads"))
+    for drafts in ("heads", "hybrid"):
+        records = list(model.generate(PROMPT, max_new_tokens=N_NEW, tree="sparse_16", drafts=drafts, draft_config=shaped))
+        assert reply(records) == reference_for(arch, N_NEW)
+        heads_nodes = [sum(s == "head" for s in r.node_sources) for r in records[1:]]
+        assert max(heads_nodes) <= 16 and sum(heads_nodes) < sum(r.tree_nodes - 1 for r in full[1:])
 
 
 def test_an_unknown_draft_source_is_refused_before_any_work(random_model, backbone_for):

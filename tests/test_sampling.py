@@ -25,6 +25,7 @@ from tiny_models import random_heads, tiny_backbone
 import medusa_core.model
 from medusa_core import (
     NODE_STATUSES,
+    DraftConfig,
     SAMPLING_RULES,
     MedusaModel,
     SamplingConfig,
@@ -261,9 +262,10 @@ CASES = [
     ("exact", "oracle", True),
     ("blind", "oracle", True),
 ]
-# The same with n-gram drafts from the context (prompt lookup) in the tree: point masses like the heads'.
+# The same with n-gram drafts from the context (prompt lookup) in the tree: point masses like the heads';
+# "-shaped": the heads' tree pruned per step by their own confidence (DraftConfig.min_head_probability).
 DRAFT_CASES = [("exact", "random", False, "hybrid"), ("exact", "misses", True, "hybrid"), ("exact", "oracle", True, "ngram"),
-               ("typical", "random", False, "ngram")]
+               ("typical", "random", False, "ngram"), ("exact", "oracle", False, "hybrid-shaped")]
 ALL_CASES = [(*case, "heads") for case in CASES] + DRAFT_CASES
 
 
@@ -277,8 +279,9 @@ def test_the_first_three_tokens_follow_plain_sampling_in_exact_mode_and_not_in_t
     target = plain_sampling_distribution(backbone, processed)  # [V, V, V]
     model = MedusaModel(backbone, heads_of(heads or "random", backbone))
     medusa = sampling != "plain"
+    drafts, shaped = drafts.removesuffix("-shaped"), drafts.endswith("-shaped")
     kwargs = dict(max_new_tokens=3, tree=TREE, config=PROCESSED if processed else SamplingConfig(TEMPERATURE), medusa=medusa,
-                  drafts=drafts)
+                  drafts=drafts, draft_config=DraftConfig(min_head_probability=0.5 if shaped else 0.0))
     blind_case = sampling == "blind"
     if blind_case:
         blind = lambda context, tokens, parents, depth: context.view(1, -1).expand(tokens.shape[0], -1)  # noqa: E731
