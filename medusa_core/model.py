@@ -17,7 +17,6 @@ Tree attention goes only through the model's public inputs: a 4-D additive atten
 from __future__ import annotations
 
 import dataclasses
-import math
 import random
 import time
 from typing import Any, Iterator, Sequence
@@ -30,7 +29,7 @@ from .acceptance import node_status, residual_distributions, score_children, sel
 from .drafts import DraftConfig, NgramDrafter
 from .generation import StepRecord, check_generate_args
 from .processors import CHAT_PRESET, NodeProcessors, SamplingConfig, tree_prefixes
-from .steptree import StepTree, graft, prune, static_tree
+from .steptree import StepTree, confident_nodes, graft, prune, static_tree
 from .trees import TREE_PRESETS, resolve_tree, validate_tree
 
 
@@ -304,7 +303,7 @@ class MedusaModel:
             with torch.inference_mode():
                 tokens, log_p = self._candidates(tree, hidden, root, shape_at > 0)  # [N], [N] or None
                 if log_p is not None:  # keep the nodes whose path probability reaches shape_at (host sync)
-                    keep = self._keep(tree, log_p, shape_at)
+                    keep = confident_nodes(tree, log_p, shape_at)
                     tree, tokens = self._pruned(tree, keep), tokens[keep] if len(keep) < tokens.shape[0] else tokens
                 if chain:  # host sync of N tokens: the chain shares the nodes that hold its tokens
                     tree, token_ids = graft(tree, tokens.tolist(), chain)
@@ -381,13 +380,6 @@ class MedusaModel:
             return tokens, None
         log_p = top.values.float() - head_logits.float().logsumexp(dim=-1, keepdim=True)  # [D, topk]
         return tokens, torch.cat([log_p.new_zeros(1), log_p.flatten()])[tree.tree_indices]
-
-    @staticmethod
-    def _keep(tree: StepTree, log_p: torch.Tensor, min_probability: float) -> list[int]:
-        """Nodes of ``tree`` whose path probability (the product of the heads' probabilities of the tokens
-        from the root down to the node) is at least ``min_probability``: a prefix-closed list, root first."""
-        path_log_p = (tree.bias == 0).to(log_p.dtype) @ log_p  # [N] Σ log p over each node's ancestors and itself
-        return (path_log_p >= math.log(min_probability)).nonzero().flatten().tolist()
 
     def _pruned(self, tree: StepTree, keep: list[int]) -> StepTree:
         """``steptree.prune(tree, keep)``, built once per (tree, kept nodes)."""

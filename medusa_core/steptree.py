@@ -14,6 +14,7 @@ token), a head (head k, rank r) or an n-gram copy.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -132,6 +133,15 @@ def graft(tree: StepTree, tokens: list[int], chain: Sequence[int]) -> tuple[Step
         children=_children(parents), depth=max(tree.depth, above + new),
     )
     return grafted, tokens + rest
+
+
+def confident_nodes(tree: StepTree, log_p: torch.Tensor, min_probability: float) -> list[int]:
+    """Nodes of ``tree`` whose path probability, the product of the heads' probabilities of the tokens from
+    the root down to the node (``log_p`` [N]: each node's own log probability, 0 at the root), is at least
+    ``min_probability``: a prefix-closed list, root first (a path probability never grows down a path).
+    One host sync."""
+    path_log_p = (tree.bias == 0).to(log_p.dtype) @ log_p  # [N] Σ log p over each node's ancestors and itself
+    return (path_log_p >= math.log(min_probability)).nonzero().flatten().tolist()
 
 
 def prune(tree: StepTree, keep: Sequence[int]) -> StepTree:

@@ -17,7 +17,7 @@ from tiny_models import random_heads, tiny_backbone
 from transformers import DynamicCache
 
 from medusa_core import DRAFT_SOURCES, DraftConfig, MedusaModel, NgramDrafter
-from medusa_core.steptree import graft, prune, static_tree
+from medusa_core.steptree import confident_nodes, graft, prune, static_tree
 
 N_NEW = 40
 
@@ -130,6 +130,15 @@ def test_a_pruned_tree_keeps_the_chosen_nodes_in_order_with_their_ancestry_and_p
     assert sorted(map(tuple, pruned.retrieve_indices.tolist())) == [(0, 1, 3), (0, 2, -1)]
     assert prune(tree, list(range(6))) is tree
     assert prune(tree, [0]).num_nodes == 1
+
+
+def test_confident_nodes_are_those_whose_path_probability_reaches_the_threshold():
+    tree = static_tree("t", [[0], [1], [0, 0], [0, 1], [1, 0]], torch.float32, torch.device("cpu"))
+    p = torch.tensor([1.0, 0.8, 0.1, 0.5, 0.3, 0.9])  # each node's own probability under its head
+    # paths: [0] 0.8, [1] 0.1, [0,0] 0.4, [0,1] 0.24, [1,0] 0.09
+    assert confident_nodes(tree, p.log(), 0.25) == [0, 1, 3]
+    assert confident_nodes(tree, p.log(), 0.08) == [0, 1, 2, 3, 4, 5]
+    assert confident_nodes(tree, p.log(), 0.95) == [0]
 
 
 # ---------------------------------------------------------------------------- the engine with drafts
