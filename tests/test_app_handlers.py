@@ -624,3 +624,15 @@ def test_while_loading_the_page_shows_a_progress_bar_against_the_last_load_time(
     handlers.page_status(engine, settings)  # ready: its load time is kept for the next start
     later = handlers.page_status(loading, settings)["banner"]
     assert "of about 20 s (the last load)" in later and "<progress" in later
+
+
+def test_replies_use_hybrid_drafts_by_default_and_the_drafts_control_reaches_the_engine(engine, settings, controls):
+    assert Controls.from_settings(settings).drafts == "hybrid" and controls.drafts == "hybrid"
+    session = Session()
+    send(engine, settings, session, controls)
+    assert {r.drafts for r in session.reply_rows(0)} == {"hybrid"}
+    send(engine, settings, session, dataclasses.replace(controls, drafts="ngram"), "return")
+    assert {r.drafts for r in session.reply_rows(1)} == {"ngram"}
+    assert "from n-gram" in session.turns[1].stats
+    assert handlers.explain_controls(False, 0.0)["drafts"].interactive is False
+    assert handlers.explain_controls(True, 0.0)["drafts"].interactive is True
