@@ -514,3 +514,27 @@ def test_the_draft_methods_run_the_engine_with_n_gram_drafts_alone_or_beside_eac
     ]
     with pytest.raises(ValueError, match="medusa\\+ngram:<tree>"):
         build_methods(Model(), ["lookup"], ["a"])
+
+
+def test_draft_flags_reach_the_engine_and_the_report_and_shaped_trees_stay_identical_to_hf(tiny, tmp_path, monkeypatch):
+    from medusa_core import DraftConfig, MedusaModel
+
+    heads, prompts = tiny
+    out = tmp_path / "out"
+    seen = []
+    generate = MedusaModel.generate
+
+    def spy(self, *args, **kwargs):
+        seen.append(kwargs.get("draft_config"))
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(MedusaModel, "generate", spy)
+    assert main([
+        "--model", str(heads), "--quantization", "none", "--prompts", str(prompts), "--methods", "hf,medusa:sparse_8,medusa+ngram:sparse_8",
+        "--max-new-tokens", "12", "--repeats", "1", "--out", str(out), "--no-progress", "--threads", "1",
+        "--draft-tokens", "4", "--min-path-probability", "0.1", "--min-head-probability", "0.9",
+    ]) == 0
+    markdown = (out / "summary.md").read_text()
+    assert "draft_tokens: 4, min_path_probability: 0.1, min_head_probability: 0.9" in markdown
+    assert "No divergence" in markdown
+    assert seen and set(seen) == {DraftConfig(max_tokens=4, min_path_probability=0.1, min_head_probability=0.9)}

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 import torch
 
 from ..cpu import physical_cores
+from ..drafts import DraftConfig
 from ..generation import SAMPLING_MODES
 from ..processors import CHAT_SAMPLING, SamplingConfig
 from .agreement import cmd_agreement
@@ -84,6 +85,15 @@ def build_parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("--min-p", type=float, default=None, help="min-p in [0, 1], 0 = off (default: the preset's)")
         p.add_argument("--repetition-penalty", type=float, default=None,
                        help="HF repetition penalty > 0, 1 = off; HF methods get the same (default: the preset's)")
+        defaults = DraftConfig()
+        p.add_argument("--draft-tokens", type=int, default=defaults.max_tokens,
+                       help=f"longest n-gram chain of ngram and medusa+ngram (default {defaults.max_tokens})")
+        p.add_argument("--min-path-probability", type=float, default=defaults.min_path_probability,
+                       help="cut an n-gram chain where this reply's chains were right less often than this up to that "
+                            f"position (default {defaults.min_path_probability})")
+        p.add_argument("--min-head-probability", type=float, default=defaults.min_head_probability,
+                       help="shape the heads' tree of every medusa and medusa+ngram method per step: verify only nodes whose path probability (product of the "
+                            f"heads' softmax) reaches this; 0 = the whole tree (default {defaults.min_head_probability})")
         p.add_argument("--sampling", default=None, choices=list(SAMPLING_MODES),
                        help="Medusa's verification at temperature > 0: typical acceptance or exact rejection sampling "
                             f"(default: typical; with --preset chat, {CHAT_SAMPLING})")
@@ -144,16 +154,19 @@ def cmd_run(model: Any, args: argparse.Namespace, command: str) -> int:
     prompts = load_prompts(args.prompts, args.limit, args.categories)
     methods = build_methods(model, args.methods, args.trees or default_trees(model))
     config, sampling = sampling_settings(model, args)
+    drafts = DraftConfig(max_tokens=args.draft_tokens, min_path_probability=args.min_path_probability,
+                         min_head_probability=args.min_head_probability)
     out = args.out or Path("out") / "bench"
     runs, notes = run_benchmark(model, prompts, methods, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
                                 pld_tokens=args.pld_tokens, system=args.system, progress=not args.no_progress,
-                                config=config, sampling=sampling, threads=args.threads)
+                                config=config, sampling=sampling, threads=args.threads, draft_config=drafts)
     settings = {"prompts": len({r.prompt for r in runs}), "threads": ", ".join(map(str, dict.fromkeys(args.threads))),
                 "max_new_tokens": args.max_new_tokens,
                 "repeats": args.repeats, "pld_tokens": args.pld_tokens, "system": args.system or "none",
                 "temperature": config.temperature, "sampling": "greedy" if config.greedy else sampling,
                 "top_k": config.top_k, "top_p": config.top_p, "min_p": config.min_p,
-                "repetition_penalty": config.repetition_penalty}
+                "repetition_penalty": config.repetition_penalty, "draft_tokens": drafts.max_tokens,
+                "min_path_probability": drafts.min_path_probability, "min_head_probability": drafts.min_head_probability}
     env = {k: v for k, v in environment(model).items() if k != "torch_threads"}  # "threads" in settings says it
     text, paths = write_report(out, runs, command=command, env=env, settings=settings, notes=notes)
     print(text)

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..drafts import DraftConfig
 from ..processors import SamplingConfig
 from . import llama_cpp
 from .methods import Method
@@ -117,11 +118,12 @@ def _sync(device: torch.device) -> None:
 def run_once(
     model: Any, method: Method, input_ids: torch.Tensor, *, max_new_tokens: int, pld_tokens: int = 10,
     prompt: int = 0, category: str = "", repeat: int = 0, config: SamplingConfig = SamplingConfig(),
-    sampling: str = "typical",
+    sampling: str = "typical", draft_config: DraftConfig = DraftConfig(),
 ) -> Run:
     """Generate one reply to ``input_ids`` [1, T] with ``method`` and time it, every method with the same
     ``config`` (HF ``generate`` gets the same processors): greedy at temperature 0, else sampled (Medusa
-    verifies by ``sampling``, see ``MedusaModel.generate``) with seed ``1000 * repeat + prompt``."""
+    verifies by ``sampling``, see ``MedusaModel.generate``) with seed ``1000 * repeat + prompt``; this project's
+    loop takes its n-gram chains and per-step tree shaping from ``draft_config``."""
     input_ids = input_ids.to(model.device)
     prompt_len = input_ids.shape[1]
     seed = 1000 * repeat + prompt
@@ -179,7 +181,7 @@ def run_once(
     for record in model.generate(
         input_ids, max_new_tokens=max_new_tokens, medusa=method.kind == "medusa",
         tree=[list(p) for p in method.choices] if method.choices else None, drafts=method.drafts,
-        config=config, sampling=sampling, seed=seed,
+        config=config, sampling=sampling, seed=seed, draft_config=draft_config,
     ):
         first_at = first_at or time.perf_counter()
         records.append(record)
@@ -208,6 +210,7 @@ def run_benchmark(
     config: SamplingConfig = SamplingConfig(),
     sampling: str = "typical",
     threads: Sequence[int] = (),
+    draft_config: DraftConfig = DraftConfig(),
 ) -> tuple[list[Run], list[str]]:
     """Run every method on every prompt ``repeats`` times at each torch thread count of ``threads``
     (none: torch's current setting), interleaved prompt by prompt; torch's setting is restored after.
@@ -234,7 +237,7 @@ def run_benchmark(
             torch.set_num_threads(t)
             for m in methods:  # warm-up: allocator, kernels, tree buffers, this many threads
                 run_once(model, m, encoded[0][2], max_new_tokens=min(warmup_tokens, max_new_tokens),
-                         pld_tokens=pld_tokens, config=config, sampling=sampling)
+                         pld_tokens=pld_tokens, config=config, sampling=sampling, draft_config=draft_config)
         bar = tqdm(total=repeats * len(encoded) * len(counts) * len(methods), desc="bench", unit="run",
                    disable=not progress)
         for r in range(repeats):
@@ -245,7 +248,7 @@ def run_benchmark(
                         bar.set_postfix_str(f"{m.name}, {t} threads", refresh=False)
                         runs.append(run_once(
                             model, m, ids, max_new_tokens=max_new_tokens, pld_tokens=pld_tokens,
-                            prompt=i, category=p.category, repeat=r, config=config, sampling=sampling,
+                            prompt=i, category=p.category, repeat=r, config=config, sampling=sampling, draft_config=draft_config,
                         ))
                         bar.update()
         bar.close()
