@@ -65,6 +65,7 @@ class Session:
         self.rows: list[StepRow] = []  # every step of every reply, in order
         self.replies = 0  # replies started so far (chat and compare), numbering StepRow.reply_index
         self.last_records: list[StepRecord] = []  # steps of the latest reply, for the step slider
+        self.reply_tokens: list[list[int]] = []  # token ids of the latest chat replies: the n-gram drafts' session index
         self.last_labels: dict[int, str] = {}  # token id -> label, for the latest reply's trees
         self.compare_runs: dict[str, list[StepRecord]] | None = None  # the latest Compare's runs so far, by mode
         self.adopted = False  # whether this session has taken the conversation kept in the browser
@@ -74,7 +75,7 @@ class Session:
 
     def __deepcopy__(self, memo: dict) -> "Session":
         new = Session()
-        for name in ("turns", "rows", "replies", "last_records", "last_labels", "compare_runs"):
+        for name in ("turns", "rows", "replies", "last_records", "last_labels", "compare_runs", "reply_tokens"):
             setattr(new, name, copy.deepcopy(getattr(self, name), memo))
         return new
 

@@ -56,14 +56,23 @@ class NgramDrafter:
     Args:
         config: n-gram sizes and the longest chain proposed.
         tokens: the context so far (prompt ids), as ``extend`` would add them.
+        earlier: token ids of earlier replies that are not in the context (a session's index, as
+            SuffixDecoding keeps one): looked up when the context itself has no match of that length.
     """
 
-    def __init__(self, config: DraftConfig = DraftConfig(), tokens: Iterable[int] = ()):
+    def __init__(self, config: DraftConfig = DraftConfig(), tokens: Iterable[int] = (), earlier: Iterable[Iterable[int]] = ()):
         self.config = config
         self.tokens: list[int] = []
         sizes = range(config.min_ngram, config.max_ngram + 1)
         # size n -> {n-gram: start of its latest occurrence that has a next token}
         self._latest: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in sizes}
+        # the same over the earlier replies: size n -> {n-gram: (reply, start)}, later replies winning
+        self._earlier = [list(map(int, reply)) for reply in earlier]
+        self._earlier_latest: dict[int, dict[tuple[int, ...], tuple[int, int]]] = {n: {} for n in sizes}
+        for r, reply in enumerate(self._earlier):
+            for n, latest in self._earlier_latest.items():
+                for start in range(len(reply) - n):  # every n-gram that has a next token
+                    latest[tuple(reply[start : start + n])] = (r, start)
         # size n -> per chain position i: [chains right up to i, chains that reached i]; prior 1 of 2
         self._record: dict[int, list[list[int]]] = {n: [[1, 2] for _ in range(config.max_tokens)] for n in sizes}
         self._pending: tuple[int, list[int]] | None = None  # (suffix length, chain) of the last proposal
@@ -98,7 +107,8 @@ class NgramDrafter:
         """The tokens that followed the latest earlier occurrence of the longest matching suffix
         (``max_ngram`` tokens down to ``min_ngram``), at most ``min(limit, config.max_tokens)`` of them
         and only while ``path_probability`` is at least ``config.min_path_probability``; ``[]`` when
-        no suffix occurs earlier or ``limit`` < 1. The next ``extend`` scores the proposal.
+        no suffix occurs earlier or ``limit`` < 1. A suffix the context lacks is looked up in the
+        earlier replies (their copy ends where the reply ended). The next ``extend`` scores the proposal.
 
         The copy may run into the suffix itself (the match overlaps it): then it goes on with the tokens
         it has just copied, as an LZ77 copy does, so a repeating pattern is continued with its period.
@@ -109,16 +119,23 @@ class NgramDrafter:
             return []
         end = len(self.tokens)
         for n in range(self.config.max_ngram, self.config.min_ngram - 1, -1):
-            start = self._latest[n].get(tuple(self.tokens[end - n :])) if end >= n else None
-            if start is None:
+            suffix = tuple(self.tokens[end - n :]) if end >= n else None
+            start = self._latest[n].get(suffix)
+            if start is not None:
+                source = start + n  # < end: an indexed n-gram has a next token
+                text = self.tokens
+            elif suffix in self._earlier_latest[n]:
+                reply, at = self._earlier_latest[n][suffix]
+                text, source = self._earlier[reply], at + n
+                length = min(length, len(text) - source)
+            else:
                 continue
-            source = start + n  # < end: an indexed n-gram has a next token
             copy: list[int] = []
             for i in range(length):
                 if self.path_probability(n, i) < self.config.min_path_probability:
                     break
                 j = source + i
-                copy.append(self.tokens[j] if j < end else copy[j - end])
+                copy.append(text[j] if j < len(text) else copy[j - len(text)])
             self._pending = (n, copy) if copy else None
             return copy
         return []

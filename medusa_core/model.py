@@ -166,6 +166,7 @@ class MedusaModel:
         sampling: str = "typical",
         drafts: str = "heads",
         draft_config: DraftConfig = DraftConfig(),
+        earlier_replies: Sequence[Sequence[int]] = (),
     ) -> Iterator[StepRecord]:
         """Decode a reply, yielding one ``StepRecord`` per decoding step (paper 2.1–2.3).
 
@@ -208,6 +209,9 @@ class MedusaModel:
                 is verified only when the product of the heads' softmax probabilities of the tokens on
                 its path is at least that value (uncalibrated softmax; a deterministic choice given the
                 context, so exactness is unchanged).
+            earlier_replies: token ids of earlier replies that the prompt does not hold (e.g. the reply
+                that Regenerate replaces), indexed for the n-gram lookup beside the context (``hybrid``
+                and ``ngram`` only).
 
         Exact sampling (Leviathan et al. 2023, "Fast inference from transformers via speculative
         decoding", and Chen et al. 2023, "Accelerating LLM decoding with speculative sampling", for
@@ -259,7 +263,7 @@ class MedusaModel:
         if seed is None:
             seed = random.SystemRandom().randrange(2**63)
         rule = "greedy" if settings.greedy else sampling if medusa else "sample"
-        drafter = NgramDrafter(draft_config, input_ids[0].tolist()) if medusa and drafts != "heads" else None
+        drafter = NgramDrafter(draft_config, input_ids[0].tolist(), earlier_replies) if medusa and drafts != "heads" else None
         return self._decode(
             input_ids.to(self.device), max_new_tokens, full, NodeProcessors(settings), posterior_threshold, posterior_alpha,
             seed, rule, drafter, drafts if medusa else "", draft_config.min_head_probability if drafts != "ngram" else 0.0,

@@ -636,3 +636,16 @@ def test_replies_use_hybrid_drafts_by_default_and_the_drafts_control_reaches_the
     assert "from n-gram" in session.turns[1].stats
     assert handlers.explain_controls(False, 0.0)["drafts"].interactive is False
     assert handlers.explain_controls(True, 0.0)["drafts"].interactive is True
+
+
+def test_regenerate_copies_from_the_reply_it_replaces_and_repeats_it_greedily(engine, settings, controls):
+    session = Session()
+    send(engine, settings, session, controls)
+    first = session.reply_rows(0)
+    assert len(session.reply_tokens) == 1 and session.reply_tokens[0] == [t for r in session.last_records for t in r.token_ids]
+    handlers.regenerate(engine, session, controls)
+    list(handlers.respond(engine, settings, session, controls))
+    second = session.reply_rows(1)
+    assert session.reply_tokens[0] == session.reply_tokens[1]  # greedy: the same reply
+    assert sum(r.ngram_tokens for r in second) > sum(r.ngram_tokens for r in first)
+    assert len(second) < len(first)

@@ -81,6 +81,16 @@ def test_chain_positions_that_were_rarely_right_in_this_reply_are_no_longer_prop
     assert drafter.propose(4) == [2, 7]
 
 
+def test_earlier_replies_are_searched_when_the_context_has_no_match_and_their_copy_ends_with_them():
+    config = DraftConfig(max_ngram=2, max_tokens=5, min_path_probability=0.0)
+    earlier = [[4, 5, 6, 7], [8, 1, 2, 9]]
+    drafter = NgramDrafter(config, [3, 8, 1], earlier=earlier)
+    assert drafter.propose(10) == [2, 9]  # [8, 1] is in reply 1 only; the copy stops at its end
+    in_context = NgramDrafter(config, [8, 1, 5, 8, 1], earlier=earlier)
+    assert in_context.propose(10) == [5, 8, 1, 5, 8]  # the context's own match wins
+    assert NgramDrafter(config, [3, 0], earlier=earlier).propose(10) == []
+
+
 @pytest.mark.parametrize("kwargs", [dict(min_ngram=0), dict(min_ngram=3, max_ngram=2), dict(max_tokens=0),
                                     dict(min_path_probability=1.5), dict(min_head_probability=-0.1)])
 def test_draft_sizes_out_of_range_are_refused(kwargs):
@@ -167,7 +177,7 @@ class ScriptedDrafter:
         self.full, self.right, self.vocab = full, right, vocab
         self.tokens: list[int] = []
 
-    def __call__(self, config, tokens):  # called as NgramDrafter(config, prompt ids)
+    def __call__(self, config, tokens, earlier):  # called as NgramDrafter(config, prompt ids, earlier replies)
         self.tokens = list(tokens)
         return self
 
@@ -238,6 +248,15 @@ def test_trees_shaped_by_the_heads_confidence_keep_greedy_output_and_drop_unlike
         assert reply(records) == reference_for(arch, N_NEW)
         heads_nodes = [sum(s == "head" for s in r.node_sources) for r in records[1:]]
         assert max(heads_nodes) <= 16 and sum(heads_nodes) < sum(r.tree_nodes - 1 for r in full[1:])
+
+
+def test_an_earlier_reply_to_the_same_prompt_is_copied_and_the_new_reply_stays_exact(backbone_for, reference_for, random_model):
+    model = random_model(backbone_for("qwen2"))
+    expected = reference_for("qwen2", N_NEW)
+    alone = list(model.generate(PROMPT, max_new_tokens=N_NEW, drafts="ngram"))
+    again = list(model.generate(PROMPT, max_new_tokens=N_NEW, drafts="ngram", earlier_replies=[[1, 2, 3], expected]))
+    assert reply(alone) == reply(again) == expected
+    assert sum(r.ngram_tokens for r in again) > sum(r.ngram_tokens for r in alone) and len(again) < len(alone)
 
 
 def test_an_unknown_draft_source_is_refused_before_any_work(random_model, backbone_for):

@@ -92,6 +92,7 @@ def respond(engine: Engine, settings: AppSettings, session: Session, controls: C
             posterior_alpha=controls.posterior_alpha,
             medusa=controls.medusa,
             drafts=controls.drafts,
+            earlier_replies=session.reply_tokens,
             seed=controls.seed,
             sampling=controls.sampling,
         )

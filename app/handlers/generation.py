@@ -18,6 +18,9 @@ from ..stats import StepRow
 from ..text import ReplyText, StreamingDetokenizer, chat_messages, prompt_ids
 from .controls import Controls, sampling_config
 
+#: Earlier chat replies the n-gram lookup searches beside the prompt (``generate(earlier_replies=...)``).
+EARLIER_REPLIES = 8
+
 
 def record_steps(
     engine: Engine,
@@ -31,10 +34,12 @@ def record_steps(
     """Consume the engine's steps: record each in the session's statistics and the reply's text.
 
     Stops after the current step when Stop is pressed; closing this generator closes the engine's
-    iterator, which releases the KV cache.
+    iterator, which releases the KV cache. A chat reply's token ids join the session's index of
+    earlier replies (``Session.reply_tokens``, the latest ``EARLIER_REPLIES``) for later n-gram drafts.
     """
     session.last_records = []
     detok = StreamingDetokenizer(engine.model.tokenizer)
+    ids: list[int] = []
     try:
         for record in steps:
             session.rows.append(
@@ -49,6 +54,7 @@ def record_steps(
                 )
             )
             session.last_records.append(record)
+            ids += record.token_ids
             for j, token in enumerate(record.token_ids):
                 reply.append(detok.push(token), free=j > 0)  # token 0 is the backbone's own
             yield record
@@ -58,6 +64,8 @@ def record_steps(
     finally:
         steps.close()
         reply.append(detok.flush(), free=False)
+        if source == "chat" and ids:
+            session.reply_tokens = [*session.reply_tokens, ids][-EARLIER_REPLIES:]
 
 
 def fit_prompt(model: MedusaModel, controls: Controls, history: list[tuple[str, str]], user: str) -> tuple[torch.Tensor, int]:
