@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ARCH_SETTINGS, PROMPT, greedy_reference  # plain data and the reference decoder
+from conftest import ARCH_SETTINGS, PROMPT  # plain data, shared with the fixtures
 from tiny_models import random_heads, tiny_backbone
-from transformers import DynamicCache
 
 from medusa_core import DRAFT_SOURCES, DraftConfig, MedusaModel, NgramDrafter
 from medusa_core.steptree import confident_nodes, graft, prune, static_tree
@@ -220,7 +219,7 @@ def test_greedy_with_a_repetition_penalty_and_drafts_equals_hf_generate(backbone
         assert reply(records) == expected
 
 
-def test_a_chain_that_would_run_past_the_context_window_is_cut_and_the_reply_stays_exact():
+def test_a_chain_that_would_run_past_the_context_window_is_cut_and_the_reply_stays_exact(greedy):
     backbone = tiny_backbone("llama", seed=3, max_position_embeddings=40)
     model = MedusaModel(backbone, random_heads(backbone))
     prompt = torch.tensor([[5, 17, 42, 8] * 7])  # 28 tokens that repeat: the lookup always finds a long chain
@@ -230,7 +229,7 @@ def test_a_chain_that_would_run_past_the_context_window_is_cut_and_the_reply_sta
         assert cached + r.tree_nodes <= model.max_context  # every step's tree fitted the window
         cached += len(r.token_ids)
     assert records[-1].stop_reason == "context"
-    expected = greedy_reference(backbone, prompt, len(reply(records)))
+    expected = greedy(backbone, prompt, len(reply(records)))
     assert reply(records) == expected
 
 
