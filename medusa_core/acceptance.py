@@ -5,7 +5,7 @@ Pure functions on tensors. ``evaluate_posterior`` takes the per-path layout of t
 decode loop scores each tree node once (``score_children``) and reads paths out of that with
 ``select_path``, which is the same arithmetic without gathering ``[P, D+1, V]`` logits.
 ``try_children`` and ``residual_distributions`` are the per-node rule of exact sampling; the engine
-walks the tree with them (``MedusaModel._accept``).
+walks the tree with them (``verify_tree``, the per-step verification the engine calls).
 """
 
 from __future__ import annotations
@@ -194,3 +194,54 @@ def node_status(parents: Sequence[int], nodes: Sequence[int]) -> tuple[str, ...]
             if taken is None or c < taken:
                 status[c] = "rejected"
     return tuple(status)
+
+
+def verify_tree(
+    tree, scores: torch.Tensor, tokens: torch.Tensor, rule: str, eps: float, alpha: float, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Accept a path of a tree step and choose the next step's root (paper 2.3.1; exact sampling: the
+    walk documented in ``MedusaModel.generate``).
+
+    Args:
+        tree: the step's ``steptree.StepTree`` (N nodes).
+        scores: [N, V] the tree forward's logits after ``NodeProcessors`` (each node's distribution is
+            softmax(scores) given its own prefix; greedy takes the argmax).
+        tokens: [N] the nodes' tokens.
+        rule: one of ``generation.SAMPLING_RULES``.
+        eps, alpha: ε and δ of typical acceptance.
+
+    Returns (path [D+1] node indices of a root-to-leaf path padded with -1, accept_length [] of its
+    accepted candidates, next root []), all on the device: the caller syncs once.
+    """
+    path0 = tree.retrieve_indices[0]  # [D+1]
+    greedy = rule == "greedy"
+    if tree.num_nodes == 1:  # root only: the next token is the argmax or a sample of p
+        return path0, path0.new_zeros(()), choose_token(scores[0], greedy, generator)
+    rows, cands = tree.parents[1:], tokens[1:]  # [N-1] each candidate's parent and token
+    if rule == "exact":
+        probs = torch.softmax(scores, dim=-1)  # [N, V]
+        uniforms = torch.rand(cands.shape, generator=generator, device=probs.device)  # [N-1]
+        taken = try_children(probs, rows, cands, uniforms)  # [N-1], at most one child per node
+        walk = taken[tree.path_nodes]  # [P, D]
+        # Every longest accepted prefix is the same walk (one child per node): the first such path will do.
+        best, length = select_path(walk, torch.zeros(walk.shape, device=walk.device), tree.path_valid, 0.0)
+        path = tree.retrieve_indices.index_select(0, best.view(1))[0]  # [D+1]
+        last = path.gather(0, length.view(1))  # [1]
+        residual = residual_distributions(probs, rows, cands).index_select(0, last)[0]  # [V]
+        # All zero only if float rounding rejected a child holding all the mass left: fall back to p.
+        residual = torch.where(residual.sum() > 0, residual, probs.index_select(0, last)[0])
+        return path, length, torch.multinomial(residual, 1, generator=generator)[0]
+    temperature = 0.0 if greedy else 1.0  # the scores are already divided by T
+    accepted, log_prob = score_children(scores, rows, cands, temperature, eps, alpha)  # [N-1]
+    best, length = select_path(accepted[tree.path_nodes], log_prob[tree.path_nodes], tree.path_valid, temperature)
+    path = tree.retrieve_indices.index_select(0, best.view(1))[0]  # [D+1]
+    last = path.gather(0, length.view(1))  # [1]
+    return path, length, choose_token(scores.index_select(0, last)[0], greedy, generator)
+
+
+def choose_token(scores: torch.Tensor, greedy: bool, generator: torch.Generator) -> torch.Tensor:
+    """The next token from processed scores [V]: the argmax, or a sample of softmax(scores); a 0-d
+    tensor on the scores' device (no host sync)."""
+    if greedy:
+        return scores.argmax()
+    return torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator)[0]

@@ -10,6 +10,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
+from .acceptance import node_status
+
 #: Stop reasons recorded on the last ``StepRecord`` of a reply.
 STOP_REASONS = ("eos", "max_new_tokens", "context")
 #: Values of ``generate(sampling=...)``: how candidates are verified at temperature > 0.
@@ -109,6 +111,49 @@ class StepRecord:
     def tokens_per_s(self) -> float:
         """Tokens added per second of this step."""
         return len(self.token_ids) / self.latency_s if self.latency_s > 0 else 0.0
+
+
+def step_record(
+    step: int, tree: Any, nodes: tuple[int, ...], token_list: list[int], new_tokens: list[int], latency_s: float, *,
+    medusa: bool, rule: str, produced: int, max_new_tokens: int, cur_len: int, drafts: str,
+    eos_token_ids: frozenset[int], max_context: int,
+) -> StepRecord:
+    """The ``StepRecord`` of a step that accepted ``nodes`` of ``tree`` (a ``steptree.StepTree`` whose
+    tokens are ``token_list``) and emits ``new_tokens``, cut at the first of ``eos_token_ids`` and at the
+    token limit (``produced`` tokens came before); ``cur_len`` tokens are in the cache, and a reply whose
+    next root would not fit in ``max_context`` stops with ``"context"``. ``latency_s`` in seconds."""
+    stop = None
+    for i, t in enumerate(new_tokens):
+        if t in eos_token_ids:
+            new_tokens, stop = new_tokens[: i + 1], "eos"
+            break
+    remaining = max_new_tokens - produced
+    if len(new_tokens) >= remaining:
+        new_tokens = new_tokens[:remaining]
+        stop = stop or "max_new_tokens"
+    if stop is None and cur_len + 1 > max_context:  # no room left for the next root
+        stop = "context"
+    return StepRecord(
+        step=step,
+        mode="medusa" if medusa else "baseline",
+        tree_name="prefill" if step == 0 else tree.name,
+        tree_nodes=tree.num_nodes,
+        node_token_ids=tuple(token_list),
+        node_parents=tree.node_parents,
+        node_heads=tree.node_heads,
+        node_ranks=tree.node_ranks,
+        node_sources=tree.node_sources,
+        drafts=drafts,
+        accepted_nodes=nodes,
+        sampling=rule,
+        node_status=node_status(tree.node_parents, list(nodes)) if rule == "exact" else (),
+        token_ids=tuple(new_tokens),
+        accept_length=len(nodes) - 1,
+        latency_s=latency_s,
+        prefill_s=latency_s if step == 0 else 0.0,
+        total_tokens=produced + len(new_tokens),
+        stop_reason=stop,
+    )
 
 
 def check_generate_args(

@@ -78,7 +78,7 @@ def rowwise_attention(
         else:
             k, v = key.index_select(2, keys), value.index_select(2, keys)
         out.append(F.scaled_dot_product_attention(query[:, :, i : i + 1], k, v, scale=scaling, enable_gqa=gqa))
-    return torch.cat(out, dim=2).transpose(1, 2).contiguous(), None
+    return (out[0] if n == 1 else torch.cat(out, dim=2)).transpose(1, 2).contiguous(), None
 
 
 # One pass hands the same mask tensor to every layer: read its rows once. The last mask is held weakly

@@ -25,9 +25,10 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from .acceptance import node_status, residual_distributions, score_children, select_path, try_children
+from .acceptance import choose_token, verify_tree
 from .drafts import DraftConfig, NgramDrafter
-from .generation import StepRecord, check_generate_args
+from .generation import StepRecord, check_generate_args, step_record
+from .kvcache import compact_cache, new_cache
 from .processors import CHAT_PRESET, NodeProcessors, SamplingConfig, tree_prefixes
 from .steptree import StepTree, confident_nodes, graft, prune, static_tree
 from .trees import TREE_PRESETS, resolve_tree, validate_tree
@@ -283,14 +284,15 @@ class MedusaModel:
             out = self._decoder(input_ids=input_ids, past_key_values=cache, use_cache=True)
             hidden = out.last_hidden_state[:, -1]  # [1, H]
             scores = processors(self._logits(hidden), input_ids)  # [1, V]
-            root = self._choose(scores[0], rule == "greedy", generator)  # [] first token
+            root = choose_token(scores[0], rule == "greedy", generator)  # [] first token
             first = root.item()
         self._sync()
         prefill_s = time.perf_counter() - start
         # Step 0 is the prefill: its token goes out at once (time to first token = prefill time).
         medusa = full is not None
-        record = self._record(0, root_only, (0,), [first], [first], prefill_s, medusa=medusa, rule=rule, produced=0,
-                              max_new_tokens=max_new_tokens, cur_len=cur_len, drafts=drafts)
+        limits = dict(medusa=medusa, rule=rule, max_new_tokens=max_new_tokens, drafts=drafts,
+                      eos_token_ids=self.eos_token_ids, max_context=self.max_context)
+        record = step_record(0, root_only, (0,), [first], [first], prefill_s, produced=0, cur_len=cur_len, **limits)
         yield record
         while record.stop_reason is None:
             start = time.perf_counter()
@@ -315,56 +317,17 @@ class MedusaModel:
                 logits, hidden_all = self._tree_forward(tree, tokens, cur_len, cache)  # [N, V], [N, H]
                 prefixes = tree_prefixes(context, tokens, tree.parents, tree.depth) if processors.needs_prefix else None
                 scores = processors(logits, prefixes)  # [N, V] each node's distribution given its own prefix
-                path, length, root = self._verify(tree, scores, tokens, rule, eps, alpha, generator)
+                path, length, root = verify_tree(tree, scores, tokens, rule, eps, alpha, generator)
                 host = torch.cat([length.view(1), root.view(1), path, tokens]).tolist()  # the step's one host sync (top-p: two)
                 nodes, token_list = host[2 : host[0] + 3], host[2 + path.shape[0] :]
-                _compact_cache(cache, cur_len, nodes, tree.num_nodes)
+                compact_cache(cache, cur_len, nodes, tree.num_nodes)
                 hidden = hidden_all[nodes[-1] : nodes[-1] + 1]
             cur_len += len(nodes)
             # The accepted candidates, then the token chosen after them: the next step's root.
             new_tokens = [token_list[i] for i in nodes[1:]] + [host[1]]
-            record = self._record(record.step + 1, tree, tuple(nodes), token_list, new_tokens, time.perf_counter() - start,
-                                  medusa=medusa, rule=rule, produced=record.total_tokens, max_new_tokens=max_new_tokens,
-                                  cur_len=cur_len, drafts=drafts)
+            record = step_record(record.step + 1, tree, tuple(nodes), token_list, new_tokens, time.perf_counter() - start,
+                                 produced=record.total_tokens, cur_len=cur_len, **limits)
             yield record
-
-    def _record(
-        self, step, tree, nodes, token_list, new_tokens, latency_s, *, medusa, rule, produced, max_new_tokens, cur_len, drafts
-    ) -> StepRecord:
-        """The ``StepRecord`` of a step that accepted ``nodes`` of ``tree`` (whose tokens are
-        ``token_list``) and emits ``new_tokens``, cut at EOS and the token limit."""
-        stop = None
-        for i, t in enumerate(new_tokens):
-            if t in self.eos_token_ids:
-                new_tokens, stop = new_tokens[: i + 1], "eos"
-                break
-        remaining = max_new_tokens - produced
-        if len(new_tokens) >= remaining:
-            new_tokens = new_tokens[:remaining]
-            stop = stop or "max_new_tokens"
-        if stop is None and cur_len + 1 > self.max_context:  # no room left for the next root
-            stop = "context"
-        return StepRecord(
-            step=step,
-            mode="medusa" if medusa else "baseline",
-            tree_name="prefill" if step == 0 else tree.name,
-            tree_nodes=tree.num_nodes,
-            node_token_ids=tuple(token_list),
-            node_parents=tree.node_parents,
-            node_heads=tree.node_heads,
-            node_ranks=tree.node_ranks,
-            node_sources=tree.node_sources,
-            drafts=drafts,
-            accepted_nodes=nodes,
-            sampling=rule,
-            node_status=node_status(tree.node_parents, list(nodes)) if rule == "exact" else (),
-            token_ids=tuple(new_tokens),
-            accept_length=len(nodes) - 1,
-            latency_s=latency_s,
-            prefill_s=latency_s if step == 0 else 0.0,
-            total_tokens=produced + len(new_tokens),
-            stop_reason=stop,
-        )
 
     # ---------------------------------------------------------------------------------- step stages
     def _candidates(
@@ -416,43 +379,6 @@ class MedusaModel:
         hidden = out.last_hidden_state[0]  # [N, H]
         return self._logits(hidden), hidden
 
-    def _verify(
-        self, tree: StepTree, scores, tokens, rule, eps, alpha, generator
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Accept a path and choose the next step's root (paper 2.3.1; exact: see ``generate``).
-
-        Args: scores [N, V], the tree forward's logits after ``NodeProcessors`` (each node's
-        distribution is softmax(scores) given its own prefix; greedy takes the argmax), tokens [N]
-        of the tree forward; ``rule`` one of ``SAMPLING_RULES``.
-
-        Returns (path [D+1] node indices of a root-to-leaf path padded with -1, accept_length [] of
-        its accepted candidates, next root []), all on the device: the caller syncs once.
-        """
-        path0 = tree.retrieve_indices[0]  # [D+1]
-        greedy = rule == "greedy"
-        if tree.num_nodes == 1:  # root only: the next token is the argmax or a sample of p
-            return path0, path0.new_zeros(()), self._choose(scores[0], greedy, generator)
-        rows, cands = tree.parents[1:], tokens[1:]  # [N-1] each candidate's parent and token
-        if rule == "exact":
-            probs = torch.softmax(scores, dim=-1)  # [N, V]
-            uniforms = torch.rand(cands.shape, generator=generator, device=probs.device)  # [N-1]
-            taken = try_children(probs, rows, cands, uniforms)  # [N-1], at most one child per node
-            walk = taken[tree.path_nodes]  # [P, D]
-            # Every longest accepted prefix is the same walk (one child per node): the first such path will do.
-            best, length = select_path(walk, torch.zeros(walk.shape, device=walk.device), tree.path_valid, 0.0)
-            path = tree.retrieve_indices.index_select(0, best.view(1))[0]  # [D+1]
-            last = path.gather(0, length.view(1))  # [1]
-            residual = residual_distributions(probs, rows, cands).index_select(0, last)[0]  # [V]
-            # All zero only if float rounding rejected a child holding all the mass left: fall back to p.
-            residual = torch.where(residual.sum() > 0, residual, probs.index_select(0, last)[0])
-            return path, length, torch.multinomial(residual, 1, generator=generator)[0]
-        temperature = 0.0 if greedy else 1.0  # the scores are already divided by T
-        accepted, log_prob = score_children(scores, rows, cands, temperature, eps, alpha)  # [N-1]
-        best, length = select_path(accepted[tree.path_nodes], log_prob[tree.path_nodes], tree.path_valid, temperature)
-        path = tree.retrieve_indices.index_select(0, best.view(1))[0]  # [D+1]
-        last = path.gather(0, length.view(1))  # [1]
-        return path, length, self._choose(scores.index_select(0, last)[0], greedy, generator)
-
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Backbone logits of final-norm hidden states [..., H] -> [..., V], through the backbone's LM
         head (on a CPU a batch-invariant one: ``medusa_core.invariant``, so a row's logits do not depend
@@ -464,15 +390,8 @@ class MedusaModel:
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    @staticmethod
-    def _choose(scores: torch.Tensor, greedy: bool, generator: torch.Generator) -> torch.Tensor:
-        """The root token from processed scores [V]: the argmax, or a sample of softmax(scores) (no host sync)."""
-        if greedy:
-            return scores.argmax()
-        return torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator)[0]
-
     def _new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.backbone.config)
+        return new_cache(self.backbone.config)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -526,22 +445,6 @@ class MedusaModel:
             "max_context": self.max_context,
             "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
         }
-
-
-def _compact_cache(cache: DynamicCache, start: int, nodes: list[int], appended: int) -> None:
-    """Keep only the accepted nodes' K/V entries after ``start`` (paper 2.1.2, cache update).
-
-    ``nodes`` are tree-node indices, root first; their entries move to ``start, start+1, ...`` and the
-    rest of the ``appended`` entries are cut. Touches ``DynamicLayer.keys/values`` (transformers 5.x).
-    """
-    kept = len(nodes)
-    if nodes != list(range(kept)):
-        src = torch.tensor(nodes, device=cache.layers[0].keys.device) + start
-        for layer in cache.layers:
-            layer.keys[:, :, start : start + kept] = layer.keys[:, :, src]
-            layer.values[:, :, start : start + kept] = layer.values[:, :, src]
-    if appended > kept:
-        cache.crop(kept - appended)
 
 
 def _eos_ids(backbone: nn.Module) -> frozenset[int]:
