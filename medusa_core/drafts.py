@@ -39,12 +39,17 @@ class DraftConfig:
     # Trees shaped per step (EAGLE-2-like, within the static tree as the budget): verify a head node only
     # when the product of the heads' softmax probabilities along its path is at least this; 0 = every node.
     min_head_probability: float = 0.0
+    # A hybrid step whose chain has at least this many tokens verifies the chain alone (the issue's "long
+    # copied chain instead of the heads' bushy tree"): no heads' pass, no head rows; 0 = never.
+    chain_only_from: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"n-gram sizes must satisfy 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.chain_only_from < 0:
+            raise ValueError(f"chain_only_from must be >= 0 (0: never), got {self.chain_only_from}")
         for name in ("min_path_probability", "min_head_probability"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")

@@ -205,7 +205,9 @@ class MedusaModel:
                 output stays plain greedy output and exact sampling stays exact. Ignored with
                 ``medusa=False``.
             draft_config: n-gram sizes and the longest chain (``DraftConfig``); the chain is also cut so
-                the step's tree fits the context window and the token limit. Its ``min_head_probability``
+                the step's tree fits the context window and the token limit. With ``chain_only_from`` = L > 0 a
+                ``hybrid`` step whose chain has at least L tokens verifies the root and the chain alone (no
+                heads' pass; its ``StepRecord.tree_name`` is ``"ngram"``). Its ``min_head_probability``
                 > 0 shapes the heads' tree per step (EAGLE-2-like, the tree given is the budget): a node
                 is verified only when the product of the heads' softmax probabilities of the tokens on
                 its path is at least that value (uncalibrated softmax; a deterministic choice given the
@@ -306,6 +308,8 @@ class MedusaModel:
                 drafter.extend(record.token_ids)  # the context now ends with the root
                 if tree is full:  # room for a chain: the token limit and the context window cap it
                     chain = drafter.propose(min(remaining - 1, self.max_context - cur_len - tree.num_nodes))
+                    if 0 < drafter.config.chain_only_from <= len(chain):  # a long copy: verify it alone
+                        tree = self._tree("ngram")
             with torch.inference_mode():
                 tokens, log_p = self._candidates(tree, hidden, root, shape_at > 0)  # [N], [N] or None
                 if log_p is not None:  # keep the nodes whose path probability reaches shape_at (host sync)

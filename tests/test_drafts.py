@@ -177,7 +177,7 @@ class ScriptedDrafter:
         self.tokens: list[int] = []
 
     def __call__(self, config, tokens, earlier):  # called as NgramDrafter(config, prompt ids, earlier replies)
-        self.tokens = list(tokens)
+        self.config, self.tokens = config, list(tokens)
         return self
 
     def extend(self, tokens):
@@ -205,6 +205,30 @@ def test_drafts_that_are_always_right_are_accepted_whole_and_always_wrong_ones_n
             assert copied >= N_NEW - 2 * len(records) and len(records) <= N_NEW // 6 + 3
         else:
             assert copied == 0 and all("ngram" in r.node_sources for r in records[1:-1])
+
+
+@pytest.mark.parametrize("right", [True, False])
+def test_a_long_chain_is_verified_alone_when_chain_only_from_says_so_and_the_reply_stays_exact(
+    right, backbone_for, reference_for, random_model, monkeypatch
+):
+    backbone = backbone_for("llama")
+    model = random_model(backbone)
+    expected = reference_for("llama", N_NEW)
+    drafter = ScriptedDrafter(PROMPT[0].tolist() + expected, right, model.vocab_size)  # chains of 6 tokens
+    monkeypatch.setattr("medusa_core.model.NgramDrafter", drafter)
+    for chain_only_from, alone in ((6, True), (7, False)):
+        config = DraftConfig(chain_only_from=chain_only_from)
+        records = list(model.generate(PROMPT, max_new_tokens=N_NEW, tree="sparse_16", drafts="hybrid", draft_config=config))
+        assert reply(records) == expected
+        if alone:  # steps with a whole chain: the root and the chain, no heads' node
+            chain_steps = [r for r in records[1:] if r.tree_name == "ngram"]
+            assert chain_steps and all(set(r.node_sources) == {"root", "ngram"} and r.tree_nodes == 7 for r in chain_steps)
+            # the heads' tree only where the token limit cut the chain below 6 tokens
+            assert all(r.total_tokens - len(r.token_ids) > N_NEW - 7 for r in records[1:] if r.tree_name == "sparse_16")
+        else:
+            assert all(r.tree_name == "sparse_16" for r in records[1:] if r.tree_nodes > 1)
+    with pytest.raises(ValueError, match="chain_only_from must be >= 0"):
+        DraftConfig(chain_only_from=-1)
 
 
 def test_greedy_with_a_repetition_penalty_and_drafts_equals_hf_generate(backbone_for, random_model):

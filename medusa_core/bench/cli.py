@@ -94,6 +94,9 @@ def build_parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("--min-head-probability", type=float, default=defaults.min_head_probability,
                        help="shape the heads' tree of every medusa and medusa+ngram method per step: verify only nodes whose path probability (product of the "
                             f"heads' softmax) reaches this; 0 = the whole tree (default {defaults.min_head_probability})")
+        p.add_argument("--chain-only-from", type=int, default=defaults.chain_only_from,
+                       help="medusa+ngram: a step whose n-gram chain has at least this many tokens verifies the chain alone, "
+                            f"without the heads' tree; 0 = never (default {defaults.chain_only_from})")
         p.add_argument("--sampling", default=None, choices=list(SAMPLING_MODES),
                        help="Medusa's verification at temperature > 0: typical acceptance or exact rejection sampling "
                             f"(default: typical; with --preset chat, {CHAT_SAMPLING})")
@@ -155,7 +158,7 @@ def cmd_run(model: Any, args: argparse.Namespace, command: str) -> int:
     methods = build_methods(model, args.methods, args.trees or default_trees(model))
     config, sampling = sampling_settings(model, args)
     drafts = DraftConfig(max_tokens=args.draft_tokens, min_path_probability=args.min_path_probability,
-                         min_head_probability=args.min_head_probability)
+                         min_head_probability=args.min_head_probability, chain_only_from=args.chain_only_from)
     out = args.out or Path("out") / "bench"
     runs, notes = run_benchmark(model, prompts, methods, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
                                 pld_tokens=args.pld_tokens, system=args.system, progress=not args.no_progress,
@@ -166,7 +169,8 @@ def cmd_run(model: Any, args: argparse.Namespace, command: str) -> int:
                 "temperature": config.temperature, "sampling": "greedy" if config.greedy else sampling,
                 "top_k": config.top_k, "top_p": config.top_p, "min_p": config.min_p,
                 "repetition_penalty": config.repetition_penalty, "draft_tokens": drafts.max_tokens,
-                "min_path_probability": drafts.min_path_probability, "min_head_probability": drafts.min_head_probability}
+                "min_path_probability": drafts.min_path_probability, "min_head_probability": drafts.min_head_probability,
+                "chain_only_from": drafts.chain_only_from}
     env = {k: v for k, v in environment(model).items() if k != "torch_threads"}  # "threads" in settings says it
     text, paths = write_report(out, runs, command=command, env=env, settings=settings, notes=notes)
     print(text)
