@@ -168,7 +168,8 @@ def tree_figure(record: StepRecord, labels: Sequence[str], height: int = 380) ->
     cut = record.accept_length - kept
     where = "after EOS" if record.stop_reason == "eos" else "at the token limit"
     copied = f", {record.ngram_tokens} from n-gram" if record.drafts in ("hybrid", "ngram") else ""
-    drafts = " + n-gram" if record.drafts == "hybrid" and record.step > 0 else ""  # the prefill verifies no tree
+    # the prefill verifies no tree; a hybrid step with a long chain verifies the chain alone (tree "ngram")
+    drafts = " + n-gram" if record.drafts == "hybrid" and record.step > 0 and record.tree_name != "ngram" else ""
     title = (
         f"step {record.step} · {record.tree_name}{drafts} ({record.tree_nodes} node{'' if record.tree_nodes == 1 else 's'})<br>"
         f"+{added} token{'' if added == 1 else 's'} ({record.head_tokens} from heads{copied}{f'; {cut} cut {where}' if cut else ''})"

@@ -39,9 +39,10 @@ class DraftConfig:
     # Trees shaped per step (EAGLE-2-like, within the static tree as the budget): verify a head node only
     # when the product of the heads' softmax probabilities along its path is at least this; 0 = every node.
     min_head_probability: float = 0.0
-    # A hybrid step whose chain has at least this many tokens verifies the chain alone (the issue's "long
-    # copied chain instead of the heads' bushy tree"): no heads' pass, no head rows; 0 = never.
-    chain_only_from: int = 0
+    # A hybrid step whose chain has at least this many tokens verifies the chain alone (a long copied chain
+    # instead of the heads' bushy tree): no heads' pass, no head rows; 0 = never. 3, 5 and 8 all beat 0 by
+    # ~6 % tokens/s on 24 shipped prompts (scripts/long_chains.py, docs/BENCH.md); 5 is the middle one.
+    chain_only_from: int = 5
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram:

@@ -256,6 +256,16 @@ def test_the_tree_figure_marks_n_gram_copies_apart_from_the_heads_and_the_title_
     assert len(path["x"]) == 5
 
 
+def test_a_hybrid_step_that_verified_a_long_chain_alone_is_titled_as_the_chain_not_the_heads_tree():
+    chain = dataclasses.replace(
+        hybrid_record(), tree_name="ngram", tree_nodes=3, node_token_ids=(10, 16, 17), node_parents=(-1, 0, 1),
+        node_heads=(-1, -1, -1), node_ranks=(0, 0, 0), node_sources=("root", "ngram", "ngram"), accepted_nodes=(0, 1, 2),
+        accept_length=2, token_ids=(16, 17, 9), total_tokens=3,
+    )
+    title = tree_figure(chain, ["t0", "t6", "t7"]).layout["title"]["text"]
+    assert "· ngram (3 nodes)" in title and "+ n-gram" not in title and "(0 from heads, 2 from n-gram)" in title
+
+
 def test_rows_summary_and_csv_say_how_many_accepted_tokens_came_from_the_heads_and_from_n_gram_drafts(tmp_path):
     rows = [row(hybrid_record(1)), row(hybrid_record(2)), row(record(3, accepted=(0, 1)))]
     assert [(r.head_tokens, r.ngram_tokens, r.drafts) for r in rows] == [(2, 2, "hybrid"), (2, 2, "hybrid"), (1, 0, "")]
