@@ -37,8 +37,9 @@ class DraftConfig:
     # CPU (row-wise attention); 0.3 made the most tokens/s of 0.1, 0.2, 0.3 on 8 shipped prompts.
     min_path_probability: float = 0.3
     # Trees shaped per step (EAGLE-2-like, within the static tree as the budget): verify a head node only
-    # when the product of the heads' softmax probabilities along its path is at least this; 0 = every node.
-    min_head_probability: float = 0.0
+    # when the product of the heads' calibrated probabilities along its path is at least this; 0 = every
+    # node; None = the model's tuned threshold (``MedusaModel.min_head_probability``, 0 when untuned).
+    min_head_probability: float | None = None
     # A hybrid step whose chain has at least this many tokens verifies the chain alone (a long copied chain
     # instead of the heads' bushy tree): no heads' pass, no head rows; 0 = never. 3, 5 and 8 all beat 0 by
     # ~6 % tokens/s on 24 shipped prompts (scripts/long_chains.py, docs/BENCH.md); 5 is the middle one.
@@ -52,7 +53,7 @@ class DraftConfig:
         if self.chain_only_from < 0:
             raise ValueError(f"chain_only_from must be >= 0 (0: never), got {self.chain_only_from}")
         for name in ("min_path_probability", "min_head_probability"):
-            if not 0 <= getattr(self, name) <= 1:
+            if getattr(self, name) is not None and not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
 
 

@@ -9,7 +9,8 @@ Layouts read by ``load_medusa_model``:
 
 The head count and block count come from the tensors, never from the config (published configs
 are wrong about it). Optional files next to the heads: ``medusa_calibration.json`` (rank accuracies
-and optimised trees, paper 2.3.3) and ``medusa_tuned.json`` (trees tuned per device and precision).
+and optimised trees, paper 2.3.3, and the heads' temperatures) and ``medusa_tuned.json`` (trees and
+the tree-shaping threshold tuned per device and precision).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from .errors import MedusaCheckpointError
 from .gguf import demo_gguf_file, gguf_model_folder
 from .heads import MedusaHeads
 from .invariant import make_batch_invariant
-from .model import MedusaModel
+from .model import MedusaModel, check_head_temperatures
 from .quant.gguf_backbone import load_gguf_backbone
 from .trees import resolve_tree, validate_tree
 
@@ -148,6 +149,10 @@ def load_medusa_model(
     calibration_file = heads_folder / CALIBRATION_FILE
     calibration = _read_json(calibration_file) if calibration_file.exists() else {}
     trees, default_tree = _fitting_trees(folder / TUNED_FILE, calibration_file, calibration, tuned_key(dev, quantization), heads)
+    try:
+        temperatures = check_head_temperatures(calibration.get("head_temperatures"), heads.num_heads)
+    except (ValueError, TypeError) as e:
+        raise MedusaCheckpointError(f"{calibration_file}: {e}") from None
     model = MedusaModel(
         backbone,
         heads,
@@ -158,6 +163,8 @@ def load_medusa_model(
         trees=trees,
         default_tree=default_tree,
         rank_accuracy=calibration.get("rank_accuracy"),
+        head_temperatures=temperatures,
+        min_head_probability=_tuned_threshold(folder / TUNED_FILE, tuned_key(dev, quantization)),
     )
     model.backbone_file = base if str(base).lower().endswith(".gguf") else None  # what llama.cpp can read (bench)
     return model
@@ -174,6 +181,16 @@ def resolve_quantization(quantization: str | None, base: str, device: torch.devi
 def tuned_key(device: torch.device, quantization: str | None) -> str:
     """Key of a machine-tuned tree in ``medusa_tuned.json``: ``"<device type>/<quantization>"``."""
     return f"{device.type}/{quantization or 'none'}"
+
+
+def _tuned_threshold(tuned_file: Path, key: str) -> float:
+    """τ of the tuned entry ``key`` (``min_head_probability``, chosen by ``bench tune``), 0.0 when there is none.
+    Raises ``MedusaCheckpointError`` naming the file and the value when it is not a number in [0, 1]."""
+    entry = _read_json(tuned_file).get(key) if tuned_file.exists() else None
+    value = entry.get("min_head_probability", 0.0) if isinstance(entry, dict) else 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise MedusaCheckpointError(f"{tuned_file} [{key!r}]: min_head_probability must be in [0, 1], got {value}")
+    return float(value)
 
 
 def _fitting_trees(

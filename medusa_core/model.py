@@ -17,6 +17,7 @@ Tree attention goes only through the model's public inputs: a 4-D additive atten
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import time
 from typing import Any, Iterator, Sequence
@@ -47,9 +48,16 @@ class MedusaModel:
         trees: the model's own named trees (calibrated or machine-tuned), listed before the presets.
         default_tree: name of the tree used when ``generate(tree=None)``.
         rank_accuracy: the heads' calibrated rank accuracies ``[K][ranks]``, if known.
+        head_temperatures: [K] temperature T_k of each head (temperature scaling, Guo et al. 2017, "On
+            calibration of modern neural networks"; fitted by ``train.fit_temperature``): a node's
+            probability under head k is softmax(logits_k / T_k), which shapes trees per step. None: 1.0
+            for every head (the raw softmax). Ranks, hence the candidates, do not depend on it.
+        min_head_probability: τ, the path probability a head node needs to be verified when
+            ``generate``'s ``draft_config`` leaves it unset (``bench tune``'s choice; 0 = every node).
 
-    Raises ``ValueError`` when the heads do not match the backbone's hidden size, or when one of
-    ``trees`` or ``default_tree`` does not fit the model (see ``resolve_tree``).
+    Raises ``ValueError`` when the heads do not match the backbone's hidden size, when one of
+    ``trees`` or ``default_tree`` does not fit the model (see ``resolve_tree``), when
+    ``head_temperatures`` has not one finite value > 0 per head, or ``min_head_probability`` is outside [0, 1].
     """
 
     def __init__(
@@ -64,6 +72,8 @@ class MedusaModel:
         trees: dict[str, list[list[int]]] | None = None,
         default_tree: str | None = None,
         rank_accuracy: list[list[float]] | None = None,
+        head_temperatures: Sequence[float] | None = None,
+        min_head_probability: float = 0.0,
     ):
         self.backbone = backbone.eval()
         self.heads = heads.eval()
@@ -82,6 +92,11 @@ class MedusaModel:
                 f"Medusa heads expect hidden size {hidden}, the backbone has {self.config.hidden_size}"
             )
         self.eos_token_ids = _eos_ids(backbone)
+        self.head_temperatures = check_head_temperatures(head_temperatures, heads.num_heads)
+        if not 0 <= min_head_probability <= 1:
+            raise ValueError(f"min_head_probability must be in [0, 1], got {min_head_probability}")
+        self.min_head_probability = float(min_head_probability)
+        self._temperatures = torch.tensor(self.head_temperatures, device=self.device)[:, None]  # [K, 1]
         # Heads may run in a cheaper dtype than the backbone: they only propose, the backbone verifies.
         self._head_dtype = next(heads.parameters(), backbone.get_input_embeddings().weight).dtype
         self._trees: dict[str, StepTree] = {}
@@ -208,10 +223,11 @@ class MedusaModel:
                 the step's tree fits the context window and the token limit. With ``chain_only_from`` = L > 0 a
                 ``hybrid`` step whose chain has at least L tokens verifies the root and the chain alone (no
                 heads' pass; its ``StepRecord.tree_name`` is ``"ngram"``). Its ``min_head_probability``
-                > 0 shapes the heads' tree per step (EAGLE-2-like, the tree given is the budget): a node
-                is verified only when the product of the heads' softmax probabilities of the tokens on
-                its path is at least that value (uncalibrated softmax; a deterministic choice given the
-                context, so exactness is unchanged).
+                τ > 0 shapes the heads' tree per step (EAGLE-2, Li et al. 2024: the tree given is the
+                budget): a node is verified only when its path probability, the product of the heads'
+                probabilities softmax(logits_k / T_k) (``head_temperatures``) of the tokens on its path,
+                is at least τ; a deterministic choice given the context, so exactness is unchanged. None
+                (the default) means the model's tuned ``min_head_probability``; 0 turns shaping off.
             earlier_replies: token ids of earlier replies that the prompt does not hold (e.g. the reply
                 that Regenerate replaces), indexed for the n-gram lookup beside the context (``hybrid``
                 and ``ngram`` only).
@@ -267,9 +283,10 @@ class MedusaModel:
             seed = random.SystemRandom().randrange(2**63)
         rule = "greedy" if settings.greedy else sampling if medusa else "sample"
         drafter = NgramDrafter(draft_config, input_ids[0].tolist(), earlier_replies) if medusa and drafts != "heads" else None
+        shape_at = self.min_head_probability if draft_config.min_head_probability is None else draft_config.min_head_probability
         return self._decode(
             input_ids.to(self.device), max_new_tokens, full, NodeProcessors(settings), posterior_threshold, posterior_alpha,
-            seed, rule, drafter, drafts if medusa else "", draft_config.min_head_probability if drafts != "ngram" else 0.0,
+            seed, rule, drafter, drafts if medusa else "", shape_at if drafts != "ngram" else 0.0,
         )
 
     def _decode(
@@ -338,7 +355,8 @@ class MedusaModel:
         self, tree: StepTree, hidden: torch.Tensor, root: torch.Tensor, with_log_p: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Tokens [N] of a static tree: the root, then each node's rank in its head's top-k (paper 2.1.1),
-        and with ``with_log_p`` each node's log softmax probability under its head ([N], 0 at the root).
+        and with ``with_log_p`` each node's calibrated log probability under its head k,
+        log_softmax(logits_k / T_k) ([N], 0 at the root; T_k from ``head_temperatures``).
 
         Heads run only at the last accepted position ``hidden`` [1, H] and only the tree's depth of them.
         """
@@ -349,7 +367,8 @@ class MedusaModel:
         tokens = torch.cat([root.view(1), top.indices.flatten()])[tree.tree_indices]
         if not with_log_p:
             return tokens, None
-        log_p = top.values.float() - head_logits.float().logsumexp(dim=-1, keepdim=True)  # [D, topk]
+        scaled = head_logits.float() / self._temperatures[: tree.head_depth]  # [D, V]; T_k > 0 keeps every rank
+        log_p = top.values.float() / self._temperatures[: tree.head_depth] - scaled.logsumexp(dim=-1, keepdim=True)  # [D, topk]
         return tokens, torch.cat([log_p.new_zeros(1), log_p.flatten()])[tree.tree_indices]
 
     def _pruned(self, tree: StepTree, keep: list[int]) -> StepTree:
@@ -434,7 +453,7 @@ class MedusaModel:
 
     def describe(self) -> dict[str, Any]:
         """Facts for a model panel: names, precision (backbone compute dtype, head dtype), device, heads,
-        context, memory (bytes)."""
+        their temperatures and the tuned tree-shaping threshold τ, context, memory (bytes)."""
         params = list(self.backbone.parameters()) + list(self.heads.parameters())
         return {
             "model": self.name,
@@ -446,9 +465,24 @@ class MedusaModel:
             "num_heads": self.num_heads,
             "head_layers": getattr(self.heads, "num_layers", None),
             "default_tree": self.default_tree,
+            "head_temperatures": self.head_temperatures,
+            "min_head_probability": self.min_head_probability,
             "max_context": self.max_context,
             "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
         }
+
+
+def check_head_temperatures(temperatures: Sequence[float] | None, num_heads: int) -> tuple[float, ...]:
+    """[K] temperatures as floats, one per head (None: 1.0 each); ``ValueError`` naming a wrong count or value."""
+    if temperatures is None:
+        return (1.0,) * num_heads
+    temperatures = tuple(float(t) for t in temperatures)
+    if len(temperatures) != num_heads:
+        raise ValueError(f"head_temperatures must hold one temperature per head ({num_heads}), got {len(temperatures)}: {temperatures}")
+    for k, t in enumerate(temperatures):
+        if not (math.isfinite(t) and t > 0):
+            raise ValueError(f"head_temperatures must be finite and > 0, got {t} for head {k}")
+    return temperatures
 
 
 def _eos_ids(backbone: nn.Module) -> frozenset[int]:

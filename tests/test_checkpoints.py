@@ -399,3 +399,29 @@ def test_heads_default_to_bfloat16_on_cpus_with_native_bf16_and_output_stays_gre
     want = backbone.generate(ids, max_new_tokens=24, do_sample=False)[0, 5:].tolist()
     got = [t for r in model.generate(ids, max_new_tokens=24, tree="chain_3") for t in r.token_ids]
     assert got == want
+
+
+def test_head_temperatures_and_the_tuned_threshold_are_read_from_the_calibration_and_tuned_files(base, tmp_path):
+    folder, backbone = base
+    save_medusa_heads(random_heads(backbone, HEADS), tmp_path, base_model_name_or_path=str(folder))
+    assert load(tmp_path).head_temperatures == (1.0,) * HEADS and load(tmp_path).min_head_probability == 0.0
+    calibration = {"head_temperatures": [1.5, 2.0, 2.5, 3.0]}
+    save_medusa_heads(random_heads(backbone, HEADS), tmp_path, base_model_name_or_path=str(folder), calibration=calibration)
+    tuned = {"cpu/none": {"choices": [[0], [1]], "min_head_probability": 0.25}, "cpu/nf4": {"choices": [[0]], "min_head_probability": 0.5}}
+    (tmp_path / "medusa_tuned.json").write_text(json.dumps(tuned))
+    model = load(tmp_path)
+    assert model.head_temperatures == (1.5, 2.0, 2.5, 3.0)
+    assert model.min_head_probability == 0.25  # this device and precision's entry
+
+
+def test_head_temperatures_of_the_wrong_length_raise_a_checkpoint_error_naming_the_file_and_the_value(base, tmp_path):
+    folder, backbone = base
+    calibration = {"head_temperatures": [1.5, 2.0]}
+    save_medusa_heads(random_heads(backbone, HEADS), tmp_path, base_model_name_or_path=str(folder), calibration=calibration)
+    with pytest.raises(MedusaCheckpointError, match=re.escape(f"{tmp_path / 'medusa_calibration.json'}: head_temperatures must hold "
+                                                              "one temperature per head (4), got 2: (1.5, 2.0)")):
+        load(tmp_path)
+    (tmp_path / "medusa_tuned.json").write_text(json.dumps({"cpu/none": {"choices": [[0]], "min_head_probability": -1}}))
+    (tmp_path / "medusa_calibration.json").write_text("{}")
+    with pytest.raises(MedusaCheckpointError, match=re.escape(f"{tmp_path / 'medusa_tuned.json'} ['cpu/none']: min_head_probability must be in [0, 1], got -1")):
+        load(tmp_path)

@@ -287,3 +287,61 @@ def test_an_unknown_draft_source_is_refused_before_any_work(random_model, backbo
     with pytest.raises(ValueError, match="drafts must be one of 'hybrid', 'heads', 'ngram'"):
         model.generate(PROMPT, max_new_tokens=4, drafts="lookup")
     assert DRAFT_SOURCES == ("hybrid", "heads", "ngram")
+
+
+# ------------------------------------------------------------ calibrated shaping (issue 20, part 2)
+def test_head_temperatures_scale_each_heads_log_probabilities_and_keep_its_ranks(backbone_for):
+    backbone = backbone_for("llama")
+    temperatures = (0.5, 2.0, 3.0, 1.5)
+    heads = random_heads(backbone)
+    plain, scaled = MedusaModel(backbone, heads), MedusaModel(backbone, heads, head_temperatures=temperatures)
+    tree = plain._tree("sparse_16")
+    hidden = 0.1 * torch.randn(1, backbone.config.hidden_size, generator=torch.Generator().manual_seed(0))  # [1, H]
+    with torch.no_grad():
+        tokens, log_p = scaled._candidates(tree, hidden, torch.tensor(3), with_log_p=True)
+        plain_tokens, plain_log_p = plain._candidates(tree, hidden, torch.tensor(3), with_log_p=True)
+        logits = heads(hidden, num_heads=tree.head_depth)[:, 0].float()  # [D, V]
+    assert torch.equal(tokens, plain_tokens)  # temperature never changes a head's ranking
+    for node in range(1, tree.num_nodes):
+        k = tree.node_heads[node]
+        assert log_p[node].item() == pytest.approx((logits[k] / temperatures[k]).log_softmax(-1)[tokens[node]].item(), abs=1e-5)
+        assert plain_log_p[node].item() == pytest.approx(logits[k].log_softmax(-1)[tokens[node]].item(), abs=1e-5)
+    assert (log_p - plain_log_p)[1:].abs().min() > 1e-3
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_greedy_output_with_calibrated_shaping_equals_plain_greedy(arch, backbone_for, reference_for, oracle_heads):
+    backbone = backbone_for(arch)
+    model = MedusaModel(backbone, oracle_heads(backbone, N_NEW), head_temperatures=(0.7, 1.8, 2.5, 4.0), min_head_probability=0.3)
+    for drafts in ("heads", "hybrid"):
+        records = list(model.generate(PROMPT, max_new_tokens=N_NEW, tree="sparse_16", drafts=drafts))
+        assert reply(records) == reference_for(arch, N_NEW)
+
+
+def test_the_models_tuned_threshold_shapes_the_tree_unless_the_caller_sets_one(backbone_for, random_model):
+    backbone = backbone_for("llama")
+    heads = random_heads(backbone)
+    flat = (50.0,) * 4  # hot enough that no node of random heads is 10 % sure
+    tuned = MedusaModel(backbone, heads, head_temperatures=flat, min_head_probability=0.1)
+    untuned = MedusaModel(backbone, heads, head_temperatures=flat)
+    assert tuned.min_head_probability == 0.1 and untuned.min_head_probability == 0.0
+
+    def head_nodes(model, **kwargs):
+        return [sum(s == "head" for s in r.node_sources) for r in model.generate(PROMPT, max_new_tokens=12, tree="sparse_16", **kwargs)]
+
+    assert max(head_nodes(tuned)) == 0  # the default: the model's tuned threshold
+    assert max(head_nodes(tuned, draft_config=DraftConfig(max_tokens=4))) == 0  # a config that leaves it unset
+    assert max(head_nodes(tuned, draft_config=DraftConfig(min_head_probability=0.0))) == 16  # 0: shaping off
+    assert max(head_nodes(untuned)) == 16
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(head_temperatures=(1.0, 2.0)), r"head_temperatures must hold one temperature per head \(4\), got 2: \(1.0, 2.0\)"),
+    (dict(head_temperatures=(1.0, 0.0, 1.0, 1.0)), r"head_temperatures must be finite and > 0, got 0.0 for head 1"),
+    (dict(head_temperatures=(1.0, 1.0, float("nan"), 1.0)), r"head_temperatures must be finite and > 0, got nan for head 2"),
+    (dict(min_head_probability=1.5), r"min_head_probability must be in \[0, 1\], got 1.5"),
+])
+def test_wrong_temperatures_or_threshold_are_refused_naming_the_value(kwargs, message, backbone_for):
+    backbone = backbone_for("llama")
+    with pytest.raises(ValueError, match=message):
+        MedusaModel(backbone, random_heads(backbone), **kwargs)

@@ -93,7 +93,8 @@ def build_parser(command: str) -> argparse.ArgumentParser:
                             f"position (default {defaults.min_path_probability})")
         p.add_argument("--min-head-probability", type=float, default=defaults.min_head_probability,
                        help="shape the heads' tree of every medusa and medusa+ngram method per step: verify only nodes whose path probability (product of the "
-                            f"heads' softmax) reaches this; 0 = the whole tree (default {defaults.min_head_probability})")
+                            "heads' calibrated probabilities) reaches this; 0 = the whole tree (default: the model's tuned threshold, "
+                            "medusa_tuned.json's min_head_probability, 0 when untuned)")
         p.add_argument("--chain-only-from", type=int, default=defaults.chain_only_from,
                        help="medusa+ngram: a step whose n-gram chain has at least this many tokens verifies the chain alone, "
                             f"without the heads' tree; 0 = never (default {defaults.chain_only_from})")
@@ -169,7 +170,7 @@ def cmd_run(model: Any, args: argparse.Namespace, command: str) -> int:
                 "temperature": config.temperature, "sampling": "greedy" if config.greedy else sampling,
                 "top_k": config.top_k, "top_p": config.top_p, "min_p": config.min_p,
                 "repetition_penalty": config.repetition_penalty, "draft_tokens": drafts.max_tokens,
-                "min_path_probability": drafts.min_path_probability, "min_head_probability": drafts.min_head_probability,
+                "min_path_probability": drafts.min_path_probability, "min_head_probability": model.min_head_probability if drafts.min_head_probability is None else drafts.min_head_probability,
                 "chain_only_from": drafts.chain_only_from}
     env = {k: v for k, v in environment(model).items() if k != "torch_threads"}  # "threads" in settings says it
     text, paths = write_report(out, runs, command=command, env=env, settings=settings, notes=notes)
