@@ -15,7 +15,9 @@ from medusa_core.train import (
     calibration,
     collect_positions,
     distill,
+    fit_temperature,
     head_loss,
+    head_temperatures,
     main,
     rank_accuracy,
     read_distilled,
@@ -164,6 +166,7 @@ def test_cli_distill_heads_and_vllm_export_run_end_to_end(tmp_path):
     assert json.loads((tmp_path / "h" / "config.json").read_text())["medusa_num_heads"] == 2
     record = json.loads((tmp_path / "h" / "medusa_calibration.json").read_text())
     assert "optimised_32" in record["trees"] and record["simulated_acceleration"]["optimised_32"] >= 1
+    assert len(record["head_temperatures"]) == 2 and min(record["head_temperatures"]) > 0
     assert json.loads((tmp_path / "vllm" / "config.json").read_text())["model_type"] == "medusa"
     assert folder.exists()
 
@@ -313,3 +316,60 @@ def test_simulated_acceleration_equals_the_engines_greedy_decoding(tmp_path):
     assert simulated_acceleration(ranks, labels, paths) == pytest.approx(tokens / steps, abs=1e-12)
     assert tokens / steps > 1.5  # the heads are right often enough for the replay to mean something
     assert accuracy_from_ranks(ranks) == rank_accuracy(heads, hidden, labels)
+
+
+# ------------------------------------------------------------------ temperature scaling (Guo et al. 2017)
+def _sampled_at_temperature(temperature: float, m: int = 20000, v: int = 30, seed: int = 0):
+    """Logits [m, v] and targets [m] drawn from softmax(logits / temperature): data whose best temperature is known."""
+    g = torch.Generator().manual_seed(seed)
+    logits = 3 * torch.randn(m, v, generator=g)
+    targets = torch.multinomial((logits / temperature).softmax(-1), 1, generator=g)[:, 0]
+    return logits, targets
+
+
+def _nll(logits, targets, temperature):
+    return torch.nn.functional.cross_entropy(logits / temperature, targets).item()
+
+
+@pytest.mark.parametrize("true_temperature", [0.6, 1.0, 2.5])
+def test_fit_temperature_recovers_the_temperature_the_targets_were_drawn_at(true_temperature):
+    logits, targets = _sampled_at_temperature(true_temperature)
+    assert fit_temperature(logits, targets, chunk=4096) == pytest.approx(true_temperature, rel=0.05)
+
+
+def test_the_fitted_temperature_minimises_the_negative_log_likelihood():
+    logits, targets = _sampled_at_temperature(1.7, m=3000, seed=1)
+    t = fit_temperature(logits.to(torch.bfloat16), targets)
+    for other in (0.9 * t, 1.1 * t, 1.0):
+        assert _nll(logits, targets, t) < _nll(logits, targets, other)
+
+
+def test_fit_temperature_refuses_empty_or_mismatched_input_naming_the_shapes():
+    with pytest.raises(ValueError, match=r"logits \[M, V\] and targets \[M\], got \[0, 5\] and \[0\]"):
+        fit_temperature(torch.zeros(0, 5), torch.zeros(0, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"got \[3, 5\] and \[2\]"):
+        fit_temperature(torch.zeros(3, 5), torch.zeros(2, dtype=torch.long))
+
+
+def test_head_temperatures_fit_each_head_on_its_own_targets_and_skip_positions_without_one():
+    class Scaled(torch.nn.Module):
+        """Head k's logits are the fixed ``logits`` times ``scale[k]``."""
+
+        num_heads = 2
+
+        def __init__(self, logits, scale):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+            self.logits, self.scale = logits, scale
+
+        def forward(self, h):
+            rows = h[:, 0].long()  # the hidden state holds the row's index
+            return torch.stack([self.logits[rows] * s for s in self.scale])
+
+    logits, targets = _sampled_at_temperature(1.0, m=6000, seed=2)
+    hidden = torch.arange(6000, dtype=torch.float32)[:, None].expand(6000, 4)
+    labels = torch.stack([targets, torch.where(torch.arange(6000) % 3 == 0, -100, targets)], dim=1)  # [M, K]
+    fitted = head_temperatures(Scaled(logits, (2.0, 0.5)), hidden, labels, batch_size=1000)
+    # head 0 is twice too sharp (best T 2.0), head 1 twice too flat (best T 0.5)
+    assert fitted == pytest.approx([2.0, 0.5], rel=0.06)
+    assert head_temperatures(Scaled(logits, (2.0, 0.5)), hidden, labels, max_positions=500)[1] == pytest.approx(0.5, rel=0.25)

@@ -5,12 +5,20 @@ One module per stage, in the order they run:
 - ``distill``: the backbone's own greedy replies to seed prompts (self-distillation, 2.3.2).
 - ``positions``: hidden states of the frozen backbone and each head's target token (2.2.1).
 - ``heads``: the loss Σ_k 0.8^k · CE(head k, token t+k+2), the schedule and the resumable loop (2.2.1).
-- ``calibrate``: per-head rank accuracies, optimised trees per node budget (2.3.3) and each tree's
-  acceleration replayed on held-out replies.
+- ``calibrate``: per-head rank accuracies, optimised trees per node budget (2.3.3), each tree's
+  acceleration replayed on held-out replies, and each head's temperature (Guo et al. 2017).
 - ``cli``: ``python -m medusa_core.train distill | heads | calibrate`` (``--help`` lists the flags).
 """
 
-from .calibrate import accuracy_from_ranks, calibration, rank_accuracy, simulated_acceleration, target_ranks
+from .calibrate import (
+    accuracy_from_ranks,
+    calibration,
+    fit_temperature,
+    head_temperatures,
+    rank_accuracy,
+    simulated_acceleration,
+    target_ranks,
+)
 from .cli import main
 from .distill import MODEL_TURN, distill, read_distilled, read_prompts
 from .heads import LOSS_DECAY, TRAINER_STATE, HeadTrainingConfig, backbone_targets, head_loss, lr_at, train_heads
@@ -27,7 +35,9 @@ __all__ = [
     "calibration",
     "collect_positions",
     "distill",
+    "fit_temperature",
     "head_loss",
+    "head_temperatures",
     "lr_at",
     "main",
     "rank_accuracy",

@@ -1,18 +1,93 @@
-"""Calibration (paper 2.3.3): per-head rank accuracies on held-out replies and optimised trees.
+"""Calibration (paper 2.3.3): per-head rank accuracies on held-out replies and optimised trees, and
+each head's temperature (temperature scaling, Guo et al. 2017, "On calibration of modern neural networks").
 
 The record written next to the heads (``medusa_calibration.json``) holds the accuracies, the
 optimised tree per node budget, its expected acceleration (heads assumed independent) and, when the
-held-out replies are given, its acceleration replayed on them (exact for greedy decoding).
+held-out replies are given, its acceleration replayed on them (exact for greedy decoding) and the
+heads' temperatures (``head_temperatures``: softmax(logits_k / T_k) is then a calibrated probability,
+which trees shaped per step threshold, EAGLE-2 style: ``MedusaModel.generate``).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Iterable, Sequence
 
 import torch
 
 from ..heads import MedusaHeads
 from ..trees import optimal_tree
+
+#: The range a fitted temperature is kept in: a head whose targets are always (never) its top-1 would
+#: otherwise drive T to 0 (infinity).
+TEMPERATURE_RANGE = (0.01, 100.0)
+
+
+@torch.inference_mode()
+def fit_temperature(logits: torch.Tensor, targets: torch.Tensor, *, iterations: int = 50, chunk: int = 1024) -> float:
+    """The temperature T minimising the mean negative log-likelihood of ``targets`` under softmax(logits / T)
+    (temperature scaling: Guo et al. 2017, "On calibration of modern neural networks", section 4.2).
+
+    Args:
+        logits: [M, V] scores of M positions (any float dtype; computed in float32, ``chunk`` rows at a time).
+        targets: [M] token ids, the true outcome at each position.
+        iterations: Newton steps at most.
+    Returns T > 0 (dimensionless), kept within ``TEMPERATURE_RANGE``; T > 1 flattens over-confident scores.
+
+    With β = 1/T, NLL(β) = mean(logsumexp(β·z) − β·z_y) is convex in β, with gradient mean(E_p[z] − z_y) and
+    second derivative mean(Var_p[z]) under p = softmax(β·z): Newton's method on β, kept inside the bracket
+    of the signs of the gradient seen so far, converges in a few passes over the logits.
+    Raises ``ValueError`` for empty or mismatched inputs, naming their shapes.
+    """
+    if logits.dim() != 2 or targets.shape != logits.shape[:1] or len(targets) == 0:
+        raise ValueError(f"fit_temperature needs logits [M, V] and targets [M], got {list(logits.shape)} and {list(targets.shape)}")
+    lo, hi = 1 / TEMPERATURE_RANGE[1], 1 / TEMPERATURE_RANGE[0]  # the bracket of β
+    beta = 1.0
+    for _ in range(iterations):
+        grad = curvature = 0.0
+        for start in range(0, len(targets), chunk):
+            z = logits[start : start + chunk].float()  # [C, V]
+            p = (beta * z).softmax(dim=-1)
+            mean = (p * z).sum(-1)  # [C] E_p[z]
+            grad += (mean - z.gather(1, targets[start : start + chunk, None].long())[:, 0]).sum().item()
+            curvature += ((p * z.square()).sum(-1) - mean.square()).clamp(min=0).sum().item()
+        if grad > 0:  # the NLL grows with β: the optimum is below
+            hi = beta
+        else:
+            lo = beta
+        step = beta - grad / curvature if curvature > 0 else math.nan
+        new = step if lo < step < hi else math.sqrt(lo * hi)
+        if abs(new - beta) <= 1e-6 * beta:
+            beta = new
+            break
+        beta = new
+    return float(min(max(1 / beta, TEMPERATURE_RANGE[0]), TEMPERATURE_RANGE[1]))
+
+
+@torch.inference_mode()
+def head_temperatures(
+    heads: MedusaHeads, hidden: torch.Tensor, labels: torch.Tensor, *, max_positions: int = 4096, batch_size: int = 512
+) -> list[float]:
+    """Each head's ``fit_temperature`` on held-out positions: T_k such that softmax(logits_k / T_k) best
+    predicts the token k+2 places ahead (Guo et al. 2017; the probabilities then shape trees, EAGLE-2).
+
+    Args: hidden [M, H], labels [M, K] (``collect_positions``; -100 = no target); ``max_positions``: at most
+    that many positions, evenly spaced, whose logits are kept in bfloat16 ([K, max_positions, V]).
+    Returns [K] temperatures. Raises ``ValueError`` when no position has a target.
+    """
+    dtype, device = next(heads.parameters()).dtype, next(heads.parameters()).device
+    rows = (labels != -100).any(dim=1).nonzero().flatten()
+    if not len(rows):
+        raise ValueError(f"no position of labels {list(labels.shape)} has a target: nothing to fit temperatures on")
+    rows = rows[torch.linspace(0, len(rows) - 1, min(len(rows), max_positions)).round().long()]
+    logits = torch.cat([heads(hidden[rows[s : s + batch_size]].to(device, dtype)).to(torch.bfloat16).cpu()
+                        for s in range(0, len(rows), batch_size)], dim=1)  # [K, M', V]
+    temperatures = []
+    for k in range(heads.num_heads):
+        ok = labels[rows, k] != -100
+        temperatures.append(fit_temperature(logits[k][ok], labels[rows, k][ok]))
+    return temperatures
+
 
 @torch.inference_mode()
 def target_ranks(heads: MedusaHeads, hidden: torch.Tensor, labels: torch.Tensor, batch_size: int = 4096) -> torch.Tensor:
@@ -100,12 +175,14 @@ def calibration(
     budgets: Iterable[int] = (8, 16, 32, 64),
     default: int = 32,
     replayed: tuple[torch.Tensor, torch.Tensor] | None = None,
+    temperatures: Sequence[float] | None = None,
 ) -> dict:
     """Calibration record written next to the heads: accuracies and the optimised tree per budget.
 
     ``expected_acceleration`` is the tree's value under ``acc`` (paper 2.3.3, heads independent).
     With ``replayed = (ranks, labels)`` (``target_ranks``, ``collect_positions``) the record also
-    holds each tree's ``simulated_acceleration`` on those replies (``simulated_acceleration``).
+    holds each tree's ``simulated_acceleration`` on those replies (``simulated_acceleration``); with
+    ``temperatures`` ([K], ``head_temperatures``) it holds them as ``head_temperatures``.
     """
     trees, expected, simulated = {}, {}, {}
     for n in budgets:
@@ -124,4 +201,6 @@ def calibration(
     }
     if replayed is not None:
         record["simulated_acceleration"] = simulated
+    if temperatures is not None:
+        record["head_temperatures"] = [round(t, 4) for t in temperatures]
     return record

@@ -6,8 +6,9 @@ Command line (``python -m medusa_core.train --help``):
     python -m medusa_core.train distill --model BASE --prompts prompts.jsonl --out distilled.jsonl
     # 2. K heads on the frozen backbone, loss Σ_k 0.8^k · CE(head k, token t+k+2) over reply tokens
     python -m medusa_core.train heads --model BASE --data distilled.jsonl --out HEADS_DIR [--export vllm DIR]
-    # 3. per-head rank accuracies on held-out replies, optimised trees for several node budgets and
-    #    each tree's acceleration replayed on those replies (exact for greedy decoding)
+    # 3. per-head rank accuracies on held-out replies, optimised trees for several node budgets,
+    #    each tree's acceleration replayed on those replies (exact for greedy decoding) and each
+    #    head's temperature (temperature scaling, Guo et al. 2017: calibrated tree shaping)
     python -m medusa_core.train calibrate --heads HEADS_DIR --data heldout.jsonl
 
 The heads folder is a reference head-only checkpoint (``config.json`` + ``medusa_lm_head.safetensors``)
@@ -28,7 +29,7 @@ import torch
 from ..export import export_vllm
 from ..heads import MedusaHeads
 from ..loading import CALIBRATION_FILE, backbone_source, heads_from_state_dict, load_backbone, resolve_device
-from .calibrate import accuracy_from_ranks, calibration, target_ranks
+from .calibrate import accuracy_from_ranks, calibration, head_temperatures, target_ranks
 from .distill import distill, read_distilled, read_prompts
 from .heads import HeadTrainingConfig, train_heads
 from .positions import TARGETS, collect_positions
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.heldout:
             hh, hl = collect_positions(backbone, read_distilled(args.heldout), cfg.num_heads, bf16=args.bf16)
             ranks = target_ranks(heads, hh, hl)
-            record = calibration(accuracy_from_ranks(ranks), replayed=(ranks, hl))
+            record = calibration(accuracy_from_ranks(ranks), replayed=(ranks, hl), temperatures=head_temperatures(heads, hh, hl))
             (Path(args.out) / CALIBRATION_FILE).write_text(json.dumps(record, indent=1) + "\n")
             stats["heldout_top1"], stats["heldout_top5"] = record["top1"], record["top5"]
         print(json.dumps(stats, indent=1))
@@ -121,6 +122,7 @@ def main(argv: list[str] | None = None) -> None:
         heads = _load_heads_folder(Path(args.heads), backbone)
         hidden, labels = collect_positions(backbone, read_distilled(args.data), heads.num_heads, bf16=args.bf16)
         ranks = target_ranks(heads, hidden, labels)
-        record = calibration(accuracy_from_ranks(ranks), args.budgets, replayed=(ranks, labels))
+        record = calibration(accuracy_from_ranks(ranks), args.budgets, replayed=(ranks, labels),
+                             temperatures=head_temperatures(heads, hidden, labels))
         (Path(args.heads) / CALIBRATION_FILE).write_text(json.dumps(record, indent=1) + "\n")
-        print(json.dumps({k: record[k] for k in ("top1", "top5", "expected_acceleration", "simulated_acceleration")}, indent=1))
+        print(json.dumps({k: record[k] for k in ("top1", "top5", "expected_acceleration", "simulated_acceleration", "head_temperatures")}, indent=1))
