@@ -320,6 +320,19 @@ def test_the_model_panel_shows_names_precision_device_heads_and_memory(engine):
     assert f"heads {str(engine.model.heads[0][0].linear.weight.dtype).removeprefix('torch.')}" in panel
 
 
+def test_replies_are_shaped_by_the_models_tuned_threshold_which_the_model_panel_shows(engine, settings, controls, monkeypatch):
+    assert "| tree shaping | off: every node of the tree is verified (no tuned τ) |" in handlers.model_panel(engine, Session())
+    monkeypatch.setattr(engine.model, "head_temperatures", (50.0,) * 4)  # hot enough that no node of random heads is 10 % sure
+    monkeypatch.setattr(engine.model, "_temperatures", torch.full((4, 1), 50.0))
+    monkeypatch.setattr(engine.model, "min_head_probability", 0.1)
+    session = Session()
+    send(engine, settings, session, dataclasses.replace(controls, tree="sparse_16", drafts="heads"))
+    assert session.last_records and all("head" not in r.node_sources for r in session.last_records)
+    panel = handlers.model_panel(engine, session)
+    assert "| tree shaping | τ = 0.1: a head node is verified when its calibrated path probability reaches it" in panel
+    assert "head temperatures 50, 50, 50, 50" in panel
+
+
 def test_the_model_panel_names_the_tree_of_the_latest_reply(engine, settings, controls):
     session = Session()
     send(engine, settings, session, dataclasses.replace(controls, tree="chain_3"))

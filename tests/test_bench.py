@@ -21,6 +21,7 @@ from medusa_core.bench import (
     Prompt,
     Run,
     build_parser,
+    choose_min_head_probability,
     choose_tree_size,
     confirm_choice,
     encode_prompt,
@@ -29,9 +30,11 @@ from medusa_core.bench import (
     load_prompts,
     loops,
     main,
+    marginal_token_cost,
     monotone_latency,
     predict_speedups,
     summarise,
+    tuned_threshold,
     write_tuned,
 )
 from medusa_core.trees import SMALL_MODEL_RANK_ACCURACY
@@ -227,6 +230,36 @@ def test_monotone_latency_pools_a_step_that_measured_cheaper_than_a_smaller_tree
     fitted = monotone_latency({0: 10.0, 2: 14.0, 4: 12.0, 8: 20.0})  # 4 paths cannot cost less than 2
     assert fitted == pytest.approx({0: 10.0, 2: 13.0, 4: 13.0, 8: 20.0})
     assert monotone_latency({0: 1.0, 1: 2.0}) == {0: 1.0, 1: 2.0}
+
+
+def test_marginal_token_cost_is_the_least_squares_slope_of_step_latency_per_tree_token():
+    assert marginal_token_cost({1: 12.0, 3: 16.0, 7: 24.0}) == pytest.approx(2.0)  # a line: 10 + 2 per path
+    assert marginal_token_cost({1: 11.0, 2: 14.0, 3: 13.0}) == pytest.approx(1.0)  # noise around a slope of 1
+    assert marginal_token_cost({1: 12.0, 3: 11.0}) == 0.0  # a bigger tree never costs less: no negative cost
+    with pytest.raises(ValueError, match="at least two tree sizes"):
+        marginal_token_cost({4: 12.0})
+
+
+def test_a_node_pays_when_its_path_probability_beats_the_marginal_cost_of_one_more_token():
+    # a 20 ms step making 2 tokens; one more token costs 2 ms: (2 + p) / 22 > 2 / 20 <=> p > 0.2
+    tau = choose_min_head_probability(marginal_s=0.002, step_latency_s=0.020, tokens_per_step=2.0)
+    assert tau == pytest.approx(0.2)
+    assert (2.0 + tau + 0.01) / 0.022 > 2.0 / 0.020 > (2.0 + tau - 0.01) / 0.022
+    assert choose_min_head_probability(0.0, 0.020, 2.0) == 0.0  # free tokens (a GPU): verify the whole tree
+    assert choose_min_head_probability(0.05, 0.020, 2.0) == 1.0  # dearer than a step's worth: only sure nodes
+    with pytest.raises(ValueError, match="step_latency_s must be > 0, got 0"):
+        choose_min_head_probability(0.002, 0, 2.0)
+
+
+def test_the_threshold_of_a_tuned_entry_uses_its_fitted_latencies_or_else_its_overhead():
+    tuner_run = {"nodes": 5, "measured_acceleration": 1.8,
+                 "step_latency_fitted_ms": {"0": 70.0, "1": 90.0, "2": 92.0, "4": 96.0, "8": 104.0}}
+    # the slope over the Medusa trees (the heads' pass is paid whatever a shaped step keeps): 2 ms per path
+    assert tuned_threshold(tuner_run) == pytest.approx(2.0 * 1.8 / 96.0)
+    by_hand = {"nodes": 3, "measured_acceleration": 1.41, "measured_overhead": 1.46}  # a tree picked from a benchmark
+    assert tuned_threshold(by_hand) == pytest.approx((0.46 / 2) * 1.41 / 1.46)  # slope from the plain step
+    with pytest.raises(ValueError, match="neither step_latency_fitted_ms nor measured_overhead"):
+        tuned_threshold({"nodes": 3, "measured_acceleration": 1.4})
 
 
 def test_write_tuned_merges_a_device_entry_and_keeps_the_others(tmp_path):

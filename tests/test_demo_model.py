@@ -66,6 +66,19 @@ def test_greedy_medusa_on_the_demo_equals_plain_greedy_and_accepts_several_token
     assert tokens / steps > 1.25, tokens / steps
 
 
+def test_the_demo_shapes_its_trees_with_fitted_temperatures_and_the_tuned_threshold_and_stays_exact(demo):
+    from medusa_core import DraftConfig
+
+    # over-confident heads are cooled (T > 1: docs/BENCH.md), and bench tune's τ for cpu/gguf is on
+    assert len(demo.head_temperatures) == demo.num_heads and min(demo.head_temperatures) > 1
+    assert 0 < demo.min_head_probability < 1
+    ids = _ids(demo, PROMPTS[1])
+    shaped = list(demo.generate(ids, max_new_tokens=48, tree="optimised_16"))  # no draft_config: the tuned τ
+    whole = list(demo.generate(ids, max_new_tokens=48, tree="optimised_16", draft_config=DraftConfig(min_head_probability=0.0)))
+    assert [t for r in shaped for t in r.token_ids] == [t for r in whole for t in r.token_ids]
+    assert sum(r.tree_nodes for r in shaped[1:]) < sum(r.tree_nodes for r in whole[1:])  # nodes below τ were not verified
+
+
 def test_the_nf4_backbone_gets_the_heads_trained_for_it_and_medusa_stays_exact():
     from safetensors.torch import load_file
 

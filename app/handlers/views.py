@@ -157,7 +157,7 @@ def labels(engine: Engine, session: Session, record: StepRecord) -> list[str]:
 
 
 def model_panel(engine: Engine, session: Session | None = None) -> str:
-    """The model panel as Markdown: names, precision, device, heads, tree in use, memory."""
+    """The model panel as Markdown: names, precision, device, heads, tree in use and its shaping, memory."""
     if engine.model is None:
         return f"**{html.escape(engine.status())}**"
     model = engine.model
@@ -173,6 +173,7 @@ def model_panel(engine: Engine, session: Session | None = None) -> str:
         ("Medusa heads", f"{d['num_heads']} ({d['head_layers']} residual block{'s' if d['head_layers'] != 1 else ''} each)"),
         ("context window", f"{d['max_context']} tokens"),
         ("tree in use", f"{in_use} (latest reply)" if in_use else f"{d['default_tree']} (the model's default)"),
+        ("tree shaping", _shaping(d)),
         ("chat template", "the tokenizer's" if getattr(model.tokenizer, "chat_template", None) else "Vicuna v1.1 (the tokenizer has none)"),
         ("default system prompt", html.escape(template_system_prompt(model.tokenizer) or "none (the template writes none)")),
         ("weights", f"{d['parameter_bytes'] / 2**20:.1f} MiB"),
@@ -181,6 +182,14 @@ def model_panel(engine: Engine, session: Session | None = None) -> str:
     ]
     (k0, v0), *rest = rows
     return f"| {k0} | {v0} |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rest)
+
+
+def _shaping(d: dict) -> str:
+    """The model's tuned tree shaping (``MedusaModel.min_head_probability``, ``head_temperatures``) in words."""
+    if not d["min_head_probability"]:
+        return "off: every node of the tree is verified (no tuned τ)"
+    return (f"τ = {d['min_head_probability']:g}: a head node is verified when its calibrated path probability reaches it "
+            f"(`bench tune`; head temperatures {', '.join(f'{t:g}' for t in d['head_temperatures'])})")
 
 
 def _memory_used(model: MedusaModel) -> str:

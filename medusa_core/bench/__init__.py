@@ -2,7 +2,7 @@
 
     python -m medusa_core.bench [options]           # Medusa vs HF generate, HF prompt lookup, plain loop
     python -m medusa_core.bench --temperature 0.7 --sampling exact   # the same, sampled (typical or exact)
-    python -m medusa_core.bench tune [options]      # pick the tree size that suits this device/precision
+    python -m medusa_core.bench tune [options]      # pick the tree size and shaping threshold τ for this device/precision
     python -m medusa_core.bench profile [options]   # where a Medusa step spends its time
 
 Terms (paper appendix B.1, ``MEDUSA_FACTS.md``):
@@ -48,12 +48,15 @@ from .report import environment, markdown_table, summary_markdown, write_report
 from .run import LOOP_NGRAM, LOOP_TIMES, Run, loops, run_benchmark, run_once
 from .tune import (
     TUNE_SIZES,
+    choose_min_head_probability,
     choose_tree_size,
     confirm_choice,
     dump_tuned,
+    marginal_token_cost,
     measure_step_latency,
     monotone_latency,
     predict_speedups,
+    tuned_threshold,
     write_tuned,
 )
 
@@ -73,6 +76,7 @@ __all__ = [
     "Summary",
     "build_methods",
     "build_parser",
+    "choose_min_head_probability",
     "choose_tree_size",
     "confirm_choice",
     "default_trees",
@@ -84,6 +88,7 @@ __all__ = [
     "load_prompts",
     "loops",
     "main",
+    "marginal_token_cost",
     "markdown_table",
     "measure_step_latency",
     "monotone_latency",
@@ -92,6 +97,7 @@ __all__ = [
     "run_once",
     "summarise",
     "summary_markdown",
+    "tuned_threshold",
     "write_report",
     "write_tuned",
 ]

@@ -121,6 +121,9 @@ def build_parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("--tuned-file", type=Path, default=None,
                        help="where to merge the result (default: medusa_tuned.json next to the model)")
         p.add_argument("--dry-run", action="store_true", help="do not write the tuned-tree file")
+        p.add_argument("--threshold-only", action="store_true",
+                       help="measure nothing: derive τ (min_head_probability) from the figures this device and precision's "
+                            "tuned entry already stores, and write it there")
     elif command == "agreement":
         p.set_defaults(quantization="none")
         p.add_argument("--candidates", type=_csv_list, default=["gguf", "nf4"],

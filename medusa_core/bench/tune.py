@@ -3,6 +3,11 @@
 Tree sizes are counted in paths ``n`` (nodes without the root, ``optimal_tree``'s budget); a tree then
 verifies ``N = n + 1`` tokens per step (``StepRecord.tree_nodes``). The prediction (``predict_speedups``,
 ``monotone_latency``, ``choose_tree_size``, ``confirm_choice``) is pure and tested on synthetic curves.
+
+The tuner also picks τ, the path probability a node of the chosen tree needs to be verified in trees
+shaped per step (EAGLE-2; ``DraftConfig.min_head_probability``): a node pays when its calibrated path
+probability beats the marginal cost of one more tree token (``marginal_token_cost``,
+``choose_min_head_probability``, ``tuned_threshold``: pure as well).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from ..drafts import DraftConfig
 from .accounting import ALL, Summary, _ratio, summarise
 from .methods import Method
 from .prompts import encode_prompt, load_prompts
@@ -80,6 +86,59 @@ def confirm_choice(pick: int, measured_tok_s: Mapping[int, float], tolerance: fl
     return pick
 
 
+def marginal_token_cost(latency_s: Mapping[int, float]) -> float:
+    """Δ, the cost of one more tree token: the least-squares slope of step latency against tree size.
+
+    ``latency_s[n]`` is the step latency (any unit: Δ comes in the same unit per token) of a tree of n paths,
+    i.e. n + 1 tokens. A negative slope (noise) gives 0: a bigger tree never costs less.
+    Raises ``ValueError`` with fewer than two sizes.
+    """
+    if len(latency_s) < 2:
+        raise ValueError(f"the marginal cost of a token needs step latencies of at least two tree sizes, got {dict(latency_s)}")
+    mean_n = statistics.fmean(latency_s)
+    mean_t = statistics.fmean(latency_s.values())
+    spread = sum((n - mean_n) ** 2 for n in latency_s)
+    return max(0.0, sum((n - mean_n) * (t - mean_t) for n, t in latency_s.items()) / spread)
+
+
+def choose_min_head_probability(marginal_s: float, step_latency_s: float, tokens_per_step: float) -> float:
+    """τ: the path probability above which one more node pays for itself (trees shaped per step, EAGLE-2).
+
+    A step of latency T that makes A tokens on average, given one more node whose path is right with
+    probability p (a calibrated path probability: ``MedusaModel.head_temperatures``), makes A + p tokens in
+    T + Δ: more tokens per second exactly when (A + p) / (T + Δ) > A / T, i.e. p > Δ·A / T.
+    Args: ``marginal_s`` Δ ≥ 0 and ``step_latency_s`` T > 0 in one unit (seconds, or the plain step);
+    ``tokens_per_step`` A > 0 (the acceleration rate of the tree). Returns Δ·A/T, capped at 1.
+    Raises ``ValueError`` for a value out of range, naming it.
+    """
+    for name, value, ok in (("marginal_s", marginal_s, marginal_s >= 0), ("step_latency_s", step_latency_s, step_latency_s > 0),
+                            ("tokens_per_step", tokens_per_step, tokens_per_step > 0)):
+        if not ok or not math.isfinite(value):
+            raise ValueError(f"{name} must be {'>= 0' if name == 'marginal_s' else '> 0'}, got {value}")
+    return min(1.0, marginal_s * tokens_per_step / step_latency_s)
+
+
+def tuned_threshold(entry: Mapping[str, Any]) -> float:
+    """``choose_min_head_probability`` from the figures a ``medusa_tuned.json`` entry stores.
+
+    A tuner run stores ``step_latency_fitted_ms`` per size: Δ is the slope over the Medusa trees (n ≥ 1:
+    a shaped step runs the heads' pass whatever it keeps), T the chosen tree's (``nodes`` − 1 paths). An
+    entry picked by hand from a benchmark stores only its tree's ``measured_overhead`` (step cost ÷ the
+    plain step's): Δ is then the slope from the plain step to that tree, which counts the heads' pass as
+    per-token cost and so overstates Δ. A is ``measured_acceleration`` either way.
+    Raises ``ValueError`` for an entry with neither figure.
+    """
+    paths, accel = int(entry["nodes"]) - 1, float(entry["measured_acceleration"])
+    if "step_latency_fitted_ms" in entry:
+        latency = {int(n): float(t) for n, t in entry["step_latency_fitted_ms"].items()}
+        medusa = {n: t for n, t in latency.items() if n >= 1}
+        return choose_min_head_probability(marginal_token_cost(medusa if len(medusa) >= 2 else latency), latency[paths], accel)
+    if "measured_overhead" in entry:
+        overhead = float(entry["measured_overhead"])
+        return choose_min_head_probability(marginal_token_cost({0: 1.0, paths: overhead}), overhead, accel)
+    raise ValueError("the tuned entry has neither step_latency_fitted_ms nor measured_overhead to derive τ from")
+
+
 def measure_step_latency(
     model: Any, prompt_ids: Sequence[torch.Tensor], trees: Mapping[int, Sequence[Sequence[int]]],
     *, max_new_tokens: int = 64, progress: bool = True,
@@ -100,7 +159,8 @@ def measure_step_latency(
 
     def go(n: int, ids: torch.Tensor, limit: int) -> list[Any]:
         kwargs = dict(medusa=False) if n == 0 else dict(tree=[list(p) for p in trees[n]])
-        return list(model.generate(ids, max_new_tokens=limit, temperature=0.0, repetition_penalty=1.0, **kwargs))  # greedy
+        return list(model.generate(ids, max_new_tokens=limit, temperature=0.0, repetition_penalty=1.0,  # greedy, whole trees
+                                   draft_config=DraftConfig(min_head_probability=0.0), **kwargs))
 
     for n in sizes:
         go(n, prompt_ids[0], 8)  # warm-up and tree buffers
@@ -156,9 +216,22 @@ def _model_folder(name_or_path: str) -> Path:
 
 
 def cmd_tune(model: Any, args: argparse.Namespace, command: str) -> int:
-    """Measure step latency per tree size, predict, confirm the best sizes, write ``medusa_tuned.json``."""
+    """Measure step latency per tree size, predict, confirm the best sizes, write ``medusa_tuned.json``
+    with the chosen tree and τ (``--threshold-only``: τ alone, from the entry's stored figures)."""
     from ..loading import TUNED_FILE, tuned_key
     from ..trees import optimal_tree
+
+    key = tuned_key(model.device, model.quantization)
+    target = args.tuned_file or _model_folder(args.model) / TUNED_FILE
+    if args.threshold_only:
+        entry = (json.loads(target.read_text(encoding="utf-8")) if target.exists() else {}).get(key)
+        if not isinstance(entry, dict):
+            raise SystemExit(f"{target} has no entry {key!r} to derive τ from: run bench tune first")
+        entry |= {"min_head_probability": round(tuned_threshold(entry), 4), "min_head_probability_command": command}
+        print(f"τ (min_head_probability) = {entry['min_head_probability']} from the figures stored in {target} [{key}]")
+        if not args.dry_run:
+            write_tuned(target, key, entry)
+        return 0
 
     if args.rank_accuracy:
         rank_accuracy = json.loads(args.rank_accuracy.read_text(encoding="utf-8"))["rank_accuracy"]
@@ -188,8 +261,8 @@ def cmd_tune(model: Any, args: argparse.Namespace, command: str) -> int:
     methods = [Method("hf", "hf"), Method("baseline", "baseline")] + [
         Method(f"medusa:optimal_{n}", "medusa", tuple(map(tuple, trees[n]))) for n in ranked
     ]
-    runs, notes = run_benchmark(model, confirm_prompts, methods, max_new_tokens=args.max_new_tokens,
-                                repeats=args.repeats, system=args.system, progress=not args.no_progress)
+    runs, notes = run_benchmark(model, confirm_prompts, methods, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+                                system=args.system, progress=not args.no_progress, draft_config=DraftConfig(min_head_probability=0.0))
     overall = {s.method: s for s in summarise(runs) if s.category == ALL}
     base_tok_s = overall["baseline"].tok_s
     measured = {n: overall[f"medusa:optimal_{n}"] for n in ranked}
@@ -256,8 +329,9 @@ def cmd_tune(model: Any, args: argparse.Namespace, command: str) -> int:
         "tuned_at": env["date"],
         "command": command,
     }
-    key = tuned_key(model.device, model.quantization)
-    target = args.tuned_file or _model_folder(args.model) / TUNED_FILE
+    entry["min_head_probability"] = round(tuned_threshold(entry), 4)
+    print(f"τ (min_head_probability) = {entry['min_head_probability']}: a node of the chosen tree is verified when its "
+          "calibrated path probability beats the marginal cost of one more tree token (Δ·A/T)")
     if args.dry_run:
         print(f"--dry-run: not writing {target} [{key}]")
     else:
