@@ -1,12 +1,15 @@
 """A quick look at trees shaped by the heads' confidence (issue 20, part 2) on the demo: the calibration of
 the heads' path probabilities (share of nodes accepted per predicted-probability bin, heads only on
-``optimised_8``), then tokens per step and tokens/s of heads, hybrid and shaped hybrid trees against the plain
-loop, interleaved per prompt, every greedy output checked identical to the first configuration's.
+``optimised_8``), with the raw softmax (every T_k = 1) and with the heads' fitted temperatures
+(``head_temperatures`` in ``medusa_calibration.json``: ``scripts/fit_temperatures.py``), then tokens per
+step and tokens/s of heads, hybrid and shaped trees (the model's tuned τ) against the plain loop,
+interleaved per prompt, every greedy output checked identical to the first configuration's.
 Figures: docs/BENCH.md, "Trees shaped by the heads' confidence".
 
-    python scripts/shaped_trees.py [--prompts 8] [--threads 2]
+    python scripts/shaped_trees.py [--prompts 8] [--threads 2] [--calibration-only]
 
-It wraps ``MedusaModel._candidates`` to read each step's path probabilities: a measurement, not an API.
+It wraps ``MedusaModel._candidates`` (and sets its temperatures to 1 for the raw table) to read each
+step's path probabilities: a measurement, not an API.
 """
 
 from __future__ import annotations
@@ -20,19 +23,21 @@ import torch
 from medusa_core import DraftConfig, load_medusa_model
 from medusa_core.bench.prompts import encode_prompt, load_prompts
 
+WHOLE = DraftConfig(min_head_probability=0.0)  # shaping off; no draft_config: the model's tuned τ
 CONFIGS = {
-    "heads:tuned": dict(tree="tuned", drafts="heads"),
-    "hybrid:tuned": dict(tree="tuned", drafts="hybrid"),
-    "hybrid:optimised_8 shaped 0.2": dict(tree="optimised_8", drafts="hybrid", draft_config=DraftConfig(min_head_probability=0.2)),
-    "hybrid:optimised_8 shaped 0.35": dict(tree="optimised_8", drafts="hybrid", draft_config=DraftConfig(min_head_probability=0.35)),
-    "heads:optimised_8 shaped 0.2": dict(tree="optimised_8", drafts="heads", draft_config=DraftConfig(min_head_probability=0.2)),
+    "heads:tuned": dict(tree="tuned", drafts="heads", draft_config=WHOLE),
+    "hybrid:tuned": dict(tree="tuned", drafts="hybrid", draft_config=WHOLE),
+    "hybrid:tuned shaped (model's τ)": dict(tree="tuned", drafts="hybrid"),
+    "hybrid:optimised_8 shaped (model's τ)": dict(tree="optimised_8", drafts="hybrid"),
+    "heads:optimised_8 shaped (model's τ)": dict(tree="optimised_8", drafts="heads"),
     "baseline": dict(medusa=False),
 }
 
 
-def calibration(model, prompts) -> dict[int, list[int]]:
-    """Predicted path probability bin (tenths) -> [nodes accepted, nodes] over heads-only greedy replies."""
-    candidates = model._candidates
+def calibration(model, prompts, raw: bool) -> dict[int, list[float]]:
+    """Predicted path probability bin (tenths) -> [nodes accepted, nodes, sum of predicted] over heads-only
+    greedy replies on the whole ``optimised_8``; ``raw``: with every head's temperature at 1."""
+    candidates, temperatures = model._candidates, model._temperatures
     seen: dict[str, list[float]] = {}
 
     def with_path_probability(tree, hidden, root, with_log_p=False):
@@ -41,18 +46,21 @@ def calibration(model, prompts) -> dict[int, list[int]]:
             seen["p"] = ((tree.bias == 0).float() @ log_p).exp().tolist()  # [N] product over each node's path
         return tokens, log_p if with_log_p else None
 
-    bins: dict[int, list[int]] = collections.defaultdict(lambda: [0, 0])
+    bins: dict[int, list[float]] = collections.defaultdict(lambda: [0, 0, 0.0])
     model._candidates = with_path_probability
+    if raw:
+        model._temperatures = torch.ones_like(temperatures)
     try:
         for ids in prompts:
-            for record in model.generate(ids, max_new_tokens=128, tree="optimised_8"):
+            for record in model.generate(ids, max_new_tokens=128, tree="optimised_8", draft_config=WHOLE):
                 if record.tree_nodes > 1:
                     for node in range(1, record.tree_nodes):
                         b = bins[min(int(seen["p"][node] * 10), 9)]
                         b[0] += node in record.accepted_nodes
                         b[1] += 1
+                        b[2] += seen["p"][node]
     finally:
-        model._candidates = candidates
+        model._candidates, model._temperatures = candidates, temperatures
     return bins
 
 
@@ -60,13 +68,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--calibration-only", action="store_true", help="print the reliability tables, skip the speed runs")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = load_medusa_model("demo")
     prompts = [encode_prompt(model.tokenizer, p, None) for p in load_prompts(None, args.prompts, None)]
-    print("predicted path probability -> share accepted (nodes)")
-    for b, (accepted, nodes) in sorted(calibration(model, prompts).items()):
-        print(f"  {b / 10:.1f}-{(b + 1) / 10:.1f}: {accepted / nodes:.2f} ({nodes})")
+    print(f"head temperatures {model.head_temperatures}, tuned τ {model.min_head_probability}")
+    for raw in (True, False):
+        bins = calibration(model, prompts, raw)
+        total = sum(n for _, n, _ in bins.values())
+        ece = sum(abs(a - p) for a, _, p in bins.values()) / total  # Σ_b n_b/N · |accepted_b − mean predicted_b|
+        print(f"{'raw softmax (T = 1)' if raw else 'calibrated'}: predicted path probability -> mean predicted, share "
+              f"accepted (nodes); expected calibration error {ece:.3f}")
+        for b, (accepted, nodes, predicted) in sorted(bins.items()):
+            print(f"  {b / 10:.1f}-{(b + 1) / 10:.1f}: {predicted / nodes:.2f}, {accepted / nodes:.2f} ({nodes})")
+    if args.calibration_only:
+        return
     totals = {name: [0, 0, 0.0] for name in CONFIGS}  # tokens, decoding steps, seconds
     for ids in prompts:
         first = None
