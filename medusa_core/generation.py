@@ -1,4 +1,5 @@
-"""What ``MedusaModel.generate`` takes and yields: its argument checks and the ``StepRecord`` of each step.
+"""What ``MedusaModel.generate`` takes and yields: its argument checks (and the model's head temperatures')
+and the ``StepRecord`` of each step.
 
 The engine (``model.py``) checks its arguments here before any work and yields these records; UIs
 and benchmarks read the records without touching the model.
@@ -6,9 +7,10 @@ and benchmarks read the records without touching the model.
 
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from .acceptance import node_status
 
@@ -184,6 +186,19 @@ def check_generate_args(
         raise ValueError(f"sampling must be one of {', '.join(map(repr, SAMPLING_MODES))}, got {sampling!r}")
     if drafts not in DRAFT_SOURCES:
         raise ValueError(f"drafts must be one of {', '.join(map(repr, DRAFT_SOURCES))}, got {drafts!r}")
+
+
+def check_head_temperatures(temperatures: Sequence[float] | None, num_heads: int) -> tuple[float, ...]:
+    """[K] temperatures as floats, one per head (None: 1.0 each); ``ValueError`` naming a wrong count or value."""
+    if temperatures is None:
+        return (1.0,) * num_heads
+    temperatures = tuple(float(t) for t in temperatures)
+    if len(temperatures) != num_heads:
+        raise ValueError(f"head_temperatures must hold one temperature per head ({num_heads}), got {len(temperatures)}: {temperatures}")
+    for k, t in enumerate(temperatures):
+        if not (math.isfinite(t) and t > 0):
+            raise ValueError(f"head_temperatures must be finite and > 0, got {t} for head {k}")
+    return temperatures
 
 
 def _is_int(value: Any) -> bool:

@@ -31,7 +31,8 @@ from .errors import MedusaCheckpointError
 from .gguf import demo_gguf_file, gguf_model_folder
 from .heads import MedusaHeads
 from .invariant import make_batch_invariant
-from .model import MedusaModel, check_head_temperatures
+from .generation import check_head_temperatures
+from .model import MedusaModel
 from .quant.gguf_backbone import load_gguf_backbone
 from .trees import resolve_tree, validate_tree
 

@@ -17,7 +17,6 @@ Tree attention goes only through the model's public inputs: a 4-D additive atten
 from __future__ import annotations
 
 import dataclasses
-import math
 import random
 import time
 from typing import Any, Iterator, Sequence
@@ -28,7 +27,7 @@ from transformers import DynamicCache
 
 from .acceptance import choose_token, verify_tree
 from .drafts import DraftConfig, NgramDrafter
-from .generation import StepRecord, check_generate_args, step_record
+from .generation import StepRecord, check_generate_args, check_head_temperatures, step_record
 from .kvcache import compact_cache, new_cache
 from .processors import CHAT_PRESET, NodeProcessors, SamplingConfig, tree_prefixes
 from .steptree import StepTree, confident_nodes, graft, prune, static_tree
@@ -470,19 +469,6 @@ class MedusaModel:
             "max_context": self.max_context,
             "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
         }
-
-
-def check_head_temperatures(temperatures: Sequence[float] | None, num_heads: int) -> tuple[float, ...]:
-    """[K] temperatures as floats, one per head (None: 1.0 each); ``ValueError`` naming a wrong count or value."""
-    if temperatures is None:
-        return (1.0,) * num_heads
-    temperatures = tuple(float(t) for t in temperatures)
-    if len(temperatures) != num_heads:
-        raise ValueError(f"head_temperatures must hold one temperature per head ({num_heads}), got {len(temperatures)}: {temperatures}")
-    for k, t in enumerate(temperatures):
-        if not (math.isfinite(t) and t > 0):
-            raise ValueError(f"head_temperatures must be finite and > 0, got {t} for head {k}")
-    return temperatures
 
 
 def _eos_ids(backbone: nn.Module) -> frozenset[int]:
