@@ -9,9 +9,9 @@ Figures: docs/BENCH.md, "Long copied chains verified alone".
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
+from shaped_trees import time_configs  # scripts/ is on the path when a script runs
 
 from medusa_core import DraftConfig, load_medusa_model
 from medusa_core.bench.prompts import encode_prompt, load_prompts
@@ -29,22 +29,8 @@ def main() -> None:
     for value in map(int, args.values.split(",")):
         configs[f"hybrid:tuned chain_only_from={value}"] = dict(
             tree="tuned", drafts="hybrid", draft_config=DraftConfig(chain_only_from=value))
-    prompts = load_prompts(None, args.prompts, None)
-    totals = {name: [0, 0, 0.0] for name in configs}  # tokens, decoding steps, seconds
-    for prompt in prompts:
-        ids = encode_prompt(model.tokenizer, prompt, None)
-        first = None
-        for name, kwargs in configs.items():
-            start = time.perf_counter()
-            records = list(model.generate(ids, max_new_tokens=128, **kwargs))
-            seconds = time.perf_counter() - start
-            reply = [t for r in records for t in r.token_ids]
-            first = first or reply
-            if reply != first:
-                raise SystemExit(f"{name}: the greedy reply differs from the plain loop's")
-            totals[name][0] += len(reply)
-            totals[name][1] += len(records) - 1  # records[0]: the prefill and its token
-            totals[name][2] += seconds
+    prompts = [encode_prompt(model.tokenizer, p, None) for p in load_prompts(None, args.prompts, None)]
+    totals = time_configs(model, prompts, configs)
     base = totals["baseline"][0] / totals["baseline"][2]
     for name, (tokens, steps, seconds) in totals.items():
         print(f"{name:36s} tokens/step {(tokens - len(prompts)) / steps:.2f}  tokens/s {tokens / seconds:.1f}"

@@ -84,23 +84,29 @@ def main() -> None:
             print(f"  {b / 10:.1f}-{(b + 1) / 10:.1f}: {predicted / nodes:.2f}, {accepted / nodes:.2f} ({nodes})")
     if args.calibration_only:
         return
-    totals = {name: [0, 0, 0.0] for name in CONFIGS}  # tokens, decoding steps, seconds
+    for name, (tokens, steps, seconds) in time_configs(model, prompts, CONFIGS).items():
+        print(f"{name:32s} tokens/step {(tokens - len(prompts)) / steps:.2f}  tokens/s {tokens / seconds:.1f}")
+
+
+def time_configs(model, prompts, configs: dict[str, dict]) -> dict[str, list]:
+    """Greedy 128-token replies of every configuration (``generate`` keywords), interleaved per prompt
+    (encoded ids); every reply must equal the first configuration's. Returns name -> [tokens, decoding
+    steps, seconds]. Also used by ``scripts/long_chains.py``."""
+    totals = {name: [0, 0, 0.0] for name in configs}  # tokens, decoding steps, seconds
     for ids in prompts:
         first = None
-        for name, kwargs in CONFIGS.items():
+        for name, kwargs in configs.items():
             start = time.perf_counter()
             records = list(model.generate(ids, max_new_tokens=128, **kwargs))
             seconds = time.perf_counter() - start
             reply = [t for r in records for t in r.token_ids]
             first = first or reply
             if reply != first:
-                raise SystemExit(f"{name}: the greedy reply differs from {next(iter(CONFIGS))}'s")
+                raise SystemExit(f"{name}: the greedy reply differs from {next(iter(configs))}'s")
             totals[name][0] += len(reply)
             totals[name][1] += len(records) - 1  # records[0]: the prefill and its token
             totals[name][2] += seconds
-    for name, (tokens, steps, seconds) in totals.items():
-        print(f"{name:32s} tokens/step {(tokens - len(prompts)) / steps:.2f}  tokens/s {tokens / seconds:.1f}")
-
+    return totals
 
 if __name__ == "__main__":
     main()
