@@ -28,10 +28,10 @@ from safetensors.torch import load_file
 from torch import nn
 
 from .errors import MedusaCheckpointError
+from .generation import check_head_temperatures
 from .gguf import demo_gguf_file, gguf_model_folder
 from .heads import MedusaHeads
 from .invariant import make_batch_invariant
-from .generation import check_head_temperatures
 from .model import MedusaModel
 from .quant.gguf_backbone import load_gguf_backbone
 from .trees import resolve_tree, validate_tree
@@ -149,7 +149,9 @@ def load_medusa_model(
     tokenizer = _load_tokenizer(folder, backbone_source(base, trust_remote_code), trust_remote_code)
     calibration_file = heads_folder / CALIBRATION_FILE
     calibration = _read_json(calibration_file) if calibration_file.exists() else {}
-    trees, default_tree = _fitting_trees(folder / TUNED_FILE, calibration_file, calibration, tuned_key(dev, quantization), heads)
+    tuned_file, key = folder / TUNED_FILE, tuned_key(dev, quantization)
+    tuned = _read_json(tuned_file).get(key) if tuned_file.exists() else None  # this device and precision's entry
+    trees, default_tree = _fitting_trees(tuned_file, tuned, calibration_file, calibration, key, heads)
     try:
         temperatures = check_head_temperatures(calibration.get("head_temperatures"), heads.num_heads)
     except (ValueError, TypeError) as e:
@@ -165,7 +167,7 @@ def load_medusa_model(
         default_tree=default_tree,
         rank_accuracy=calibration.get("rank_accuracy"),
         head_temperatures=temperatures,
-        min_head_probability=_tuned_threshold(folder / TUNED_FILE, tuned_key(dev, quantization)),
+        min_head_probability=_tuned_threshold(tuned_file, key, tuned),
     )
     model.backbone_file = base if str(base).lower().endswith(".gguf") else None  # what llama.cpp can read (bench)
     return model
@@ -184,10 +186,10 @@ def tuned_key(device: torch.device, quantization: str | None) -> str:
     return f"{device.type}/{quantization or 'none'}"
 
 
-def _tuned_threshold(tuned_file: Path, key: str) -> float:
-    """τ of the tuned entry ``key`` (``min_head_probability``, chosen by ``bench tune``), 0.0 when there is none.
-    Raises ``MedusaCheckpointError`` naming the file and the value when it is not a number in [0, 1]."""
-    entry = _read_json(tuned_file).get(key) if tuned_file.exists() else None
+def _tuned_threshold(tuned_file: Path, key: str, entry: Any) -> float:
+    """τ of ``entry``, the tuned entry ``key`` of ``tuned_file`` (``min_head_probability``, chosen by
+    ``bench tune``), 0.0 when there is none. Raises ``MedusaCheckpointError`` naming the file and the value
+    when it is not a number in [0, 1]."""
     value = entry.get("min_head_probability", 0.0) if isinstance(entry, dict) else 0.0
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
         raise MedusaCheckpointError(f"{tuned_file} [{key!r}]: min_head_probability must be in [0, 1], got {value}")
@@ -195,9 +197,10 @@ def _tuned_threshold(tuned_file: Path, key: str) -> float:
 
 
 def _fitting_trees(
-    tuned_file: Path, calibration_file: Path, calibration: dict[str, Any], tuned_key_: str, heads: MedusaHeads
+    tuned_file: Path, tuned: Any, calibration_file: Path, calibration: dict[str, Any], tuned_key_: str, heads: MedusaHeads
 ) -> tuple[dict[str, list[list[int]]], str | None]:
-    """The model's own trees and default tree from ``medusa_calibration.json`` and ``medusa_tuned.json``.
+    """The model's own trees and default tree from ``medusa_calibration.json`` and ``tuned``, the entry
+    ``tuned_key_`` of ``medusa_tuned.json`` (None when absent).
 
     A tree that does not fit the heads (too deep, a rank >= the vocabulary, invalid) is dropped with
     a logged warning naming the file and the reason. The default is the tuned tree for this device
@@ -207,7 +210,6 @@ def _fitting_trees(
     """
     found: list[tuple[Path, str, Any]] = []  # (file, tree name, paths), first found wins
     defaults: list[tuple[Path, Any]] = []  # (file, tree name), in order of preference
-    tuned = _read_json(tuned_file).get(tuned_key_) if tuned_file.exists() else None
     if tuned is not None:
         if not isinstance(tuned, dict) or "choices" not in tuned:
             raise MedusaCheckpointError(f'{tuned_file}: entry {tuned_key_!r} must be an object with "choices" (a list of paths)')
