@@ -23,6 +23,10 @@ The backbone is Hugging Face's SmolLM2-135M-Instruct as the Q4_1 GGUF file insid
    training prompts are answered by the served backbone too (its weights cast to
    ``--distill-dtype``), so that the heads train on the kind of text they will serve: for NF4 this
    raised held-out head-1 top-1 from 0.36 to 0.44 at equal training (model card).
+   ``distill_served`` — the served backbone's replies written the way the app serves them
+   (``--served-settings``: ``chat``, the app's default sampling settings, and/or ``greedy``), batched,
+   to the held-out and both training rounds' prompts, ≤ ``--served-reply-tokens`` tokens, gzip JSONL in
+   ``assets/demo/distill`` (kept in the repository: the run takes hours and resumes in a later session).
 5. ``heads``         — "version 2" Medusa heads sharing the backbone's LM head (paper 2.2.1) on the
    frozen served backbone, with ``medusa_core.train`` (softmax over the replies' vocabulary during
    training), on the replies of ``--train-rounds`` prompt rounds (the frozen backbone's hidden
@@ -196,6 +200,42 @@ def _distill_split(model, tok, split: str, name: str, args, backbone: str, dtype
         save_figures(**{f"distill_{name}_run_{int(time.time())}": {
             "replies": len(rows) - before, "reply_tokens": new_tokens, "seconds": round(seconds),
             "backbone": backbone, "dtype": dtype, "batch_size": args.distill_batch, "threads": torch.get_num_threads()}})
+
+
+SERVED_SETTINGS = ("chat", "greedy")
+DISTILLED = ASSET / "distill"
+
+
+def served_distilled(split: str, args, settings: str) -> Path:
+    """``assets/demo/distill/{split}-{quantization}-{settings}.jsonl.gz``: replies of the served backbone."""
+    return DISTILLED / f"{split}-{args.quantization}-{settings}.jsonl.gz"
+
+
+def stage_distill_served(args) -> None:
+    """The served backbone's replies at the served settings, held-out prompts first (resumable)."""
+    from transformers import AutoTokenizer
+
+    from medusa_core import CHAT_PRESET, SamplingConfig
+    from medusa_core.train import distill, read_distilled, read_prompts
+
+    served, tok = load_served(args), AutoTokenizer.from_pretrained(backbone_folder())
+    DISTILLED.mkdir(parents=True, exist_ok=True)
+    for settings in args.served_settings:
+        sampling = CHAT_PRESET if settings == "chat" else SamplingConfig()
+        for split in ("heldout", *TRAIN_SPLITS):
+            out = served_distilled(split, args, settings)
+            before = len(read_distilled(out)) if out.exists() else 0
+            t0 = time.time()
+            distill(served, tok, read_prompts(PROMPTS / f"{split}.jsonl"), out, max_new_tokens=args.served_reply_tokens,
+                    batch_size=args.distill_batch, sampling=sampling, seed=SEED)
+            rows = read_distilled(out)
+            new_tokens, seconds = sum(len(r["reply_ids"]) for r in rows[before:]), time.time() - t0
+            if new_tokens:
+                log(f"distill_served {out.name}: {len(rows) - before} replies, {new_tokens} tokens in {seconds:.0f} s "
+                    f"({new_tokens / seconds:.0f} reply tokens/s)")
+                save_figures(**{f"distill_served_{out.name}_run_{int(time.time())}": {
+                    "replies": len(rows) - before, "reply_tokens": new_tokens, "seconds": round(seconds),
+                    "settings": settings, "batch_size": args.distill_batch, "threads": torch.get_num_threads()}})
 
 
 def stage_heads(args) -> None:
@@ -372,6 +412,7 @@ STAGES = {
     "self_instruct": stage_self_instruct,
     "prompts": stage_prompts,
     "distill": stage_distill,
+    "distill_served": stage_distill_served,
     "heads": stage_heads,
     "export": stage_export,
     "evaluate": stage_evaluate,
@@ -380,10 +421,13 @@ STAGES = {
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--stages", nargs="+", choices=list(STAGES), default=list(STAGES))
+    p.add_argument("--stages", nargs="+", choices=list(STAGES), default=[s for s in STAGES if s != "distill_served"])
     p.add_argument("--distill-dtype", choices=list(DTYPES), default="bfloat16")
     p.add_argument("--distill-batch", type=int, default=64)
     p.add_argument("--max-reply-tokens", type=int, default=128, help="distilled reply length limit")
+    p.add_argument("--served-settings", nargs="+", choices=SERVED_SETTINGS, default=["chat", "greedy"],
+                   help="distill_served: the sampling settings replies are written with (chat: the app's defaults)")
+    p.add_argument("--served-reply-tokens", type=int, default=256, help="distill_served: reply length limit")
     p.add_argument("--train-rounds", type=int, choices=[1, 2], default=2,
                    help="prompt rounds the heads train on (1: train.jsonl; 2: also train_more.jsonl)")
     p.add_argument("--num-heads", type=int, default=4)

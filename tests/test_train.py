@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from medusa_core import MedusaHeads, load_medusa_model, optimal_tree
+from medusa_core import MedusaHeads, SamplingConfig, load_medusa_model, optimal_tree
 from medusa_core.train import (
     HeadTrainingConfig,
     accuracy_from_ranks,
@@ -16,6 +16,7 @@ from medusa_core.train import (
     collect_positions,
     distill,
     fit_temperature,
+    generate_kwargs,
     head_loss,
     head_temperatures,
     main,
@@ -67,6 +68,33 @@ def test_distill_answers_follow_up_turns_after_the_models_own_reply_and_resumes(
     # a second run writes nothing new
     distill(backbone, tok, chats, out, max_new_tokens=12, batch_size=2)
     assert len(read_distilled(out)) == 3
+
+
+def test_distill_samples_with_the_served_settings_reproducibly_into_a_gz_file(tmp_path):
+    tok = tiny_tokenizer()
+    backbone = tiny_backbone(eos_token_id=tok.convert_tokens_to_ids("<|end|>"))
+    chats = [[{"role": "user", "content": "def add" + " a" * i}] for i in range(6)]
+    chat = SamplingConfig(temperature=1.5, top_p=0.9, repetition_penalty=1.1)
+    sampled = read_distilled(distill(backbone, tok, chats, tmp_path / "s.jsonl.gz", max_new_tokens=16, batch_size=3, sampling=chat))
+    again = read_distilled(distill(backbone, tok, chats, tmp_path / "t.jsonl.gz", max_new_tokens=16, batch_size=3, sampling=chat))
+    greedy = read_distilled(distill(backbone, tok, chats, tmp_path / "g.jsonl", max_new_tokens=16, batch_size=3))
+    assert [r["reply_ids"] for r in sampled] == [r["reply_ids"] for r in again]  # seeded per batch
+    assert [r["reply_ids"] for r in sampled] != [r["reply_ids"] for r in greedy]  # sampled, not argmax
+    assert generate_kwargs(chat) == {"do_sample": True, "repetition_penalty": 1.1, "temperature": 1.5, "top_k": None,
+                                     "top_p": 0.9, "min_p": None}
+    assert generate_kwargs(SamplingConfig(repetition_penalty=1.1)) == {"do_sample": False, "repetition_penalty": 1.1}
+
+
+def test_a_gz_distillation_cut_mid_batch_drops_that_batch_and_resumes_it(tmp_path):
+    tok = tiny_tokenizer()
+    backbone = tiny_backbone(eos_token_id=tok.convert_tokens_to_ids("<|end|>"))
+    chats = [[{"role": "user", "content": "def add" + " a" * i}] for i in range(6)]
+    out = distill(backbone, tok, chats, tmp_path / "d.jsonl.gz", max_new_tokens=12, batch_size=3)
+    whole = read_distilled(out)
+    out.write_bytes(out.read_bytes()[:-7])  # a crash while the second batch's member was written
+    assert len(read_distilled(out)) == 3
+    distill(backbone, tok, chats, out, max_new_tokens=12, batch_size=3)
+    assert sorted(map(json.dumps, read_distilled(out))) == sorted(map(json.dumps, whole))
 
 
 def test_collect_positions_labels_are_the_reply_tokens_k_plus_2_ahead(tmp_path):

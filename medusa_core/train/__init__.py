@@ -2,7 +2,8 @@
 
 One module per stage, in the order they run:
 
-- ``distill``: the backbone's own greedy replies to seed prompts (self-distillation, 2.3.2).
+- ``distill``: the backbone's own replies to seed prompts, greedy or with a chat's sampling settings
+  (self-distillation, 2.3.2).
 - ``positions``: hidden states of the frozen backbone and each head's target token (2.2.1).
 - ``heads``: the loss Σ_k 0.8^k · CE(head k, token t+k+2), the schedule and the resumable loop (2.2.1).
 - ``calibrate``: per-head rank accuracies, optimised trees per node budget (2.3.3), each tree's
@@ -20,7 +21,7 @@ from .calibrate import (
     target_ranks,
 )
 from .cli import main
-from .distill import MODEL_TURN, distill, read_distilled, read_prompts
+from .distill import MODEL_TURN, distill, generate_kwargs, read_distilled, read_prompts
 from .heads import LOSS_DECAY, TRAINER_STATE, HeadTrainingConfig, backbone_targets, head_loss, lr_at, train_heads
 from .positions import TARGETS, collect_positions
 
@@ -36,6 +37,7 @@ __all__ = [
     "collect_positions",
     "distill",
     "fit_temperature",
+    "generate_kwargs",
     "head_loss",
     "head_temperatures",
     "lr_at",

@@ -1,16 +1,24 @@
-"""Self-distillation (paper 2.3.2): the backbone's own greedy replies to seed prompts, as JSONL.
+"""Self-distillation (paper 2.3.2): the backbone's own replies to seed prompts, as JSONL.
 
-Heads trained on these replies learn the backbone's distribution, not a dataset's.
+Heads trained on these replies learn the backbone's distribution, not a dataset's. Replies are greedy
+by default, or drawn with the sampling settings a chat serves (``SamplingConfig``: temperature, top-k,
+top-p, min-p, repetition penalty, HF ``generate`` semantics), so that heads learn the text they will
+be asked to guess. Output is plain JSONL, or gzip-compressed (``.jsonl.gz``: one gzip member per batch,
+small enough to keep in the repository so a long run resumes in a later session on another machine).
 """
 
 from __future__ import annotations
 
+import gzip
 import json
+import zlib
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
+
+from ..processors import SamplingConfig
 
 #: An assistant turn whose content is None in a seed chat: the backbone writes it during distillation.
 MODEL_TURN = {"role": "assistant", "content": None}
@@ -57,8 +65,17 @@ def distill(
     max_new_tokens: int = 256,
     batch_size: int = 32,
     bf16: bool = False,
+    sampling: SamplingConfig = SamplingConfig(),
+    seed: int = 0,
 ) -> Path:
-    """Write the backbone's greedy replies to ``chats`` as JSONL (paper 2.3.2, self-distillation).
+    """Write the backbone's replies to ``chats`` as JSONL (paper 2.3.2, self-distillation).
+
+    ``sampling`` says how replies are drawn (default greedy): at temperature 0 the argmax of the
+    penalised logits, else a sample from HF ``generate``'s processed distribution with those settings;
+    the generator is seeded per batch from ``seed`` and the batch's ids, so a resumed run draws what
+    an uninterrupted one would for the same batches. ``out`` ending in ``.gz`` is written as one gzip
+    member per batch (``read_distilled`` drops a member cut short by a crash, and a resumed run cuts
+    it off the file before appending).
 
     Each row: ``id``, ``messages``, ``prompt_ids``, ``reply_ids`` (cut after the first EOS), ``reply``.
     A chat holding ``MODEL_TURN`` placeholders is answered turn by turn: the model's reply fills the
@@ -69,7 +86,7 @@ def distill(
     (``backbone.to(torch.bfloat16)``) are faster on CPU.
     """
     out = Path(out)
-    done = {row["id"]: row for row in read_distilled(out)} if out.exists() else {}
+    done = {row["id"]: row for row in read_distilled(out, repair=True)} if out.exists() else {}
     eos = backbone.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
     tokenizer.padding_side = "left"
@@ -78,7 +95,7 @@ def distill(
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
     pending = list(enumerate(chats))  # (chat index, messages) still holding turns to write
     turn = 0
-    with open(out, "a", encoding="utf-8") as f:
+    with _Appender(out) as f:
         while pending:
             todo, ready = [], []
             for i, messages in pending:
@@ -96,21 +113,22 @@ def distill(
                 for row, ids in enumerate(r[4] for r in batch):
                     input_ids[row, width - len(ids) :] = torch.tensor(ids)
                     mask[row, width - len(ids) :] = 1
+                torch.manual_seed(seed ^ zlib.crc32(json.dumps([r[0] for r in batch]).encode()))
                 with torch.inference_mode(), autocast:
                     generated = backbone.generate(
                         input_ids=input_ids.to(device),
                         attention_mask=mask.to(device),
                         max_new_tokens=max_new_tokens,
-                        do_sample=False,
                         pad_token_id=pad_id,
+                        **generate_kwargs(sampling),
                     )[:, width:].tolist()
+                rows = []
                 for (key, _, messages, _, ids), reply in zip(batch, generated):
                     reply = reply[: next((n + 1 for n, t in enumerate(reply) if t in eos_ids), len(reply))]
                     replies[key] = reply
-                    row = {"id": key, "messages": messages, "prompt_ids": ids, "reply_ids": reply,
-                           "reply": tokenizer.decode(reply, skip_special_tokens=True)}
-                    f.write(json.dumps(row) + "\n")
-                f.flush()
+                    rows.append({"id": key, "messages": messages, "prompt_ids": ids, "reply_ids": reply,
+                                 "reply": tokenizer.decode(reply, skip_special_tokens=True)})
+                f.write(rows)
             turn += 1
             pending = [
                 (i, messages + [{"role": "assistant", "content": tokenizer.decode(replies[key], skip_special_tokens=True)}] + rest)
@@ -126,7 +144,57 @@ def _chat_ids(tokenizer, messages: list[dict]) -> list[int]:
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
-def read_distilled(path: str | Path) -> list[dict]:
-    """Rows written by ``distill``."""
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+def generate_kwargs(sampling: SamplingConfig) -> dict:
+    """HF ``generate`` keywords that draw from ``sampling``'s distribution (filters that are off are left out)."""
+    kwargs = {"do_sample": not sampling.greedy, "repetition_penalty": sampling.repetition_penalty}
+    if not sampling.greedy:
+        kwargs.update(temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p,
+                      min_p=sampling.min_p or None)
+    return kwargs
+
+
+def read_distilled(path: str | Path, *, repair: bool = False) -> list[dict]:
+    """Rows written by ``distill`` (plain or ``.gz`` JSONL).
+
+    A ``.gz`` file's last gzip member cut short (a run killed while writing) is skipped; with
+    ``repair`` it is also cut off the file, so that appended members stay readable.
+    """
+    path = Path(path)
+    if path.suffix != ".gz":
+        with open(path, encoding="utf-8") as f:
+            return [json.loads(line) for line in f if line.strip()]
+    data = path.read_bytes()
+    rows, offset = [], 0
+    while offset < len(data):
+        member = zlib.decompressobj(wbits=31)  # one gzip member
+        try:
+            text = member.decompress(data[offset:]) + member.flush()
+        except zlib.error:
+            break
+        if not member.eof:
+            break
+        rows += [json.loads(line) for line in text.decode("utf-8").splitlines() if line.strip()]
+        offset = len(data) - len(member.unused_data)
+    if repair and offset < len(data):
+        with open(path, "r+b") as f:
+            f.truncate(offset)
+    return rows
+
+
+class _Appender:
+    """Appends a batch of rows to a JSONL file, or as one gzip member to a ``.gz`` file, and flushes it."""
+
+    def __init__(self, path: Path):
+        self.path, self.gz = path, path.suffix == ".gz"
+
+    def __enter__(self) -> "_Appender":
+        self.file = open(self.path, "ab")
+        return self
+
+    def write(self, rows: list[dict]) -> None:
+        text = "".join(json.dumps(row) + "\n" for row in rows).encode("utf-8")
+        self.file.write(gzip.compress(text, mtime=0) if self.gz else text)
+        self.file.flush()
+
+    def __exit__(self, *exc) -> None:
+        self.file.close()
