@@ -32,7 +32,9 @@ def save_medusa_heads(
     ``tests/test_serving_layouts.py``): this project and text-generation-inference read both layouts
     (TGI version 2 only with one block per head); TensorRT-LLM reads layout 1 only, as its loader needs
     a projection ``{i}.{L}.weight`` per head, which version 2 heads do not have; vLLM reads neither
-    (use ``export_vllm``); the reference code reads only ``medusa_lm_head.pt``.
+    (use ``export_vllm``); the reference code reads only ``medusa_lm_head.pt``. Root-conditioned heads
+    (layout "root" of ``medusa_core.heads``) add the tensor ``root_weight`` and
+    ``"medusa_root_conditioned": true``; only this project reads them.
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -43,6 +45,8 @@ def save_medusa_heads(
     }
     if heads.shares_lm_head:
         config["version"] = "2"
+    if heads.root_conditioned:
+        config["medusa_root_conditioned"] = True
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     state = {k: v.detach().to("cpu", torch.float16).contiguous() for k, v in heads.state_dict().items()}
     save_file(state, folder / "medusa_lm_head.safetensors", metadata={"format": "pt"})
@@ -56,8 +60,11 @@ def export_vllm(heads: MedusaHeads, folder: str | Path) -> Path:
 
     Keys: ``blocks.{i}.layers.{j}.weight/.bias`` and ``lm_heads.{i}.weight`` (for shared-LM-head heads,
     a copy of the backbone's LM head per head, which vLLM expects). The only layout of the three
-    that vLLM reads, and the only way version 2 heads reach it.
+    that vLLM reads, and the only way version 2 heads reach it. Raises ``ValueError`` for
+    root-conditioned heads, which vLLM's Medusa model cannot run (its heads read the hidden state only).
     """
+    if heads.root_conditioned:
+        raise ValueError("root-conditioned Medusa heads have no vLLM layout: vLLM's Medusa heads read the hidden state only")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     state: dict[str, torch.Tensor] = {}

@@ -4,6 +4,12 @@ The module's ``state_dict`` keys are exactly the reference's head-only keys — 
 ``{i}.{j}.linear.bias`` for residual block j < L and ``{i}.{L}.weight`` for head i's [V, H] projection —
 so files round-trip with published checkpoints and text-generation-inference. "Version 2" heads have
 no projection of their own and reuse the backbone's LM head.
+
+Layout "root" (this project's, after Hydra, Ankner et al. 2024): at step time the root token t+1 is
+already chosen when the heads run, so a root-conditioned head k reads ``h + R_k · e(root)`` instead of
+``h``, with ``e`` the backbone's own (frozen) input embedding and ``R_k`` [H, H] its one extra tensor,
+saved under the key ``root_weight`` ([K, H, H], zero at initialisation: a fresh root-conditioned head
+is a Medusa head). Everything else, keys included, is the Medusa-1 / "version 2" layout.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ class MedusaHeads(nn.ModuleList):
         num_layers: residual blocks per head (independent weights; 1 in published checkpoints).
         shared_lm_head: for "version 2" checkpoints, the backbone's LM head ([V, H] linear) that every
             head uses instead of a projection of its own. It is not part of this module's state.
+        root_embedding: the backbone's input embedding ([V, H]) for root-conditioned heads (layout
+            "root", module docstring); they then take ``root=`` in ``forward``. Not part of the state.
     """
 
     def __init__(
@@ -44,6 +52,7 @@ class MedusaHeads(nn.ModuleList):
         num_heads: int,
         num_layers: int = 1,
         shared_lm_head: nn.Module | None = None,
+        root_embedding: nn.Module | None = None,
     ):
         if num_heads < 1 or num_layers < 0:
             raise ValueError(f"need num_heads >= 1 and num_layers >= 0, got {num_heads}, {num_layers}")
@@ -59,6 +68,9 @@ class MedusaHeads(nn.ModuleList):
         self.num_layers = num_layers
         # A plain tuple keeps the shared LM head out of this module's parameters and state_dict.
         self._shared_lm_head = (shared_lm_head,) if shared_lm_head is not None else ()
+        self._root_embedding = (root_embedding,) if root_embedding is not None else ()
+        if root_embedding is not None:  # a parameter, not a module: len(self) stays K
+            self.root_weight = nn.Parameter(torch.zeros(num_heads, hidden_size, hidden_size))  # [K, H, H]
 
     @property
     def num_heads(self) -> int:
@@ -69,6 +81,11 @@ class MedusaHeads(nn.ModuleList):
     def shares_lm_head(self) -> bool:
         """True for "version 2" heads that use the backbone's LM head."""
         return bool(self._shared_lm_head)
+
+    @property
+    def root_conditioned(self) -> bool:
+        """True for heads of layout "root", which read the root token too (module docstring)."""
+        return bool(self._root_embedding)
 
     def own_lm_head_copy(self, dtype: torch.dtype) -> None:
         """Use a private copy of the shared LM head in ``dtype`` (e.g. bfloat16 on a CPU: half the
@@ -85,33 +102,53 @@ class MedusaHeads(nn.ModuleList):
         self._shared_lm_head = (copy.requires_grad_(False),)
 
     @classmethod
-    def from_backbone(cls, backbone: nn.Module, num_heads: int, num_layers: int = 1) -> "MedusaHeads":
+    def from_backbone(
+        cls, backbone: nn.Module, num_heads: int, num_layers: int = 1, *, root_conditioned: bool = False
+    ) -> "MedusaHeads":
         """Fresh heads for a Hugging Face causal LM: W1 = 0, each projection a copy of the LM head.
 
         A fresh head therefore predicts what the LM head predicts; training moves it to t+k+2.
         The heads get the LM head's device and (floating) dtype; a quantized LM head is dequantized.
+        ``root_conditioned``: layout "root", reading the backbone's input embedding of the root token.
         """
         lm_head = backbone.get_output_embeddings()
         weight = _dense_weight(lm_head)  # [V, H]
-        heads = cls(weight.shape[1], weight.shape[0], num_heads, num_layers)
+        embedding = backbone.get_input_embeddings() if root_conditioned else None
+        heads = cls(weight.shape[1], weight.shape[0], num_heads, num_layers, root_embedding=embedding)
         heads.to(device=weight.device, dtype=weight.dtype)
         with torch.no_grad():
             for head in heads:
                 head[-1].weight.copy_(weight)
         return heads
 
-    def forward(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, num_heads: int | None = None, root: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of the first ``num_heads`` heads (all by default).
 
         Args:
             hidden: [..., H] final-norm hidden states of the backbone.
+            root: [...] int64, the token chosen after each state (the step's root); required by
+                root-conditioned heads, ignored by others.
         Returns:
             [k, ..., V] with k = ``num_heads``.
+        Raises ``ValueError`` when root-conditioned heads get no ``root``.
         """
+        states = self.states(hidden, num_heads, root)  # [k, ..., H] ([k, ..., V] with own projections)
+        return self._shared_lm_head[0](states) if self._shared_lm_head else states  # one LM-head pass
+
+    def states(self, hidden: torch.Tensor, num_heads: int | None = None, root: torch.Tensor | None = None) -> torch.Tensor:
+        """What the heads hand to the LM head: [k, ..., H] for "version 2" heads (their residual blocks'
+        output), [k, ..., V] logits for heads with projections of their own. Args as ``forward``."""
         heads = list(self)[: num_heads or len(self)]
-        if self._shared_lm_head:
-            return self._shared_lm_head[0](torch.stack([head(hidden) for head in heads]))  # one LM-head pass
-        return torch.stack([head(hidden) for head in heads])
+        return torch.stack([head(x) for head, x in zip(heads, self._inputs(hidden, len(heads), root))])
+
+    def _inputs(self, hidden: torch.Tensor, k: int, root: torch.Tensor | None) -> list[torch.Tensor]:
+        """Each head's input [..., H]: ``hidden``, plus ``R_k · e(root)`` for root-conditioned heads."""
+        if not self._root_embedding:
+            return [hidden] * k
+        if root is None:
+            raise ValueError("root-conditioned Medusa heads need root= (the token chosen after each hidden state)")
+        embedded = self._root_embedding[0](root).to(self.root_weight.dtype)  # [..., H]
+        return [hidden + embedded @ self.root_weight[i].T for i in range(k)]
 
 
 def _dense_weight(linear: nn.Module) -> torch.Tensor:

@@ -48,6 +48,8 @@ TUNED_FILE = "medusa_tuned.json"
 BACKBONE_VARIANT = "backbone-{}"
 #: Backbone precisions: "auto" picks "gguf" for a GGUF backbone on the CPU, else "nf4" (``resolve_quantization``).
 QUANTIZATIONS = ("auto", "gguf", "nf4", "int8", None)
+#: The one extra tensor of root-conditioned heads (layout "root" of ``medusa_core.heads``).
+ROOT_KEY = "root_weight"
 _HEAD_KEY = re.compile(r"^(\d+)\.(\d+)\.(?:linear\.)?(weight|bias)$")
 
 
@@ -257,13 +259,17 @@ def heads_from_state_dict(
     """Build ``MedusaHeads`` from reference head-only keys, checked against the backbone.
 
     The number of heads K and blocks L are inferred from the keys; a state without ``{i}.{L}.weight``
-    projections is a "version 2" checkpoint and shares the backbone's LM head.
+    projections is a "version 2" checkpoint and shares the backbone's LM head; a state with ``root_weight``
+    ([K, H, H], layout "root" of ``medusa_core.heads``) gives root-conditioned heads that read the
+    backbone's input embedding.
     Raises ``MedusaCheckpointError`` naming ``source``, the key, the expected and the found shape.
     """
     lm_head = backbone.get_output_embeddings()
     vocab, hidden = lm_head.out_features, lm_head.in_features
     blocks: dict[int, set[int]] = {}
     for key in state:
+        if key == ROOT_KEY:
+            continue
         m = _HEAD_KEY.match(key)
         if not m:
             raise MedusaCheckpointError(f"{source}: unexpected key {key!r} (expected '{{i}}.{{j}}.linear.weight' ...)")
@@ -275,7 +281,9 @@ def heads_from_state_dict(
         raise MedusaCheckpointError(f"{source}: head indices {sorted(blocks)} are not 0..{num_heads - 1}")
     num_layers = sum(1 for j in blocks[0] if f"0.{j}.linear.weight" in state)
     shared = f"0.{num_layers}.weight" not in state
-    heads = MedusaHeads(hidden, vocab, num_heads, num_layers, shared_lm_head=lm_head if shared else None)
+    root_embedding = backbone.get_input_embeddings() if ROOT_KEY in state else None
+    heads = MedusaHeads(hidden, vocab, num_heads, num_layers, shared_lm_head=lm_head if shared else None,
+                        root_embedding=root_embedding)
     expected = {k: tuple(v.shape) for k, v in heads.state_dict().items()}
     for key, shape in expected.items():
         if key not in state:

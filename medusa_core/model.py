@@ -41,7 +41,8 @@ class MedusaModel:
         backbone: a ``transformers`` causal LM whose attention takes a 4-D mask (Llama, Mistral,
             Qwen2, Gemma, Phi-3, ...), possibly quantized with bitsandbytes.
         heads: ``MedusaHeads`` (or any module with ``num_heads`` and ``heads(hidden [B, H],
-            num_heads) -> [k, B, V]``).
+            num_heads) -> [k, B, V]``; heads whose ``root_conditioned`` is true also get ``root=`` [B],
+            the step's root token).
         tokenizer: optional; kept for callers (the app) and never used by the engine, which works on ids.
         name / base_model / quantization: descriptive, shown by UIs.
         trees: the model's own named trees (calibrated or machine-tuned), listed before the presets.
@@ -361,7 +362,8 @@ class MedusaModel:
         """
         if tree.num_nodes == 1:
             return root.view(1), None
-        head_logits = self.heads(hidden.to(self._head_dtype), num_heads=tree.head_depth)[:, 0]  # [D, V]
+        rooted = {"root": root.view(1)} if getattr(self.heads, "root_conditioned", False) else {}  # layout "root"
+        head_logits = self.heads(hidden.to(self._head_dtype), num_heads=tree.head_depth, **rooted)[:, 0]  # [D, V]
         top = head_logits.topk(tree.topk, dim=-1)  # [D, topk]
         tokens = torch.cat([root.view(1), top.indices.flatten()])[tree.tree_indices]
         if not with_log_p:

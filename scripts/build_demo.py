@@ -258,34 +258,38 @@ def stage_heads(args) -> None:
     model = load_served(args)
     cfg = HeadTrainingConfig(num_heads=args.num_heads, num_layers=args.head_layers, share_lm_head=True,
                              vocab="data", epochs=args.head_epochs, batch_size=512, lr=args.head_lr,
-                             warmup_steps=30, seed=SEED, checkpoint_every=50, soft_targets=args.soft_targets)
-    targets = "reply" if args.quantization == "none" else "backbone"  # NF4: its own greedy tokens
-    suffix = served_suffix(args)
+                             warmup_steps=30, seed=SEED, checkpoint_every=50, soft_targets=args.soft_targets,
+                             root_conditioned=args.root_conditioned)
 
-    def positions(replies: str, name: str, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        """The frozen backbone's states on ``distill_{replies}.jsonl``, cached as ``positions_{name}_K.pt``."""
-        cached = WORK / f"positions_{name}_{cfg.num_heads}.pt"
+    def positions(file: Path, name: str, **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The frozen backbone's states on the replies in ``file``, cached as ``positions_{name}_K.pt``:
+        (hidden [M, H], labels [M, K], roots [M]). A cache of fewer replies than the file holds now (a
+        ``distill_served`` file grows across sessions), or from before layout "root", is rebuilt."""
+        cached, rows = WORK / f"positions_{name}_{cfg.num_heads}.pt", read_distilled(file)
         if cached.exists():
             part = torch.load(cached, weights_only=True)
-            return part["hidden"], part["labels"]
-        hidden, labels = collect_positions(model, read_distilled(WORK / f"distill_{replies}.jsonl"), cfg.num_heads, **kwargs)
-        torch.save({"hidden": hidden, "labels": labels}, cached)
-        return hidden, labels
+            if "roots" in part and part.get("replies") == len(rows):
+                return part["hidden"], part["labels"], part["roots"]
+        hidden, labels, roots = collect_positions(model, rows, cfg.num_heads, with_roots=True, **kwargs)
+        torch.save({"hidden": hidden, "labels": labels, "roots": roots, "replies": len(rows)}, cached)
+        return hidden, labels, roots
 
-    own = "_own" if own_replies(args) else ""  # the served backbone's states either way
-    parts = [positions(replies, f"{split}{suffix}{own}", bf16=True, targets=targets)
-             for split, replies in zip(TRAIN_SPLITS, training_replies(args))]
-    hidden, labels = (torch.cat(column) for column in zip(*parts))
-    log(f"heads: {len(hidden)} training positions from {args.train_rounds} prompt round(s) in {time.time() - t0:.0f} s")
-    heads, stats = train_heads(model, hidden, labels, out, cfg, base_model_name_or_path=BASE_MODEL_ID)
-    held_h, held_l = positions(f"heldout{suffix}", f"heldout{suffix}")  # the served backbone's replies, float32 states
-    ranks = target_ranks(heads, held_h, held_l)
+    (train_files, train_targets), (held_file, held_name) = heads_data(args)
+    parts = [positions(file, name, bf16=True, targets=train_targets) for file, name in train_files]
+    hidden, labels, roots = (torch.cat(column) for column in zip(*parts))
+    log(f"heads: {len(hidden)} training positions from {len(parts)} reply file(s) in {time.time() - t0:.0f} s")
+    heads, stats = train_heads(model, hidden, labels, out, cfg, base_model_name_or_path=BASE_MODEL_ID, roots=roots)
+    held_h, held_l, held_r = positions(held_file, held_name)  # the served backbone's replies, float32 states
+    rooted = {"roots": held_r} if cfg.root_conditioned else {}
+    ranks = target_ranks(heads, held_h, held_l, **rooted)
     record = calibration(accuracy_from_ranks(ranks), budgets=(4, 8, 12, 16, 32, 64), default=16, replayed=(ranks, held_l))
-    train_acc = rank_accuracy(heads, hidden[:50_000], labels[:50_000])
+    train_acc = rank_accuracy(heads, hidden[:50_000], labels[:50_000], roots=roots[:50_000] if rooted else None)
     (out / CALIBRATION_FILE).write_text(json.dumps(record, indent=1) + "\n")
     stats.update(
         backbone_quantization=args.quantization,
-        targets=targets,
+        targets=train_targets,
+        heads_data=args.heads_data,
+        heldout_replies=held_file.name,
         heldout_positions=len(held_h),
         heldout_top1=record["top1"],
         heldout_top5=record["top5"],
@@ -298,13 +302,33 @@ def stage_heads(args) -> None:
     log(f"heads: {json.dumps({k: v for k, v in stats.items() if k != 'config'})}")
 
 
+def heads_data(args) -> tuple[tuple[list[tuple[Path, str]], str], tuple[Path, str]]:
+    """What ``stage_heads`` reads: ((training reply files with their cache names, targets), (held-out reply
+    file, its cache name)). ``--heads-data distill``: ``build/demo/distill_*.jsonl`` of ``--train-rounds``
+    rounds; ``served``: the ``distill_served`` files of ``--served-settings`` that exist."""
+    suffix = served_suffix(args)
+    if args.heads_data == "served":
+        files = [(served_distilled(split, args, s), f"{split}-{args.quantization}-{s}")
+                 for s in args.served_settings for split in TRAIN_SPLITS[: args.train_rounds]]
+        held = args.served_settings[0]
+        return ([(f, n) for f, n in files if f.exists()], "reply"), (served_distilled("heldout", args, held),
+                                                                      f"heldout-{args.quantization}-{held}")
+    targets = "reply" if args.quantization == "none" else "backbone"  # NF4: its own greedy tokens
+    own = "_own" if own_replies(args) else ""  # the served backbone's states either way
+    files = [(WORK / f"distill_{replies}.jsonl", f"{split}{suffix}{own}") for split, replies in zip(TRAIN_SPLITS, training_replies(args))]
+    return (files, targets), (WORK / f"distill_heldout{suffix}.jsonl", f"heldout{suffix}")
+
+
 def heads_folder(args) -> Path:
     """One folder per head configuration and training data, so that several can be trained and compared."""
     rounds = "" if args.train_rounds == 1 else f"-r{args.train_rounds}"
     served = served_suffix(args).replace("_", "-")
     soft = "-soft" if args.soft_targets else ""
     own = "-own" if own_replies(args) else ""
-    return WORK / f"heads-{args.num_heads}x{args.head_layers}-e{args.head_epochs:g}-lr{args.head_lr:g}{rounds}{served}{own}{soft}"
+    data = f"-served-{'-'.join(args.served_settings)}" if args.heads_data == "served" else ""
+    root = "-root" if args.root_conditioned else ""
+    name = f"heads-{args.num_heads}x{args.head_layers}-e{args.head_epochs:g}-lr{args.head_lr:g}{rounds}{served}{own}{soft}{data}{root}"
+    return WORK / name
 
 
 def asset_folder(args) -> Path:
@@ -440,6 +464,10 @@ def main() -> None:
     p.add_argument("--soft-targets", action=argparse.BooleanOptionalAction, default=False,
                    help="heads learn the served backbone's whole distribution for their token (paper 2.3.2) "
                         "instead of its greedy token")
+    p.add_argument("--heads-data", choices=["distill", "served"], default="distill",
+                   help="heads: train on the distill stage's replies, or on the distill_served files (--served-settings)")
+    p.add_argument("--root-conditioned", action=argparse.BooleanOptionalAction, default=False,
+                   help="heads of layout 'root': each head also reads the step's root token (medusa_core.heads)")
     p.add_argument("--eval-prompts", type=int, default=20, help="held-out prompts for acceleration and exactness")
     p.add_argument("--end-prompts", type=int, default=48, help="held-out prompts for the end-of-turn figure")
     p.add_argument("--eval-tokens", type=int, default=512, help="token limit of the end-of-turn figure")

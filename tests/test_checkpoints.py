@@ -129,6 +129,45 @@ def test_version_2_checkpoint_loads_residual_blocks_that_share_the_backbone_lm_h
     assert [t for r in bf16.generate(PROMPT, max_new_tokens=16, tree="sparse_16") for t in r.token_ids] == plain
 
 
+def test_root_conditioned_heads_load_as_their_own_layout_and_decode_exactly(base, tmp_path):
+    folder, backbone = base
+    heads = MedusaHeads(HIDDEN, VOCAB, HEADS, shared_lm_head=backbone.get_output_embeddings(),
+                        root_embedding=backbone.get_input_embeddings())
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(std=0.1)
+    fp16_exact(heads)
+    save_medusa_heads(heads, tmp_path, base_model_name_or_path=str(folder))
+    assert json.loads((tmp_path / "config.json").read_text())["medusa_root_conditioned"] is True
+    assert load_file(tmp_path / "medusa_lm_head.safetensors")["root_weight"].shape == (HEADS, HIDDEN, HIDDEN)
+    model = load(tmp_path)
+    assert model.heads.root_conditioned and model.heads.shares_lm_head and model.num_heads == HEADS
+    assert_same_heads(model.heads, heads)
+    hidden, root = torch.randn(3, HIDDEN), torch.tensor([5, 6, 7])
+    with torch.no_grad():
+        torch.testing.assert_close(model.heads(hidden, root=root), heads(hidden, root=root))  # [K, 3, V]
+        assert not torch.allclose(model.heads(hidden, root=root), model.heads(hidden, root=root.flip(0)))  # the root counts
+    with pytest.raises(ValueError, match="need root="):
+        model.heads(hidden)
+    with pytest.raises(ValueError, match="vLLM"):
+        export_vllm(model.heads, tmp_path / "vllm")
+    plain = [t for r in model.generate(PROMPT, max_new_tokens=16, medusa=False) for t in r.token_ids]
+    assert [t for r in model.generate(PROMPT, max_new_tokens=16, tree="sparse_16") for t in r.token_ids] == plain
+
+
+def test_a_root_conditioned_head_file_for_another_backbone_names_the_root_tensor_and_both_shapes(base, tmp_path):
+    folder, backbone = base
+    heads = MedusaHeads(HIDDEN, VOCAB, HEADS, shared_lm_head=backbone.get_output_embeddings(),
+                        root_embedding=backbone.get_input_embeddings())
+    save_medusa_heads(heads, tmp_path, base_model_name_or_path=str(folder))
+    state = load_file(tmp_path / "medusa_lm_head.safetensors")
+    state["root_weight"] = torch.zeros(HEADS, HIDDEN, 2 * HIDDEN, dtype=torch.float16)
+    save_file(state, tmp_path / "medusa_lm_head.safetensors")
+    with pytest.raises(MedusaCheckpointError, match=re.escape(f"'root_weight' has shape [{HEADS}, {HIDDEN}, {2 * HIDDEN}], "
+                                                              f"expected [{HEADS}, {HIDDEN}, {HIDDEN}]")):
+        load(tmp_path)
+
+
 def test_medusa_2_full_checkpoint_loads_heads_from_the_model_weights(base, tmp_path):
     _, backbone = base
     heads = random_heads(backbone, HEADS)

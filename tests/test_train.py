@@ -239,6 +239,41 @@ def test_version_2_heads_trained_on_the_label_vocabulary_learn_and_are_evaluated
         train_heads(backbone, hidden, labels, tmp_path / "v1", HeadTrainingConfig(vocab="data"), base_model_name_or_path="b")
 
 
+def test_fresh_root_conditioned_heads_are_medusa_heads_and_need_the_root(tmp_path):
+    backbone, _, rows = _distilled_rows(tmp_path, n=2)
+    hidden, labels, roots = collect_positions(backbone, rows, num_heads=2, with_roots=True)
+    seq, p = rows[0]["prompt_ids"] + rows[0]["reply_ids"], len(rows[0]["prompt_ids"])
+    assert roots.shape == (len(hidden),) and roots[: len(seq) - p].tolist() == seq[p:]  # the token after each position
+    plain = MedusaHeads.from_backbone(backbone, 2)
+    rooted = MedusaHeads.from_backbone(backbone, 2, root_conditioned=True)
+    assert rooted.root_conditioned and len(rooted) == 2 and rooted.root_weight.shape == (2, HIDDEN, HIDDEN)
+    with torch.no_grad():
+        torch.testing.assert_close(rooted(hidden.float(), root=roots), plain(hidden.float()))  # R_k = 0 at first
+    cfg = HeadTrainingConfig(num_heads=2, root_conditioned=True, checkpoint_every=0, bf16=False)
+    with pytest.raises(ValueError, match=rf"roots of shape \[{len(hidden)}\] \(one per position\), got None"):
+        train_heads(backbone, hidden, labels, tmp_path / "h", cfg, base_model_name_or_path="b")
+
+
+def test_root_conditioned_heads_learn_what_only_the_root_token_tells(tmp_path):
+    """Head 1's target is the root token's successor under a fixed random map, unrelated to the hidden
+    state: plain heads cannot learn it, root-conditioned ones can (the reason for layout "root")."""
+    backbone = tiny_backbone()
+    g = torch.Generator().manual_seed(0)
+    successor = torch.randperm(VOCAB, generator=g)  # token -> the token after it
+    hidden = torch.randn(6000, HIDDEN, generator=g).half()
+    roots = torch.randint(0, VOCAB, (6000,), generator=g)
+    labels = successor[roots][:, None]  # [M, 1]
+    train, held = slice(0, 5000), slice(5000, None)
+    cfg = dict(num_heads=1, share_lm_head=True, epochs=20, batch_size=250, warmup_steps=5, lr=3e-2, checkpoint_every=0, bf16=False)
+    plain, _ = train_heads(backbone, hidden[train], labels[train], tmp_path / "plain", HeadTrainingConfig(**cfg),
+                           base_model_name_or_path="b")
+    rooted, _ = train_heads(backbone, hidden[train], labels[train], tmp_path / "rooted",
+                            HeadTrainingConfig(**cfg, root_conditioned=True), base_model_name_or_path="b", roots=roots[train])
+    plain_top1 = rank_accuracy(plain, hidden[held], labels[held])[0][0]
+    rooted_top1 = rank_accuracy(rooted, hidden[held], labels[held], roots=roots[held])[0][0]
+    assert rooted_top1 > plain_top1 + 0.15, (plain_top1, rooted_top1)
+
+
 def test_collect_positions_backbone_targets_are_the_backbones_own_greedy_tokens(tmp_path):
     backbone, _, rows = _distilled_rows(tmp_path, n=4)
     other = tiny_backbone(seed=5)  # a different backbone: its own greedy tokens differ from the replies

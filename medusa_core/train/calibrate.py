@@ -66,13 +66,20 @@ def fit_temperature(logits: torch.Tensor, targets: torch.Tensor, *, iterations: 
 
 @torch.inference_mode()
 def head_temperatures(
-    heads: MedusaHeads, hidden: torch.Tensor, labels: torch.Tensor, *, max_positions: int = 4096, batch_size: int = 512
+    heads: MedusaHeads,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    max_positions: int = 4096,
+    batch_size: int = 512,
+    roots: torch.Tensor | None = None,
 ) -> list[float]:
     """Each head's ``fit_temperature`` on held-out positions: T_k such that softmax(logits_k / T_k) best
     predicts the token k+2 places ahead (Guo et al. 2017; the probabilities then shape trees, EAGLE-2).
 
     Args: hidden [M, H], labels [M, K] (``collect_positions``; -100 = no target); ``max_positions``: at most
-    that many positions, evenly spaced, whose logits are kept in bfloat16 ([K, max_positions, V]).
+    that many positions, evenly spaced, whose logits are kept in bfloat16 ([K, max_positions, V]);
+    roots [M] for root-conditioned heads (``collect_positions(with_roots=True)``).
     Returns [K] temperatures. Raises ``ValueError`` when no position has a target.
     """
     dtype, device = next(heads.parameters()).dtype, next(heads.parameters()).device
@@ -80,7 +87,7 @@ def head_temperatures(
     if not len(rows):
         raise ValueError(f"no position of labels {list(labels.shape)} has a target: nothing to fit temperatures on")
     rows = rows[torch.linspace(0, len(rows) - 1, min(len(rows), max_positions)).round().long()]
-    logits = torch.cat([heads(hidden[rows[s : s + batch_size]].to(device, dtype)).to(torch.bfloat16).cpu()
+    logits = torch.cat([_head_logits(heads, hidden, roots, rows[s : s + batch_size]).to(torch.bfloat16).cpu()
                         for s in range(0, len(rows), batch_size)], dim=1)  # [K, M', V]
     temperatures = []
     for k in range(heads.num_heads):
@@ -90,19 +97,20 @@ def head_temperatures(
 
 
 @torch.inference_mode()
-def target_ranks(heads: MedusaHeads, hidden: torch.Tensor, labels: torch.Tensor, batch_size: int = 4096) -> torch.Tensor:
+def target_ranks(
+    heads: MedusaHeads, hidden: torch.Tensor, labels: torch.Tensor, batch_size: int = 4096, roots: torch.Tensor | None = None
+) -> torch.Tensor:
     """Rank of each head's target token among that head's logits over the whole vocabulary (paper 2.3.3).
 
-    Args: hidden [M, H], labels [M, K] (``collect_positions``; -100 = no target).
+    Args: hidden [M, H], labels [M, K] (``collect_positions``; -100 = no target); roots [M] for
+    root-conditioned heads.
     Returns ranks [M, K] int64: 0 = the target is the head's top-1, -1 where there is no target.
     """
     ranks = torch.full(labels.shape, -1, dtype=torch.long)
-    dtype = next(heads.parameters()).dtype
     device = next(heads.parameters()).device
     for start in range(0, len(hidden), batch_size):
-        h = hidden[start : start + batch_size].to(device, dtype)
         lab = labels[start : start + batch_size].to(device)
-        logits = heads(h)  # [K, B, V]
+        logits = _head_logits(heads, hidden, roots, torch.arange(start, min(start + batch_size, len(hidden))))  # [K, B, V]
         for k in range(heads.num_heads):
             target_logit = logits[k].gather(1, lab[:, k, None].clamp(min=0))
             rank = (logits[k] > target_logit).sum(dim=1)  # [B]
@@ -111,13 +119,26 @@ def target_ranks(heads: MedusaHeads, hidden: torch.Tensor, labels: torch.Tensor,
 
 
 def rank_accuracy(
-    heads: MedusaHeads, hidden: torch.Tensor, labels: torch.Tensor, max_rank: int = 10, batch_size: int = 4096
+    heads: MedusaHeads,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    max_rank: int = 10,
+    batch_size: int = 4096,
+    roots: torch.Tensor | None = None,
 ) -> list[list[float]]:
     """``a[k][i]``: fraction of positions where the target is exactly rank i of head k (paper 2.3.3).
 
-    Top-n accuracy of head k is ``sum(a[k][:n])``. Args: hidden [M, H], labels [M, K].
+    Top-n accuracy of head k is ``sum(a[k][:n])``. Args: hidden [M, H], labels [M, K], roots [M] for
+    root-conditioned heads.
     """
-    return accuracy_from_ranks(target_ranks(heads, hidden, labels, batch_size), max_rank)
+    return accuracy_from_ranks(target_ranks(heads, hidden, labels, batch_size, roots), max_rank)
+
+
+def _head_logits(heads: MedusaHeads, hidden: torch.Tensor, roots: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
+    """The heads' logits [K, B, V] at positions ``rows`` [B] of ``hidden`` [M, H] (and ``roots`` [M])."""
+    param = next(heads.parameters())
+    rooted = {} if roots is None else {"root": roots[rows].to(param.device)}  # only root-conditioned heads take it
+    return heads(hidden[rows].to(param.device, param.dtype), **rooted)
 
 
 def accuracy_from_ranks(ranks: torch.Tensor, max_rank: int = 10) -> list[list[float]]:

@@ -104,12 +104,14 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "heads":
         cfg_fields = {f: getattr(args, f) for f in asdict(HeadTrainingConfig())}
         cfg = HeadTrainingConfig(**cfg_fields)
-        hidden, labels = collect_positions(backbone, read_distilled(args.data), cfg.num_heads, bf16=args.bf16, targets=args.targets)
-        heads, stats = train_heads(backbone, hidden, labels, args.out, cfg, base_model_name_or_path=args.base_name or args.model, resume=not args.no_resume)
+        hidden, labels, roots = collect_positions(backbone, read_distilled(args.data), cfg.num_heads, bf16=args.bf16,
+                                                  targets=args.targets, with_roots=True)
+        heads, stats = train_heads(backbone, hidden, labels, args.out, cfg, base_model_name_or_path=args.base_name or args.model,
+                                   resume=not args.no_resume, roots=roots)
         if args.heldout:
-            hh, hl = collect_positions(backbone, read_distilled(args.heldout), cfg.num_heads, bf16=args.bf16)
-            ranks = target_ranks(heads, hh, hl)
-            record = calibration(accuracy_from_ranks(ranks), replayed=(ranks, hl), temperatures=head_temperatures(heads, hh, hl))
+            hh, hl, hr = collect_positions(backbone, read_distilled(args.heldout), cfg.num_heads, bf16=args.bf16, with_roots=True)
+            ranks = target_ranks(heads, hh, hl, roots=hr)
+            record = calibration(accuracy_from_ranks(ranks), replayed=(ranks, hl), temperatures=head_temperatures(heads, hh, hl, roots=hr))
             (Path(args.out) / CALIBRATION_FILE).write_text(json.dumps(record, indent=1) + "\n")
             stats["heldout_top1"], stats["heldout_top5"] = record["top1"], record["top5"]
         print(json.dumps(stats, indent=1))
@@ -120,9 +122,9 @@ def main(argv: list[str] | None = None) -> None:
             export_vllm(heads, folder)
     elif args.command == "calibrate":
         heads = _load_heads_folder(Path(args.heads), backbone)
-        hidden, labels = collect_positions(backbone, read_distilled(args.data), heads.num_heads, bf16=args.bf16)
-        ranks = target_ranks(heads, hidden, labels)
+        hidden, labels, roots = collect_positions(backbone, read_distilled(args.data), heads.num_heads, bf16=args.bf16, with_roots=True)
+        ranks = target_ranks(heads, hidden, labels, roots=roots)
         record = calibration(accuracy_from_ranks(ranks), args.budgets, replayed=(ranks, labels),
-                             temperatures=head_temperatures(heads, hidden, labels))
+                             temperatures=head_temperatures(heads, hidden, labels, roots=roots))
         (Path(args.heads) / CALIBRATION_FILE).write_text(json.dumps(record, indent=1) + "\n")
         print(json.dumps({k: record[k] for k in ("top1", "top5", "expected_acceleration", "simulated_acceleration", "head_temperatures")}, indent=1))

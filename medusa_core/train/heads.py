@@ -49,6 +49,9 @@ class HeadTrainingConfig:
     # distribution for token t+k+2 (its softmax at t+k+1, from the cached state there) instead of
     # one token; needs the shared LM head and collect_positions' layout (a reply's positions in a row)
     soft_targets: bool = False
+    # layout "root" (medusa_core.heads): head k also reads R_k · e(root), the embedding of the token
+    # chosen after the state (Hydra-style conditioning on what is known at step time); needs roots
+    root_conditioned: bool = False
 
 
 def head_loss(
@@ -109,11 +112,14 @@ def train_heads(
     *,
     base_model_name_or_path: str,
     resume: bool = True,
+    roots: torch.Tensor | None = None,
 ) -> tuple[MedusaHeads, dict]:
     """Train K Medusa-1 heads on precomputed positions of a frozen backbone (paper 2.2.1).
 
     Args:
         hidden: [M, H] final-norm hidden states; labels: [M, K] targets (``collect_positions``).
+        roots: [M] the token after each position (``collect_positions(with_roots=True)``); required
+            with ``cfg.root_conditioned``, which trains root-conditioned heads (layout "root").
         out: heads folder; checkpoints (heads + ``trainer_state.pt``) go there every
             ``cfg.checkpoint_every`` steps and training resumes from them when ``resume``.
 
@@ -125,19 +131,24 @@ def train_heads(
 
     Returns (heads, stats) with the final loss and per-head training top-1 accuracy.
     Raises ``ValueError`` for ``cfg.vocab`` other than "full", or "data" with own projections, and for
-    ``cfg.soft_targets`` with own projections.
+    ``cfg.soft_targets`` with own projections, and for ``cfg.root_conditioned`` without ``roots`` [M].
     """
     out = Path(out)
     if cfg.vocab not in ("full", "data") or (cfg.vocab == "data" and not cfg.share_lm_head):
         raise ValueError(f"vocab must be 'full', or 'data' with share_lm_head=True; got {cfg.vocab!r}")
     if cfg.soft_targets and not cfg.share_lm_head:
         raise ValueError("soft_targets needs share_lm_head=True (the targets come from the backbone's LM head)")
+    if cfg.root_conditioned and (roots is None or tuple(roots.shape) != (len(hidden),)):
+        found = None if roots is None else list(roots.shape)
+        raise ValueError(f"root_conditioned heads need roots of shape [{len(hidden)}] (one per position), got {found}")
     torch.manual_seed(cfg.seed)
+    embedding = backbone.get_input_embeddings() if cfg.root_conditioned else None
     if cfg.share_lm_head:
         lm_head = backbone.get_output_embeddings()
-        heads = MedusaHeads(lm_head.in_features, lm_head.out_features, cfg.num_heads, cfg.num_layers, shared_lm_head=lm_head)
+        heads = MedusaHeads(lm_head.in_features, lm_head.out_features, cfg.num_heads, cfg.num_layers, shared_lm_head=lm_head,
+                            root_embedding=embedding)
     else:
-        heads = MedusaHeads.from_backbone(backbone, cfg.num_heads, cfg.num_layers)
+        heads = MedusaHeads.from_backbone(backbone, cfg.num_heads, cfg.num_layers, root_conditioned=cfg.root_conditioned)
     heads = heads.float().cpu().train()
     weight = None  # [V', H] rows of the frozen LM head with vocab="data"
     if cfg.vocab == "data":
@@ -150,8 +161,8 @@ def train_heads(
     if cfg.soft_targets:
         lm_weight = weight if weight is not None else lm_head.weight.detach().float().cpu()
 
-    def forward(h: torch.Tensor) -> torch.Tensor:  # [B, H] -> [K, B, V] (V' tokens with vocab="data")
-        return heads(h) if weight is None else torch.stack([head(h) for head in heads]) @ weight.T
+    def forward(h: torch.Tensor, root: torch.Tensor | None) -> torch.Tensor:  # [B, H] -> [K, B, V] (V' with vocab="data")
+        return heads(h, root=root) if weight is None else heads.states(h, root=root) @ weight.T
     opt = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     micro = cfg.batch_size // cfg.grad_accum
     total_steps = max(1, int(cfg.epochs * len(hidden) / cfg.batch_size))
@@ -176,7 +187,7 @@ def train_heads(
             start = (step * cfg.grad_accum + a) * micro
             idx = order[start : start + micro]
             with autocast:
-                logits = forward(hidden[idx].float())  # [K, B, V] (V' tokens with vocab="data")
+                logits = forward(hidden[idx].float(), roots[idx] if cfg.root_conditioned else None)  # [K, B, V]
                 soft = backbone_targets(hidden, idx, lm_weight, cfg.num_heads) if cfg.soft_targets else None
             loss, top1 = head_loss(logits, labels[idx], soft)
             (loss / cfg.grad_accum).backward()

@@ -24,7 +24,8 @@ def collect_positions(
     bf16: bool = False,
     batch_size: int = 16,
     targets: str = "reply",
-) -> tuple[torch.Tensor, torch.Tensor]:
+    with_roots: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Final-norm hidden states of the frozen backbone and each head's target at every reply position.
 
     For a sequence ``prompt + reply`` of length T, the positions used are ``t = len(prompt)-1 .. T-2``;
@@ -37,7 +38,9 @@ def collect_positions(
       not the one that wrote the replies (e.g. replies distilled from the bfloat16 weights, heads
       served on the NF4 backbone): the heads then learn what the served backbone will verify.
 
-    Returns (hidden [M, H] float16 on CPU, labels [M, K] int64).
+    Returns (hidden [M, H] float16 on CPU, labels [M, K] int64), and with ``with_roots`` also roots [M]
+    int64: the token at t+1 of the sequence, which is the step's root when the heads run at t (what
+    root-conditioned heads read, layout "root" of ``medusa_core.heads``).
     Raises ``ValueError`` for ``targets`` not in ``TARGETS``.
     """
     if targets not in TARGETS:
@@ -47,7 +50,7 @@ def collect_positions(
     device = next(backbone.parameters()).device
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
     rows = sorted(rows, key=lambda r: len(r["prompt_ids"]) + len(r["reply_ids"]))
-    hidden_parts, label_parts = [], []
+    hidden_parts, label_parts, root_parts = [], [], []
     for start in tqdm(range(0, len(rows), batch_size), desc="hidden states", unit="batch"):
         batch = rows[start : start + batch_size]
         seqs = [r["prompt_ids"] + r["reply_ids"] for r in batch]
@@ -76,4 +79,7 @@ def collect_positions(
                 labels[ok, k] = seq[target[ok]]
             hidden_parts.append(states.float().cpu().to(torch.float16))
             label_parts.append(labels)
+            root_parts.append(torch.tensor(s[p : t_len]))  # the token after each position t = p-1 .. T-2
+    if with_roots:
+        return torch.cat(hidden_parts), torch.cat(label_parts), torch.cat(root_parts)
     return torch.cat(hidden_parts), torch.cat(label_parts)
