@@ -203,6 +203,13 @@ def test_api_calls_with_bad_values_get_the_control_named_with_its_range_and_no_t
     assert named in fired.errors[0] and fired.raised[0].print_exception is False  # no traceback in the log
 
 
+def test_an_api_message_that_is_not_text_is_refused_with_the_reason(page):
+    page.set(message=5)
+    fired = page.call("add_user")
+    assert fired.errors == [] and any("Message: 5 is not text" in w for w in fired.warnings)
+    assert page.session.turns == []
+
+
 def test_the_step_api_names_a_value_that_is_not_a_number(page):
     import gradio as gr
 

@@ -55,6 +55,9 @@ def add_user(engine: Engine, session: Session, controls: Controls, message: str)
     The send event reads the controls too, so a value a control rejects (e.g. seed −5) rejects the
     whole send before the message joins the conversation.
     """
+    if message is not None and not isinstance(message, str):  # an API call: the page sends text
+        gr.Warning(f"Message: {message!r} is not text; send a string")
+        return {"message": gr.skip()}
     text = (message or "").strip()
     if is_blank(text):
         return {"message": ""}
