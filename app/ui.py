@@ -166,7 +166,8 @@ def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
                         chat_button = gr.Button("Chat defaults", size="sm", elem_id="chat-preset", min_width=120)
                     temperature = gr.Slider(*_bounds("temperature"), defaults.temperature, step=0.05, label="Temperature (0 = greedy)", elem_id="temperature")
                     top_p = gr.Slider(*_bounds("top_p"), defaults.top_p, step=0.01, label="Top-p (1 = off)", info=FILTER_INFO["top_p"], elem_id="top-p")
-                    top_k = gr.Number(defaults.top_k, label="Top-k (0 = off)", info=FILTER_INFO["top_k"], precision=0, minimum=0, elem_id="top-k")
+                    top_k = gr.Number(defaults.top_k, label="Top-k (0 = off)", info=FILTER_INFO["top_k"], precision=0,
+                                      minimum=CONTROL_RANGES["top_k"].minimum, elem_id="top-k")
                     min_p = gr.Slider(*_bounds("min_p"), defaults.min_p, step=0.01, label="Min-p (0 = off)", info=FILTER_INFO["min_p"], elem_id="min-p")
                     repetition_penalty = gr.Slider(
                         *_bounds("repetition_penalty"), defaults.repetition_penalty, step=0.01, label="Repetition penalty (1 = off)",
@@ -184,7 +185,7 @@ def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
                     max_new_tokens = gr.Slider(*_bounds("max_new_tokens"), defaults.max_new_tokens, step=1, label="Max new tokens", elem_id="max-new-tokens")
                     seed = gr.Number(
                         -1 if defaults.seed is None else defaults.seed, label="Seed (−1 = a fresh one per reply; matters when temperature > 0)",
-                        precision=0, minimum=-1, elem_id="seed",
+                        precision=0, minimum=CONTROL_RANGES["seed"].minimum, elem_id="seed",
                     )
                     system_prompt = gr.Textbox(
                         defaults.system_prompt, label="System prompt", lines=2, elem_id="system-prompt",
@@ -252,8 +253,9 @@ def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
             (the session, the saved conversation, every control, then ``extra``). The event must run
             with ``preprocess=False``: ``read_controls`` checks the raw values, so a rejected one is
             named with what its control allows (``_controls_of``; ``refused_in``: where the page shows it)
-            and ``fn`` does not run. With ``wanted``, a session for which ``wanted(session)`` is falsy
-            (nothing to do) gets no update and its controls are not read."""
+            and ``fn`` does not run. With ``wanted`` (a generator ``fn`` whose outputs include the status
+            line), a session for which ``wanted(session)`` is falsy (nothing to do) gets no update and its
+            controls are not read."""
             n = len(CONTROL_NAMES)
             if inspect.isgeneratorfunction(fn):
 
