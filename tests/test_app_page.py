@@ -166,7 +166,7 @@ def test_a_rejected_control_value_is_named_with_its_range_and_the_message_stays_
     assert any(named in w for w in fired.warnings), fired.warnings
     assert any(named in str(o.get("reply-status")) for o in fired.outputs)
     assert page.session.turns == [] and all(o.get("message") != "" for o in fired.outputs)  # the text stays in the box
-    assert all(o.get("chat") in (None,) or isinstance(o.get("chat"), dict) for o in fired.outputs)  # the chat is left alone
+    assert not any(isinstance(o.get("chat"), list) for o in fired.outputs)  # the chat is left as it was
 
 
 def test_events_that_can_refuse_run_on_the_queue_so_their_warning_reaches_the_page(page):
@@ -194,8 +194,7 @@ def test_api_calls_with_bad_values_get_the_control_named_with_its_range_and_no_t
     fired = page.call("add_user")  # an API client's /add_user: refused, and its status output says why
     assert fired.errors == [] and named in fired.outputs[-1]["reply-status"]
     assert page.session.turns == []
-    page.set(**{control: "x" if isinstance(value, str) else 1.0}, message="def add")
-    page.set(max_new_tokens=4, top_p=0.9, epsilon=0.09, drafts="hybrid")
+    page.set(max_new_tokens=4, top_p=0.9, epsilon=0.09, drafts="hybrid")  # good values: the message is sent
     page.call("add_user")
     page.set(**{control: value})
     fired = page.call("respond")  # /respond called with other values than its /add_user: an error
