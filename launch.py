@@ -60,6 +60,11 @@ def main(argv: list[str]) -> int:
             quiet=True,
             css_paths=[CSS_FILE],
             allowed_paths=[str(settings.exports_dir)],
+            # The page has no upload control, and Gradio cannot switch its upload route off: refuse every byte (HTTP 413).
+            max_file_size=0,
+            # Gradio's run history keeps every event's inputs (each message, the whole saved conversation) in the
+            # browser's localStorage: a long message overflowed it (QuotaExceededError). The chat keeps itself.
+            run_history=False,
         )
     except OSError as e:
         reason = "the port is in use: pass --port with a free one" if "empty port" in str(e) else str(e)

@@ -31,6 +31,7 @@ class Turn:
     error: str = ""  # shown under the reply when state == "error"
     note: str = ""  # shown under the reply, e.g. that earlier turns were left out of the prompt
     reply_index: int | None = None  # the reply's index in the session statistics
+    tree: str = ""  # the tree the reply was asked to use (its name); "" with Medusa off
     sent_at: float | None = None  # time.monotonic() of the send (or Regenerate / edit) that asked for this reply
     first_token_at: float | None = None  # when the reply's first token was decoded (TTFT = first_token_at - sent_at)
     last_token_at: float | None = None  # when its latest token was decoded (wall time = last_token_at - sent_at)
@@ -103,8 +104,10 @@ class Session:
         self.idle.set()
 
     def saved(self) -> list[dict[str, Any]]:
-        """The conversation as JSON-able data, for ``gr.BrowserState`` (it survives a page reload)."""
-        return [t.saved() for t in self.turns if t.state != "pending"]
+        """The conversation as JSON-able data, for ``gr.BrowserState`` (it survives a page reload). A
+        message waiting for its reply and a reply still streaming are kept too: after a reload they
+        show as stopped (``Turn.restored``)."""
+        return [t.saved() for t in self.turns]
 
     def adopt(self, saved: Any) -> None:
         """Take the conversation kept in the browser (``saved()`` data), once, if this session has none.

@@ -112,6 +112,9 @@ class AppSettings(BaseSettings):
     # ---- live view and files
     redraw_interval_s: float = Field(0.25, ge=0.0, allow_inf_nan=False, description="seconds between redraws of the plots while a reply streams")
     stream_interval_s: float = Field(0.05, ge=0.0, allow_inf_nan=False, description="seconds between chat updates while a reply streams")
+    save_interval_s: float = Field(
+        1.0, ge=0.0, allow_inf_nan=False,
+        description="seconds between writes of a streaming reply to the browser's storage (a reload keeps it, marked stopped)")
     data_dir: Path = Field(paths.user_data_dir(), description="folder for CSV exports (under exports/)")
     verbose: bool = Field(False, description="print tracebacks and debug logs")
 

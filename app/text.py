@@ -27,7 +27,8 @@ class StreamingDetokenizer:
 
     ``push`` returns the text the token completes ("" while a character is still incomplete);
     ``flush`` returns what is left at the end of the reply. Joining every piece gives
-    ``tokenizer.decode(all_ids, skip_special_tokens=True)`` (special tokens such as EOS give "").
+    ``tokenizer.decode(all_ids, skip_special_tokens=True)`` (special tokens such as EOS give ""),
+    less an unfinished character at the very end.
 
     This holds for any ids, invalid UTF-8 included.
 
@@ -65,11 +66,12 @@ class StreamingDetokenizer:
         return ""
 
     def flush(self) -> str:
-        """Text of the tokens not yet emitted (an unfinished character shows as U+FFFD)."""
+        """Text of the tokens not yet emitted. A character the last tokens left unfinished (a reply cut
+        by its token limit mid-emoji) is dropped: it would show as U+FFFD."""
         emitted = self._decode(self._ids[self._prefix : self._read])
         text = self._decode(self._ids[self._prefix :])
         self._prefix = self._read = len(self._ids)
-        return text[len(emitted) :]
+        return text[len(emitted) :].rstrip(REPLACEMENT_CHAR)
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
@@ -106,6 +108,15 @@ class ReplyText:
         # The newline after <pre> is dropped by HTML, and it stops Gradio's Chatbot (which runs
         # inspect.cleandoc on every message) from removing the reply's common indentation.
         return '<pre class="medusa-reply">\n' + "".join(parts) + "</pre>"
+
+
+#: White space and characters that show nothing (zero-width spaces and joiners, word joiner, BOM, soft hyphen).
+_BLANK = re.compile(r"[\s\u00ad\u034f\u180e\u200b-\u200f\u2060-\u2064\ufeff]*")
+
+
+def is_blank(message: str) -> bool:
+    """True when ``message`` shows nothing: empty, or only white space and invisible characters."""
+    return _BLANK.fullmatch(message) is not None
 
 
 def plain_text(message: str) -> str:

@@ -10,6 +10,7 @@ the browser (keys, plain-text copy) is ``assets/app.js``, started on page load.
 from __future__ import annotations
 
 import functools
+import html
 import inspect
 from contextlib import closing
 from typing import Any, Callable, Sequence
@@ -22,7 +23,7 @@ from . import handlers, paths
 from .charts import EMPTY_TREE, empty_figure, speed_figure
 from .engine import Engine
 from .handlers import CONTROL_NAMES, CUSTOM_TREE, Controls
-from .handlers.controls import DRAFT_CHOICES, DRAFTS_INFO, FILTER_INFO, TREE_INFO
+from .handlers.controls import CONTROL_RANGES, DRAFT_CHOICES, DRAFTS_INFO, FILTER_INFO, TREE_INFO, read_controls
 from .session import Session
 from .settings import AppSettings
 from .stats import summarize, summary_markdown
@@ -30,6 +31,9 @@ from .stats import summarize, summary_markdown
 # The status line under the chat says what a reply is doing, so no spinners: each costs the browser work per update.
 MODEL_QUEUE = dict(concurrency_id="model", concurrency_limit=1, show_progress="hidden")
 QUICK = dict(queue=False, show_progress="hidden")
+# Events that can refuse with a warning (send, Regenerate, edit) run on the queue: outside it Gradio
+# cannot deliver a gr.Warning to the page (it falls back to Python's warnings, the server log only).
+ASK = dict(queue=True, concurrency_id="ask", concurrency_limit=None, show_progress="hidden")
 
 # Runs in the browser after Export: download the file the handler just wrote (one click for the user).
 DOWNLOAD_JS = """
@@ -82,13 +86,28 @@ def _name(fn: Callable[..., Any]) -> str:
     return getattr(getattr(fn, "func", fn), "__name__", "handler")
 
 
-def _controls_of(values: Sequence[Any]) -> Controls:
-    """``Controls`` from the control components' values, in ``CONTROL_NAMES`` order."""
-    by_name = dict(zip(CONTROL_NAMES, values))
-    seed_value = by_name["seed"]
-    by_name["seed"] = None if seed_value is None or seed_value < 0 else int(seed_value)
-    by_name["max_new_tokens"] = int(by_name["max_new_tokens"])
-    return Controls(**by_name)
+def _controls_of(values: Sequence[Any], refused_in: str | None) -> Controls | dict[str, Any]:
+    """``Controls`` from the control components' raw values, in ``CONTROL_NAMES`` order.
+
+    A rejected value (``read_controls``'s message names the control and what it allows) is shown as a
+    warning and written to the output ``refused_in``, whose update is returned instead; with
+    ``refused_in`` None (the events only API clients call with values the page has not checked) it is
+    raised as a ``gr.Error`` with that message and no traceback in the log.
+    """
+    try:
+        return read_controls(dict(zip(CONTROL_NAMES, values)))
+    except ValueError as e:
+        if refused_in is None:
+            raise gr.Error(str(e), print_exception=False) from None
+        gr.Warning(str(e))
+        return {refused_in: f"⚠ Not sent: {html.escape(str(e), quote=False)}"}
+
+
+def _bounds(name: str) -> tuple[float, float]:
+    """(minimum, maximum) of a slider control, from ``CONTROL_RANGES`` (what ``read_controls`` checks)."""
+    limits = CONTROL_RANGES[name]
+    assert limits.maximum is not None, name
+    return limits.minimum, limits.maximum
 
 
 def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
@@ -145,12 +164,14 @@ def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
                     with gr.Row():
                         greedy_button = gr.Button("Greedy (exactness demo)", size="sm", elem_id="greedy-preset", min_width=120)
                         chat_button = gr.Button("Chat defaults", size="sm", elem_id="chat-preset", min_width=120)
-                    temperature = gr.Slider(0.0, 2.0, defaults.temperature, step=0.05, label="Temperature (0 = greedy)", elem_id="temperature")
-                    top_p = gr.Slider(0.01, 1.0, defaults.top_p, step=0.01, label="Top-p (1 = off)", info=FILTER_INFO["top_p"], elem_id="top-p")
-                    top_k = gr.Number(defaults.top_k, label="Top-k (0 = off)", info=FILTER_INFO["top_k"], precision=0, minimum=0, elem_id="top-k")
-                    min_p = gr.Slider(0.0, 1.0, defaults.min_p, step=0.01, label="Min-p (0 = off)", info=FILTER_INFO["min_p"], elem_id="min-p")
+                    temperature = gr.Slider(*_bounds("temperature"), defaults.temperature, step=0.05, label="Temperature (0 = greedy)", elem_id="temperature")
+                    top_p = gr.Slider(*_bounds("top_p"), defaults.top_p, step=0.01, label="Top-p (1 = off)", info=FILTER_INFO["top_p"], elem_id="top-p")
+                    top_k = gr.Number(defaults.top_k, label="Top-k (0 = off)", info=FILTER_INFO["top_k"], precision=0,
+                                      minimum=CONTROL_RANGES["top_k"].minimum, elem_id="top-k")
+                    min_p = gr.Slider(*_bounds("min_p"), defaults.min_p, step=0.01, label="Min-p (0 = off)", info=FILTER_INFO["min_p"], elem_id="min-p")
                     repetition_penalty = gr.Slider(
-                        0.5, 2.0, defaults.repetition_penalty, step=0.01, label="Repetition penalty (1 = off)", elem_id="repetition-penalty",
+                        *_bounds("repetition_penalty"), defaults.repetition_penalty, step=0.01, label="Repetition penalty (1 = off)",
+                        elem_id="repetition-penalty",
                         info="divides the score of every token already in the conversation (HF generate); applies at temperature 0 too",
                     )
                     sampling = gr.Radio(
@@ -159,13 +180,12 @@ def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
                         "exact: rejection sampling, replies follow the model's own sampling distribution (ε, δ unused)",
                         elem_id="sampling",
                     )
-                    # ε, δ > 0: at 0 the threshold min(ε, δ·exp(−H)) is 0 and every candidate would be accepted.
-                    posterior_threshold = gr.Slider(0.01, 0.5, defaults.posterior_threshold, step=0.01, label="ε posterior threshold (typical sampling only)", elem_id="epsilon")
-                    posterior_alpha = gr.Slider(0.01, 1.0, defaults.posterior_alpha, step=0.01, label="δ posterior alpha: threshold min(ε, δ·exp(−entropy)) (typical only)", elem_id="delta")
-                    max_new_tokens = gr.Slider(1, 2048, defaults.max_new_tokens, step=1, label="Max new tokens", elem_id="max-new-tokens")
+                    posterior_threshold = gr.Slider(*_bounds("posterior_threshold"), defaults.posterior_threshold, step=0.01, label="ε posterior threshold (typical sampling only)", elem_id="epsilon")
+                    posterior_alpha = gr.Slider(*_bounds("posterior_alpha"), defaults.posterior_alpha, step=0.01, label="δ posterior alpha: threshold min(ε, δ·exp(−entropy)) (typical only)", elem_id="delta")
+                    max_new_tokens = gr.Slider(*_bounds("max_new_tokens"), defaults.max_new_tokens, step=1, label="Max new tokens", elem_id="max-new-tokens")
                     seed = gr.Number(
                         -1 if defaults.seed is None else defaults.seed, label="Seed (−1 = a fresh one per reply; matters when temperature > 0)",
-                        precision=0, minimum=-1, elem_id="seed",
+                        precision=0, minimum=CONTROL_RANGES["seed"].minimum, elem_id="seed",
                     )
                     system_prompt = gr.Textbox(
                         defaults.system_prompt, label="System prompt", lines=2, elem_id="system-prompt",
@@ -226,20 +246,34 @@ def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
             run.__name__ = _name(fn)
             return run
 
-        def with_controls(fn: Callable[..., Any], *extra: Any) -> tuple[Callable[..., Any], list[Any], list[Any]]:
+        def with_controls(
+            fn: Callable[..., Any], *extra: Any, refused_in: str | None = None, wanted: Callable[[Session], Any] | None = None
+        ) -> tuple[Callable[..., Any], list[Any], list[Any]]:
             """``fn(session, controls, *extra values)`` adapted to Gradio, its outputs and its inputs
-            (the session, the saved conversation, every control, then ``extra``): Gradio checks every
-            control's value before ``fn`` runs, so a rejected value rejects the whole event."""
+            (the session, the saved conversation, every control, then ``extra``). The event must run
+            with ``preprocess=False``: ``read_controls`` checks the raw values, so a rejected one is
+            named with what its control allows (``_controls_of``; ``refused_in``: where the page shows it)
+            and ``fn`` does not run. With ``wanted`` (a generator ``fn`` whose outputs include the status
+            line), a session for which ``wanted(session)`` is falsy (nothing to do) gets no update and its
+            controls are not read."""
             n = len(CONTROL_NAMES)
             if inspect.isgeneratorfunction(fn):
 
                 def run(state: Session, *values: Any) -> Any:
-                    yield from fn(state, _controls_of(values[:n]), *values[n:])
+                    if wanted is not None and not wanted(state):
+                        yield {"reply_status": gr.skip()}
+                        return
+                    controls = _controls_of(values[:n], refused_in)
+                    if isinstance(controls, dict):
+                        yield controls
+                        return
+                    yield from fn(state, controls, *values[n:])
 
             else:
 
                 def run(state: Session, *values: Any) -> Any:
-                    return fn(state, _controls_of(values[:n]), *values[n:])
+                    controls = _controls_of(values[:n], refused_in)
+                    return controls if isinstance(controls, dict) else fn(state, controls, *values[n:])
 
             run.__name__ = _name(fn)
             adapted, targets = event(adopting(run))
@@ -253,26 +287,37 @@ def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
         demo.load(None, js=paths.JS_FILE.read_text(encoding="utf-8"))  # keys, plain-text copy and edit
 
         # A reply runs only after its send (or Regenerate, or an edit) succeeded: a refused one leaves no pending turn.
-        add_fn, add_out, add_in = with_controls(functools.partial(handlers.add_user, engine), message)
-        reply_fn, reply_out, reply_in = with_controls(functools.partial(handlers.respond, engine, settings))
-        sent = gr.on([message.submit, send.click], add_fn, add_in, add_out, **QUICK)
-        replying = sent.success(reply_fn, reply_in, reply_out, **MODEL_QUEUE)
-        regenerate_fn, regenerate_out, regenerate_in = with_controls(functools.partial(handlers.regenerate, engine))
-        regenerating = regenerate.click(regenerate_fn, regenerate_in, regenerate_out, **QUICK).success(
-            reply_fn, reply_in, reply_out, **MODEL_QUEUE
+        # Events that read the controls skip Gradio's preprocessing: read_controls checks the raw values and
+        # names a rejected one (Gradio's own check names no control and shows a bare "Error" over the chat).
+        raw = dict(preprocess=False)
+        add_fn, add_out, add_in = with_controls(functools.partial(handlers.add_user, engine), message, refused_in="reply_status")
+        # The reply reads the controls only when a message waits for it: after a refused send it does nothing.
+        reply_fn, reply_out, reply_in = with_controls(
+            functools.partial(handlers.respond, engine, settings), wanted=lambda s: handlers.waiting_turn(s) is not None
+        )
+        sent = gr.on([message.submit, send.click], add_fn, add_in, add_out, **ASK, **raw)
+        replying = sent.success(reply_fn, reply_in, reply_out, **MODEL_QUEUE, **raw)
+        regenerate_fn, regenerate_out, regenerate_in = with_controls(
+            functools.partial(handlers.regenerate, engine), refused_in="reply_status"
+        )
+        regenerating = regenerate.click(regenerate_fn, regenerate_in, regenerate_out, **ASK, **raw).success(
+            reply_fn, reply_in, reply_out, **MODEL_QUEUE, **raw
         )
         edit_handler = functools.partial(handlers.edit_user, engine)
 
         def edit_user(state: Session, evt: gr.EditData, kept: Any, *values: Any) -> Any:
             state.adopt(kept)
-            return edit_handler(state, _controls_of(values), evt.index, evt.value)
+            read = _controls_of(values, "reply_status")
+            return read if isinstance(read, dict) else edit_handler(state, read, evt.index, evt.value)
 
         edit_fn, edit_out = event(edit_user)
-        editing = chatbot.edit(edit_fn, [session, saved, *controls.values()], edit_out, **QUICK).success(
-            reply_fn, reply_in, reply_out, **MODEL_QUEUE
+        editing = chatbot.edit(edit_fn, [session, saved, *controls.values()], edit_out, **ASK, **raw).success(
+            reply_fn, reply_in, reply_out, **MODEL_QUEUE, **raw
         )
-        compare_fn, compare_out, compare_in = with_controls(functools.partial(handlers.compare, engine, settings))
-        comparing = compare.click(compare_fn, compare_in, compare_out, **MODEL_QUEUE)
+        compare_fn, compare_out, compare_in = with_controls(
+            functools.partial(handlers.compare, engine, settings), refused_in="compare_result"
+        )
+        comparing = compare.click(compare_fn, compare_in, compare_out, **MODEL_QUEUE, **raw)
         running = [replying, regenerating, editing, comparing]
         stop_fn, stop_out = event(adopting(functools.partial(handlers.stop, engine)))
         stop.click(stop_fn, [session, saved, highlight], stop_out, cancels=running, **QUICK)
@@ -288,15 +333,16 @@ def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
         # Gradio rejecting it with an error.
         gr.on([step_slider.input, step_slider.release], step_fn, [session, step_slider], step_out,
               preprocess=False, trigger_mode="always_last", **QUICK)
-        tree.change(lambda t: gr.Textbox(visible=t == CUSTOM_TREE), [tree], [custom_tree], **QUICK)
+        tree.change(lambda t: gr.Textbox(visible=t == CUSTOM_TREE), [tree], [custom_tree], **QUICK, **raw)
         check_fn, check_out = event(functools.partial(handlers.check_tree, engine))
-        gr.on([tree.change, custom_tree.blur, custom_tree.submit], check_fn, [tree, custom_tree], check_out, **QUICK)
+        gr.on([tree.change, custom_tree.blur, custom_tree.submit], check_fn, [tree, custom_tree], check_out, **QUICK, **raw)
         greedy_fn, greedy_out = event(handlers.greedy_preset)
         greedy_button.click(greedy_fn, None, greedy_out, **QUICK)
         chat_fn, chat_out = event(functools.partial(handlers.chat_preset, engine, settings))
         chat_button.click(chat_fn, None, chat_out, **QUICK)
         explain_fn, explain_out = event(handlers.explain_controls)
-        gr.on([demo.load, medusa.change, temperature.change, sampling.change], explain_fn, [medusa, temperature, sampling], explain_out, **QUICK)
+        gr.on([demo.load, medusa.change, temperature.change, sampling.change], explain_fn, [medusa, temperature, sampling], explain_out,
+              **QUICK, **raw)
         for button, handler in (
             (export, functools.partial(handlers.export_csv, settings)),
             (export_md, functools.partial(handlers.export_transcript, engine, settings, fmt="md")),

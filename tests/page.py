@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import gradio as gr
 from gradio.state_holder import SessionState
@@ -26,6 +26,7 @@ class Fired:
 
     ran: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)  # red "Error" toasts
+    raised: list[Exception] = field(default_factory=list)  # the exceptions behind them
     warnings: list[str] = field(default_factory=list)  # yellow gr.Warning toasts
     outputs: list[dict[str, Any]] = field(default_factory=list)  # elem_id -> value, per update
 
@@ -72,7 +73,32 @@ class Page:
             self._run(fn, fired, gr.EventData(block, data or {}))
         return fired
 
-    def _run(self, fn: Any, fired: Fired, event_data: Any = None) -> None:
+    def call(self, name: str) -> Fired:
+        """Run only the event function ``name`` (e.g. ``"respond"``) with the current values, as an API
+        client calling ``/name`` does: no event is chained after it."""
+        fired = Fired()
+        self._run(self._fn(name), fired, chain=False)
+        return fired
+
+    def stream(self, name: str) -> Iterator[dict[Any, Any]]:
+        """The updates of the event function ``name`` one at a time, as the browser receives them while
+        it streams (output elem_id or block id -> value); closing the iterator is a disconnect."""
+        fn = self._fn(name)
+        inputs = [self.values.get(b._id, self._payload(b)) for b in fn.inputs]
+        iterator = None
+        while True:
+            out = asyncio.run(self.demo.process_api(fn, list(inputs), state=self.state, iterator=iterator))
+            if iterator is not None and not out.get("is_generating"):
+                return
+            yield self._take(fn, out)
+            iterator = out.get("iterator")
+            if not out.get("is_generating"):
+                return
+
+    def _fn(self, name: str) -> Any:
+        return next(f for f in self.demo.fns.values() if f.name == name and f.fn)
+
+    def _run(self, fn: Any, fired: Fired, event_data: Any = None, chain: bool = True) -> None:
         inputs = [self.values.get(b._id, self._payload(b)) for b in fn.inputs]
         ok = True
         with warnings.catch_warnings(record=True) as caught:
@@ -83,9 +109,10 @@ class Page:
             except Exception as e:  # noqa: BLE001 - what the page shows as an error toast
                 ok = False
                 fired.errors.append(str(e))
+                fired.raised.append(e)
         fired.warnings += [str(w.message) for w in caught if w.category is UserWarning]  # gr.Warning outside a server
         for after in self.demo.fns.values():
-            if after.trigger_after == fn._id and (ok or not after.trigger_only_on_success) and after.fn:
+            if chain and after.trigger_after == fn._id and (ok or not after.trigger_only_on_success) and after.fn:
                 self._run(after, fired)
 
     async def _process(self, fn: Any, inputs: list[Any], fired: Fired, event_data: Any) -> None:
@@ -94,15 +121,19 @@ class Page:
             out = await self.demo.process_api(fn, list(inputs), state=self.state, iterator=iterator, event_data=event_data)
             if iterator is not None and not out.get("is_generating"):
                 return  # the generator ended: this call carries no values
-            fired.outputs.append({getattr(b, "elem_id", None) or b._id: v for b, v in zip(fn.outputs, out["data"])})
-            for b, v in zip(fn.outputs, out["data"]):
-                if not (isinstance(v, dict) and "__type__" in v):
-                    self.values[b._id] = v
-                elif "value" in v:  # a property update that sets the value
-                    self.values[b._id] = v["value"]
+            fired.outputs.append(self._take(fn, out))
             iterator = out.get("iterator")
             if not out.get("is_generating"):
                 return
+
+    def _take(self, fn: Any, out: dict[str, Any]) -> dict[Any, Any]:
+        """Apply one processed update to the page's values; returns it keyed by elem_id (else block id)."""
+        for b, v in zip(fn.outputs, out["data"]):
+            if not (isinstance(v, dict) and "__type__" in v):
+                self.values[b._id] = v
+            elif "value" in v:  # a property update that sets the value
+                self.values[b._id] = v["value"]
+        return {getattr(b, "elem_id", None) or b._id: v for b, v in zip(fn.outputs, out["data"])}
 
     def _payload(self, block: Any) -> Any:
         """A component's current value as the browser would send it."""

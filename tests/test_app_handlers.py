@@ -210,13 +210,13 @@ def test_an_empty_message_is_ignored(engine, settings, controls):
     assert list(handlers.respond(engine, settings, session, controls)) == [{"reply_status": gr.skip()}]
 
 
-def test_a_prompt_longer_than_the_context_gets_a_message_and_the_chat_continues(engine, settings, controls):
+def test_a_message_longer_than_the_context_is_refused_with_the_reason_and_the_chat_continues(engine, settings, controls):
     session = Session()
-    updates = send(engine, settings, session, controls, "def add " * 400)
-    assert session.turns[0].state == "error"
-    assert "context window is 256 tokens" in reply_html(updates[-1])
+    with pytest.warns(UserWarning, match="too long .* the model's 256-token context"):
+        assert handlers.add_user(engine, session, controls, "def add " * 400) == {"message": gr.skip()}  # kept in the box
+    assert session.turns == [] and session.saved() == []
     send(engine, settings, session, controls, "def add")
-    assert session.turns[1].state == "done" and session.turns[1].reply.text
+    assert session.turns[0].state == "done" and session.turns[0].reply.text
 
 
 def test_old_turns_are_left_out_when_the_conversation_outgrows_the_context(engine, settings, controls):
@@ -386,7 +386,9 @@ def test_generations_share_one_model_queue_and_stop_cancels_them(engine, setting
     generating_ids = {i for i, f in enumerate(fns) if f in generating}
     cancellers = [f for f in fns if f.cancels]
     assert len(cancellers) == 3 and all(set(f.cancels) == generating_ids for f in cancellers)  # Stop, Clear, trash icon
-    assert all(not f.queue for f in fns if f.name in ("stop", "export_csv", "show_step", "add_user"))  # run beside a reply
+    assert all(not f.queue for f in fns if f.name in ("stop", "export_csv", "show_step"))  # run beside a reply
+    asking = [f for f in fns if f.name in ("add_user", "regenerate", "edit_user")]  # queued, so their warnings reach the page
+    assert len(asking) == 3 and {(f.concurrency_id, f.concurrency_limit, f.queue) for f in asking} == {("ask", None, True)}
 
 
 def test_stop_during_compare_ends_it_and_says_so(engine, settings, controls):
@@ -418,8 +420,9 @@ def test_the_status_line_follows_the_latest_reply(engine, settings, controls):
     final = list(stream)[-1]["reply_status"]
     tokens = sum(r.accepted_tokens for r in session.rows)
     assert final.startswith(f"Latest reply: {tokens} tokens · ") and "tree sparse_16" in final
-    handlers.add_user(engine, session, controls, "def add " * 400)
-    assert list(handlers.respond(engine, settings, session, controls))[-1]["reply_status"] == "Latest reply: not generated (see the chat)."
+    handlers.add_user(engine, session, controls, "def add")
+    bad_tree = dataclasses.replace(controls, tree=CUSTOM_TREE, custom_tree="[[0], [")
+    assert list(handlers.respond(engine, settings, session, bad_tree))[-1]["reply_status"] == "Latest reply: not generated (see the chat)."
     handlers.add_user(engine, session, controls, "return")
     stream = handlers.respond(engine, settings, session, dataclasses.replace(controls, medusa=False))
     next(stream)
@@ -662,3 +665,20 @@ def test_regenerate_copies_from_the_reply_it_replaces_and_repeats_it_greedily(en
     assert session.reply_tokens[0] == session.reply_tokens[1]  # greedy: the same reply
     assert sum(r.ngram_tokens for r in second) > sum(r.ngram_tokens for r in first)
     assert len(second) < len(first)
+
+
+def test_the_transcript_message_count_counts_each_user_message_and_each_reply(engine, settings, controls):
+    session = Session()
+    send(engine, settings, session, controls, "def add")
+    send(engine, settings, session, controls, "return")
+    assert "Saved the transcript (4 messages)" in handlers.export_transcript(engine, settings, session, "", fmt="md")["export_path"]
+
+
+def test_the_stats_line_names_the_tree_asked_for_even_when_a_step_verified_the_n_gram_chain_alone(engine, settings, controls):
+    session = Session()
+    send(engine, settings, session, controls, "def add")
+    turn = session.turns[0]
+    # A hybrid step whose copied chain is long verifies the root and the chain alone: its tree_name is "ngram".
+    session.rows = [dataclasses.replace(r, tree_name="ngram") if r.step > 0 else r for r in session.rows]
+    stats = handlers.views.turn_stats(session, turn)
+    assert "tree sparse_16 + n-gram" in stats and "tree ngram" not in stats

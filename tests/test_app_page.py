@@ -4,6 +4,8 @@ rejects, control values a component rejects, and chained events that run after a
 
 from __future__ import annotations
 
+import html
+
 import pytest
 from page import Page
 
@@ -69,8 +71,8 @@ def test_sending_while_a_reply_streams_says_so_and_keeps_the_message(page):
 def test_a_send_with_a_rejected_control_value_leaves_no_trace_and_the_next_send_answers_itself(page):
     page.set(seed=-5)
     fired = send(page, "first")
-    assert fired.errors and "-5" in fired.errors[0]
-    assert page.session.turns == [] and "respond" not in fired.ran
+    assert fired.errors == [] and any("Seed: -5" in w for w in fired.warnings)
+    assert page.session.turns == []
     page.set(seed=SEED)
     send(page, "second")
     assert [t.user for t in page.session.turns] == ["second"]
@@ -141,3 +143,132 @@ def test_the_greedy_button_makes_the_next_reply_greedy_and_chat_defaults_bring_t
     assert page.values[page.by_id["temperature"]._id] == CHAT_PRESET.temperature
     send(page, "def sub")
     assert f"T {CHAT_PRESET.temperature:g}" in page.session.turns[-1].stats
+
+
+# ---- faults found by the clumsy-user probe (issue 26)
+
+
+def saved_updates(page: Page, fired) -> list:
+    """The conversation the page wrote to the browser's storage, at each update that wrote it."""
+    return [o[page.saved_block._id] for o in fired.outputs if isinstance(o.get(page.saved_block._id), list)]
+
+
+@pytest.mark.parametrize("control, value, named", [
+    ("seed", -5, "Seed: -5 is out of range; allowed: a whole number ≥ -1"),
+    ("temperature", -1, "Temperature: -1 is out of range; allowed: a number from 0 to 2"),
+    ("top_p", 0.0, "Top-p: 0.0 is out of range; allowed: a number from 0.01 to 1"),
+    ("max_new_tokens", 2.5, "Max new tokens: 2.5 is not a whole number; allowed: a whole number from 1 to 2048"),
+])
+def test_a_rejected_control_value_is_named_with_its_range_and_the_message_stays_in_the_box(page, control, value, named):
+    page.set(**{control: value})
+    fired = send(page, "hello")
+    assert fired.errors == []  # no bare "Error" over the chat: a warning and the status line say why
+    assert any(named in w for w in fired.warnings), fired.warnings
+    assert any(named in str(o.get("reply-status")) for o in fired.outputs)
+    assert page.session.turns == [] and all(o.get("message") != "" for o in fired.outputs)  # the text stays in the box
+    assert not any(isinstance(o.get("chat"), list) for o in fired.outputs)  # the chat is left as it was
+
+
+def test_events_that_can_refuse_run_on_the_queue_so_their_warning_reaches_the_page(page):
+    # Outside the queue Gradio turns gr.Warning into Python's warnings.warn: the server log, never the page.
+    for name in ("add_user", "regenerate", "edit_user"):
+        assert page._fn(name).queue, name
+
+
+def test_a_temperature_typed_below_zero_is_no_error_for_the_controls_explanation(page):
+    page.set(temperature=-1)
+    fired = page.fire("temperature", "change")
+    assert fired.errors == [] and "explain_controls" in fired.ran
+
+
+@pytest.mark.parametrize("control, value, named", [
+    ("max_new_tokens", float("nan"), "Max new tokens: nan is not a finite number; allowed: a whole number from 1 to 2048"),
+    ("epsilon", "abc", "ε posterior threshold: 'abc' is not a number; allowed: a number from 0.01 to 0.5"),
+    ("top_p", 0.0, "Top-p: 0.0 is out of range; allowed: a number from 0.01 to 1"),
+    ("drafts", "both", "Drafts: 'both' is not a choice; allowed: hybrid, heads, ngram"),
+])
+def test_api_calls_with_bad_values_get_the_control_named_with_its_range_and_no_traceback(page, control, value, named):
+    import gradio as gr
+
+    page.set(**{control: value}, message="def add")
+    fired = page.call("add_user")  # an API client's /add_user: refused, and its status output says why
+    assert fired.errors == [] and named in fired.outputs[-1]["reply-status"]
+    assert page.session.turns == []
+    page.set(max_new_tokens=4, top_p=0.9, epsilon=0.09, drafts="hybrid")  # good values: the message is sent
+    page.call("add_user")
+    page.set(**{control: value})
+    fired = page.call("respond")  # /respond called with other values than its /add_user: an error
+    assert [type(e) for e in fired.raised] == [gr.Error], fired.errors
+    assert named in fired.errors[0] and fired.raised[0].print_exception is False  # no traceback in the log
+
+
+def test_an_api_message_that_is_not_text_is_refused_with_the_reason(page):
+    page.set(message=5)
+    fired = page.call("add_user")
+    assert fired.errors == [] and any("Message: 5 is not text" in w for w in fired.warnings)
+    assert page.session.turns == []
+
+
+def test_the_step_api_names_a_value_that_is_not_a_number(page):
+    import gradio as gr
+
+    send(page, "def add")
+    page.set(step_slider="abc")
+    fired = page.call("show_step")
+    assert [type(e) for e in fired.raised] == [gr.Error], fired.errors
+    assert "Step of the latest reply: 'abc' is not a number" in fired.errors[0] and fired.raised[0].print_exception is False
+
+
+def test_an_api_client_can_choose_a_tree_before_the_page_has_filled_the_tree_choices(page):
+    page.set(tree="sparse_16")  # the dropdown has no choices until page_status runs
+    fired = send(page, "def add")
+    assert fired.errors == [] and page.session.turns[0].state == "done"
+    assert "tree sparse_16" in page.session.turns[0].stats
+
+
+def test_the_users_message_is_in_the_browsers_storage_before_its_reply_starts(page):
+    page.set(message="def add")
+    fired = page.call("add_user")  # the send's first event: the reply is queued after it
+    stored = saved_updates(page, fired)
+    assert stored and [t["user"] for t in stored[-1]] == ["def add"]
+
+
+def test_a_reload_mid_reply_keeps_the_message_and_the_partial_reply_marked_stopped(engine, tmp_path):
+    settings = AppSettings(data_dir=tmp_path / "data", max_new_tokens=40, tree="sparse_16", save_interval_s=0.0)
+    page = Page(build_ui(engine, settings))
+    page.set(seed=SEED, message="def add")
+    page.call("add_user")
+    stored: list = []
+    updates = page.stream("respond")
+    for update in updates:
+        if isinstance(update.get(page.saved_block._id), list):
+            stored = update[page.saved_block._id]
+        if stored and stored[0]["runs"]:
+            break  # the page reloads here, mid-reply: the browser has what it stored so far
+    updates.close()
+    assert stored[0]["user"] == "def add" and stored[0]["runs"]
+    reloaded = page.reload()
+    user, reply = (m["content"][0]["text"] for m in reloaded.call("restore_chat").outputs[-1]["chat"])
+    assert "def add" in user and "(stopped)" in reply
+    assert html.escape("".join(t for t, _ in stored[0]["runs"])) in reply
+
+
+def test_a_message_too_long_for_the_context_is_refused_with_the_reason_and_never_stored(page, engine):
+    text = "def add " * engine.model.max_context
+    fired = send(page, text)
+    assert fired.errors == []
+    assert any("too long" in w and f"{engine.model.max_context}-token context" in w for w in fired.warnings), fired.warnings
+    assert page.session.turns == [] and page.saved == []
+    assert all(o.get("message") != "" for o in fired.outputs)  # kept in the box, to shorten
+
+
+def test_a_message_of_only_zero_width_and_white_space_is_ignored_like_an_empty_one(page):
+    fired = send(page, "\u200b\u200c \u2060\ufeff\n")
+    assert fired.errors == [] and page.session.turns == []
+
+
+def test_a_reply_that_ends_in_its_first_step_is_labelled_with_medusa_and_its_tree(page):
+    page.set(max_new_tokens=1, tree="sparse_16")
+    send(page, "def add")
+    stats = page.session.turns[0].stats
+    assert stats.startswith("1 token · ") and "Medusa off" not in stats and "tree sparse_16" in stats

@@ -44,10 +44,10 @@ def test_characters_split_across_tokens_are_emitted_whole_and_only_once():
     assert pieces[start : start + emoji_bytes] == ["", "", "", "😀"]
 
 
-def test_special_tokens_add_no_text_and_an_unfinished_character_is_flushed_as_replacement():
-    pieces, rest = stream(ByteTokenizer(), [*b"ok", SPECIAL, *"é".encode()[:1]])
+def test_special_tokens_add_no_text_and_a_reply_cut_mid_character_ends_without_a_replacement_character():
+    pieces, rest = stream(ByteTokenizer(), [*b"ok", SPECIAL, *"😀".encode()[:3]])  # cut by the token limit mid-emoji
     assert "".join(pieces) == "ok"
-    assert rest == "\ufffd"
+    assert rest == ""
 
 
 def test_streamed_pieces_join_to_the_full_decode_with_a_real_bpe_tokenizer():
@@ -63,6 +63,7 @@ def test_streamed_pieces_join_to_the_full_decode_on_random_streams_with_invalid_
     # Random ids are mostly invalid UTF-8. A byte-fallback tokenizer decodes a whole run of byte
     # tokens at once, and one bad byte turns every byte of the run into U+FFFD, so text must not be
     # emitted while such a run can still grow (before the fix 572 of these 1,000 streams differed).
+    # Invalid bytes at the very end (an unfinished character) are dropped, not shown as U+FFFD.
     tok = make()
     tokens = tok.convert_ids_to_tokens(list(range(len(tok))))
     byte_ids = [i for i, t in enumerate(tokens) if re.fullmatch(r"<0x[0-9A-F]{2}>", t)] or list(range(len(tok)))
@@ -75,7 +76,7 @@ def test_streamed_pieces_join_to_the_full_decode_on_random_streams_with_invalid_
             for r in (rng.random() for _ in range(rng.randint(1, 24)))
         ]
         pieces, rest = stream(tok, ids)
-        if "".join(pieces) + rest != tok.decode(ids, skip_special_tokens=True):
+        if "".join(pieces) + rest != tok.decode(ids, skip_special_tokens=True).rstrip("\ufffd"):
             differing.append(ids)
     assert not differing, f"{len(differing)} of 1000 streams differ from decode(), e.g. {differing[0]}"
 

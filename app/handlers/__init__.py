@@ -19,7 +19,7 @@ nothing still returns a name (with ``gr.skip()``): Gradio reads an empty dict as
 
 from __future__ import annotations
 
-from .chat import add_user, clear, edit_user, regenerate, rerender_chat, respond, restore_chat, show_step, stop
+from .chat import add_user, clear, edit_user, regenerate, rerender_chat, respond, restore_chat, show_step, stop, waiting_turn
 from .compare import compare
 from .controls import (
     CONTROL_NAMES,
@@ -40,14 +40,15 @@ LIVE_VIEW = ("tree_plot", "step_slider", "speed_plot", "summary")
 SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "sampling")  # the chat preset's controls
 #: The named outputs each handler may return. Each event updates only these components: every extra
 #: output costs the browser work at every streamed update. ``saved`` is the conversation in the
-#: browser's storage (``gr.BrowserState``), written when a reply ends, not while it streams.
+#: browser's storage (``gr.BrowserState``), written when a message is sent, about once a second while its
+#: reply streams (``settings.save_interval_s``) and when the reply ends.
 OUTPUTS: dict[str, tuple[str, ...]] = {
     "page_status": ("banner", "timer", "tree", "model_panel", "tree_status", *SAMPLING),
     "restore_chat": ("chatbot", "reply_status"),
-    "add_user": ("message", "chatbot", "reply_status", "send"),
+    "add_user": ("message", "chatbot", "reply_status", "send", "saved"),
     "respond": ("chatbot", "tree_status", "reply_status", "model_panel", "send", "saved", *LIVE_VIEW),
-    "regenerate": ("chatbot", "reply_status", "send"),
-    "edit_user": ("chatbot", "reply_status", "send"),
+    "regenerate": ("chatbot", "reply_status", "send", "saved"),
+    "edit_user": ("chatbot", "reply_status", "send", "saved"),
     "compare": ("compare_result", "model_panel", *LIVE_VIEW),
     "stop": ("chatbot", "reply_status", "model_panel", "compare_result", "send", "saved", *LIVE_VIEW),
     "clear": ("chatbot", "message", "reply_status", "send", "saved", *LIVE_VIEW),
@@ -65,5 +66,5 @@ __all__ = [
     "CONTROL_NAMES", "CUSTOM_TREE", "GREEDY_PRESET", "OUTPUTS", "Controls", "add_user", "chat_preset", "check_tree", "clear",
     "compare", "edit_user", "explain_controls", "export_csv", "export_transcript", "greedy_preset", "model_panel",
     "page_status", "regenerate", "rerender_chat",
-    "respond", "restore_chat", "show_step", "stop", "tree_choices",
+    "respond", "restore_chat", "show_step", "stop", "tree_choices", "waiting_turn",
 ]

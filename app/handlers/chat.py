@@ -24,10 +24,10 @@ from ..charts import tree_figure
 from ..engine import Engine
 from ..session import Session, Turn
 from ..settings import AppSettings
-from ..text import ReplyText, plain_text
+from ..text import ReplyText, is_blank, plain_text
 from .compare import compare_table
 from .controls import Controls, sampling_config, tree_argument
-from .generation import fit_prompt, record_steps
+from .generation import fit_prompt, record_steps, too_long
 from .views import Updates, chat_view, labels, live_view, message_turn, model_panel, reply_status, speed_view, turn_stats
 
 log = logging.getLogger(__name__)
@@ -42,26 +42,32 @@ SPEED_REDRAWS = 4
 SEND_OFF = gr.Button(interactive=False)  # Send while a reply is pending or streaming
 SEND_ON = gr.Button(interactive=True)
 #: Why a send or Regenerate is refused; shown as a warning, and nothing else changes.
-STILL_STREAMING = "A reply is still streaming: wait for it or press Stop (Esc)."
+STILL_STREAMING = "A reply is still streaming: your message stays in the box; send it when the reply ends, or press Stop (Esc)."
 NOTHING_TO_REGENERATE = "Nothing to regenerate: send a message first."
 
 
 def add_user(engine: Engine, session: Session, controls: Controls, message: str) -> Updates:
-    """Append the user's message (Enter or Send). Empty messages are ignored; while the model loads
-    or a reply runs, the message stays in the box and a warning says why.
+    """Append the user's message (Enter or Send) and keep it in the browser's storage before the
+    reply starts. Empty messages (white space and invisible characters only) are ignored; while the
+    model loads or a reply runs, or for a message too long for the context, the message stays in the
+    box and a warning says why.
 
     The send event reads the controls too, so a value a control rejects (e.g. seed −5) rejects the
     whole send before the message joins the conversation.
     """
+    if message is not None and not isinstance(message, str):  # an API call: the page sends text
+        gr.Warning(f"Message: {message!r} is not text; send a string")
+        return {"message": gr.skip()}
     text = (message or "").strip()
-    if not text:
+    if is_blank(text):
         return {"message": ""}
-    refused = _refusal(engine, session)
+    refused = _refusal(engine, session) or too_long(engine.model, controls, text)
     if refused:
         gr.Warning(refused)
         return {"message": gr.skip()}
     session.turns.append(Turn(user=text, sent_at=time.monotonic()))
-    return {"message": "", "chatbot": chat_view(session, controls.highlight), "reply_status": reply_status(session), "send": SEND_OFF}
+    return {"message": "", "chatbot": chat_view(session, controls.highlight), "reply_status": reply_status(session), "send": SEND_OFF,
+            "saved": session.saved()}
 
 
 def _refusal(engine: Engine, session: Session) -> str:
@@ -73,15 +79,21 @@ def _refusal(engine: Engine, session: Session) -> str:
     return ""
 
 
+def waiting_turn(session: Session) -> int | None:
+    """The index of the user message waiting for its reply (None: nothing to answer, e.g. the send was refused)."""
+    return next((i for i, t in enumerate(session.turns) if t.state == "pending"), None)
+
+
 def respond(engine: Engine, settings: AppSettings, session: Session, controls: Controls) -> Iterator[Updates]:
     """Stream the reply to the pending user message: chat text, live tree, charts, summary."""
-    index = next((i for i, t in enumerate(session.turns) if t.state == "pending"), None)
+    index = waiting_turn(session)
     if index is None or engine.model is None or session.busy:  # the send was refused: nothing to answer
         yield {"reply_status": gr.skip()}
         return
     model, turn = engine.model, session.turns[index]
     try:
         tree = tree_argument(model, controls.tree, controls.custom_tree) if controls.medusa else None
+        turn.tree = model.resolve_tree(tree or model.default_tree)[0] if controls.medusa else ""
         ids, dropped = fit_prompt(model, controls, session.history(index), turn.user)
         steps = model.generate(
             ids,
@@ -126,7 +138,7 @@ def _stream(
     engine: Engine, settings: AppSettings, session: Session, controls: Controls, steps: Iterator[StepRecord], turn: Turn
 ) -> Iterator[Updates]:
     """Record the reply's steps and yield throttled page updates; failures end up in the chat."""
-    last_chat = last_plot = last_speed = 0.0
+    last_chat = last_plot = last_speed = last_save = 0.0
     try:
         turn.reply_index = session.new_reply()
         with closing(record_steps(engine, session, steps, controls, "chat", turn.reply_index, turn.reply)) as records:
@@ -150,6 +162,9 @@ def _stream(
                 elif now - last_chat >= settings.stream_interval_s:
                     last_chat = now
                     yield {"chatbot": chat_view(session, controls.highlight)}
+                if now - last_save >= settings.save_interval_s:  # the partial reply survives a reload or a lost connection
+                    last_save = now
+                    yield {"saved": session.saved()}
         turn.state = "stopped" if session.rows[-1].stop_reason == "stopped" else "done"
     except Exception as e:  # noqa: BLE001 - any failure inside the model is shown in the chat; the app keeps serving
         log.exception("generation failed")
@@ -184,16 +199,17 @@ def regenerate(engine: Engine, session: Session, controls: Controls) -> Updates:
         gr.Warning(refused)
         return {"reply_status": gr.skip()}
     session.turns[-1] = Turn(user=session.turns[-1].user, sent_at=time.monotonic())
-    return {"chatbot": chat_view(session, controls.highlight), "reply_status": reply_status(session), "send": SEND_OFF}
+    return {"chatbot": chat_view(session, controls.highlight), "reply_status": reply_status(session), "send": SEND_OFF,
+            "saved": session.saved()}
 
 
 def edit_user(engine: Engine, session: Session, controls: Controls, index: int, value: str) -> Updates:
     """Edit and resend a user message (the chat's pencil): the conversation from that message on is
     replaced by the edited message, and ``respond`` answers it next. Refused (with the reason) while
-    a reply runs or the model loads, or for an empty message; the chat then shows the old text again."""
+    a reply runs or the model loads, or for an empty or too long message; the chat then shows the old text again."""
     turn_index = message_turn(session, index)
     text = plain_text(value).strip()
-    refused = _refusal(engine, session) or ("" if text else "An empty message cannot be sent.")
+    refused = _refusal(engine, session) or ("An empty message cannot be sent." if is_blank(text) else too_long(engine.model, controls, text))
     if turn_index is None:
         refused = refused or "Only your own messages can be edited."
     if refused:
@@ -201,7 +217,8 @@ def edit_user(engine: Engine, session: Session, controls: Controls, index: int, 
         return {"chatbot": chat_view(session, controls.highlight)}
     del session.turns[turn_index:]
     session.turns.append(Turn(user=text, sent_at=time.monotonic()))
-    return {"chatbot": chat_view(session, controls.highlight), "reply_status": reply_status(session), "send": SEND_OFF}
+    return {"chatbot": chat_view(session, controls.highlight), "reply_status": reply_status(session), "send": SEND_OFF,
+            "saved": session.saved()}
 
 
 def restore_chat(session: Session, saved: Any, highlight: bool) -> Updates:
@@ -225,9 +242,13 @@ def clear(engine: Engine, session: Session) -> Updates:
 def show_step(engine: Engine, session: Session, step: float | None) -> Updates:
     """The candidate tree of one step of the latest reply (the step slider: drag, arrow keys or a typed
     number). The value arrives unchecked: one out of range shows the nearest step, and the slider
-    moves there too."""
+    moves there too. Raises ``gr.Error`` naming the control for a value that is not a number (an API
+    call)."""
     records = session.last_records
-    if not records or step is None or not math.isfinite(step):
+    if step is not None and (isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step)):
+        last = f"0 to {len(records) - 1}" if records else "0 (no reply yet)"
+        raise gr.Error(f"Step of the latest reply: {step!r} is not a number; allowed: a whole number from {last}", print_exception=False)
+    if not records or step is None:
         return {"tree_plot": gr.skip()}
     shown = min(max(int(step), 0), len(records) - 1)
     updates: Updates = {"tree_plot": tree_figure(records[shown], labels(engine, session, records[shown]))}

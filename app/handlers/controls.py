@@ -8,11 +8,13 @@ from __future__ import annotations
 import dataclasses
 import html
 import json
+import math
 from dataclasses import dataclass
+from typing import Any, Mapping
 
 import gradio as gr
 
-from medusa_core import CHAT_PRESET, TREE_PRESETS, MedusaModel, SamplingConfig
+from medusa_core import CHAT_PRESET, DRAFT_SOURCES, SAMPLING_MODES, TREE_PRESETS, MedusaModel, SamplingConfig
 
 from ..engine import Engine
 from ..settings import AppSettings
@@ -62,6 +64,90 @@ class Controls:
 
 
 CONTROL_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Controls))
+
+
+@dataclass(frozen=True)
+class Range:
+    """What a numeric control accepts: its label on the page, its bounds and whether it takes whole numbers.
+    The page's slider or number box is built from it (``app.ui``), and ``read_controls`` checks it."""
+
+    label: str
+    minimum: float
+    maximum: float | None  # None: no upper bound
+    integer: bool = False
+    note: str = ""  # what a special value means, e.g. "−1 = a fresh seed per reply"
+
+    def allowed(self) -> str:
+        """The allowed values in words, e.g. "a number from 0 to 2" or "a whole number ≥ −1 (−1 = ...)"."""
+        kind = "a whole number" if self.integer else "a number"
+        bounds = f"from {self.minimum:g} to {self.maximum:g}" if self.maximum is not None else f"≥ {self.minimum:g}"
+        return f"{kind} {bounds}" + (f" ({self.note})" if self.note else "")
+
+
+#: The numeric controls' ranges. ε, δ > 0: at 0 the threshold min(ε, δ·exp(−H)) is 0 and every candidate would be accepted.
+CONTROL_RANGES: dict[str, Range] = {
+    "temperature": Range("Temperature", 0.0, 2.0, note="0 = greedy"),
+    "top_k": Range("Top-k", 0, None, integer=True, note="0 = off"),
+    "top_p": Range("Top-p", 0.01, 1.0, note="1 = off"),
+    "min_p": Range("Min-p", 0.0, 1.0, note="0 = off"),
+    "repetition_penalty": Range("Repetition penalty", 0.5, 2.0, note="1 = off"),
+    "posterior_threshold": Range("ε posterior threshold", 0.01, 0.5),
+    "posterior_alpha": Range("δ posterior alpha", 0.01, 1.0),
+    "max_new_tokens": Range("Max new tokens", 1, 2048, integer=True),
+    "seed": Range("Seed", -1, None, integer=True, note="−1 = a fresh seed per reply"),
+}
+#: The choice controls: label and allowed values.
+CONTROL_CHOICES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "drafts": ("Drafts", tuple(DRAFT_SOURCES)),
+    "sampling": ("Sampling", tuple(SAMPLING_MODES)),
+}
+CONTROL_FLAGS = {"medusa": "Medusa", "highlight": "Highlight drafted tokens"}
+CONTROL_TEXTS = {"tree": "Tree", "custom_tree": "Custom tree", "system_prompt": "System prompt"}
+
+
+def read_controls(values: Mapping[str, Any]) -> Controls:
+    """``Controls`` from the control components' raw values (as the browser or an API client sends them).
+
+    Raises ``ValueError`` naming the control, the value and what it allows: a value out of range, not a
+    number (a string, NaN, infinity), a fraction where a whole number is needed, or a choice not offered.
+    A tree name is checked against the model when the reply starts (``tree_argument``).
+    """
+    fields: dict[str, Any] = {}
+    for name in CONTROL_NAMES:
+        value = values.get(name)
+        if name in CONTROL_RANGES:
+            fields[name] = _number(CONTROL_RANGES[name], value)
+        elif name in CONTROL_CHOICES:
+            label, choices = CONTROL_CHOICES[name]
+            if value not in choices:
+                raise ValueError(f"{label}: {value!r} is not a choice; allowed: {', '.join(choices)}")
+            fields[name] = value
+        elif name in CONTROL_FLAGS:
+            if not isinstance(value, bool):
+                raise ValueError(f"{CONTROL_FLAGS[name]}: {value!r} is not allowed; allowed: true or false")
+            fields[name] = value
+        else:
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{CONTROL_TEXTS[name]}: {value!r} is not allowed; allowed: text")
+            fields[name] = value or ("" if name != "tree" else None)
+    fields["seed"] = None if fields["seed"] < 0 else fields["seed"]
+    return Controls(**fields)
+
+
+def _number(limits: Range, value: Any) -> float | int:
+    """``value`` checked against ``limits``; ValueError naming the control and the allowed values."""
+    def refuse(why: str) -> ValueError:
+        return ValueError(f"{limits.label}: {value!r} {why}; allowed: {limits.allowed()}")
+
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise refuse("is not a number")
+    if not math.isfinite(value):
+        raise refuse("is not a finite number")
+    if limits.integer and value != int(value):
+        raise refuse("is not a whole number")
+    if value < limits.minimum or (limits.maximum is not None and value > limits.maximum):
+        raise refuse("is out of range")
+    return int(value) if limits.integer else float(value)
 #: The "greedy (exactness demo)" preset: argmax decoding with nothing else on, so Medusa's reply equals
 #: plain greedy decoding and HF ``generate`` token for token (top-k, top-p, min-p do nothing at T = 0).
 GREEDY_PRESET = {"temperature": 0.0, "repetition_penalty": 1.0}
@@ -144,7 +230,11 @@ def tree_choices(model: MedusaModel) -> list[tuple[str, str]]:
 def explain_controls(medusa: bool, temperature: float, sampling: str = "typical") -> Updates:
     """Grey out the controls that do nothing for the next reply, saying why: the tree, drafts, ε and δ with
     Medusa off; ε and δ at temperature 0 (greedy decoding accepts exact matches only) and with exact
-    sampling (rejection sampling has no thresholds); top-k, top-p and min-p at temperature 0."""
+    sampling (rejection sampling has no thresholds); top-k, top-p and min-p at temperature 0. The values
+    arrive unchecked (a number typed out of range is still being edited): a temperature that is not a
+    number changes nothing."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature):
+        return {"tree": gr.skip()}
     greedy = "inactive at temperature 0: greedy takes the most likely token (the repetition penalty still applies)"
     updates = {name: SAMPLING_CONTROLS[name](interactive=temperature > 0, info=greedy if temperature <= 0 else info)
                for name, info in FILTER_INFO.items()}

@@ -53,7 +53,8 @@ def export_transcript(engine: Engine, settings: AppSettings, session: Session, s
     path = _export_path(settings, session, fmt)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text + "\n", encoding="utf-8")
-    return {"export_file": str(path), "export_path": f"Saved the transcript ({len(turns)} messages) to `{path}`"}
+    messages = sum(2 if t.state != "pending" else 1 for t in turns)  # each user message and each reply
+    return {"export_file": str(path), "export_path": f"Saved the transcript ({messages} message{'' if messages == 1 else 's'}) to `{path}`"}
 
 
 def _fenced(text: str) -> str:

@@ -68,6 +68,26 @@ def record_steps(
             session.reply_tokens = [*session.reply_tokens, ids][-EARLIER_REPLIES:]
 
 
+#: No tokenizer packs more characters than this into one token on average: a longer message cannot fit
+#: the context and is refused without tokenizing it (a 2.5 M-character paste would take seconds).
+MAX_CHARS_PER_TOKEN = 64
+
+
+def too_long(model: MedusaModel | None, controls: Controls, user: str) -> str:
+    """Why ``user`` cannot be sent ("" when it can, or while no model is loaded): alone with the system
+    prompt, its prompt fills the model's context window, so ``generate`` would refuse it."""
+    if model is None:
+        return ""
+    limit = model.max_context
+    why = f"shorten it: the model's {limit}-token context must hold it with the system prompt and the reply"
+    if len(user) > MAX_CHARS_PER_TOKEN * limit:
+        return f"The message is too long ({len(user):,} characters): {why}."
+    tokens = prompt_ids(model.tokenizer, chat_messages(controls.system_prompt, [], user)).shape[1]
+    if tokens >= limit:
+        return f"The message is too long ({tokens:,} tokens with the system prompt): {why}."
+    return ""
+
+
 def fit_prompt(model: MedusaModel, controls: Controls, history: list[tuple[str, str]], user: str) -> tuple[torch.Tensor, int]:
     """Prompt ids [1, T]; the oldest turns are left out while the prompt leaves less than
     min(max_new_tokens, context / 4) tokens for the reply. Returns (ids, turns left out)."""

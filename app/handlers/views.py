@@ -80,7 +80,7 @@ def turn_stats(session: Session, turn: Turn) -> str:
         return ""
     tokens = sum(r.accepted_tokens for r in rows)
     speed = decode_tokens_per_s(rows)
-    parts = [f"{tokens} tokens", f"{'–' if speed is None else f'{speed:.1f}'} tokens/s"]
+    parts = [f"{tokens} token{'' if tokens == 1 else 's'}", f"{'–' if speed is None else f'{speed:.1f}'} tokens/s"]
     if turn.sent_at is not None and turn.first_token_at is not None:
         parts.append(f"TTFT {turn.first_token_at - turn.sent_at:.2f} s")
     if turn.state == "streaming":
@@ -90,9 +90,10 @@ def turn_stats(session: Session, turn: Turn) -> str:
     decode = [r for r in rows if r.step > 0]  # step 0 is the prefill and its first token
     if decode:
         parts.append(f"{sum(r.accepted_tokens for r in decode) / len(decode):.2f} tokens/step")
-    if decode and rows[0].mode == "medusa":
+    if rows[0].mode == "medusa":  # also a reply that ended in its first step (the prefill's token)
+        # The tree asked for, not a step's: a hybrid step may verify the n-gram chain alone ("ngram").
         drafts = rows[0].drafts
-        tree = "n-gram drafts" if drafts == "ngram" else f"tree {decode[0].tree_name}" + (" + n-gram" if drafts == "hybrid" else "")
+        tree = "n-gram drafts" if drafts == "ngram" else f"tree {turn.tree}" + (" + n-gram" if drafts == "hybrid" else "")
         heads, ngram = sum(r.head_tokens for r in rows), sum(r.ngram_tokens for r in rows)
         parts += [tree, f"{heads} from heads, {ngram} from n-gram"]
     else:

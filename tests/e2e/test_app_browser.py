@@ -312,3 +312,82 @@ def test_a_new_users_session_in_headless_chromium(app_url, tmp_path):
     if os.environ.get("MEDUSA_CHAT_E2E_UPDATE_SCREENSHOT") == "1":
         README_SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(SCREENSHOTS / "2-reply-1440x900.png", README_SCREENSHOT)
+
+
+DRAGON = "Write a long story about a dragon."
+
+
+def test_a_clumsy_users_input_is_never_lost_and_every_refusal_is_said_in_the_page(app_url):
+    """Issue 26's probe: rejected control values, Enter while a reply streams, a reload mid-reply, a
+    2.5 M-character message and Gradio's upload route."""
+    from playwright.sync_api import expect
+
+    with chromium() as browser:
+        page = browser.new_page(viewport={"width": 1440, "height": 900})
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        _open(page, app_url)
+        box, bots = page.locator("#message textarea"), page.locator("#chat [data-testid=bot]")
+        toasts = page.get_by_role("status")
+
+        # A rejected control value is named with its range, the message stays in the box, the chat stays visible.
+        seed = page.locator("#seed input")
+        seed.fill("-5")
+        seed.blur()
+        box.fill(PROMPTS[0])
+        box.press("Enter")
+        expect(toasts.filter(has_text="Seed: -5 is out of range; allowed: a whole number ≥ -1")).to_be_visible()
+        expect(page.locator("#reply-status")).to_contain_text("Seed: -5 is out of range")
+        expect(box).to_have_value(PROMPTS[0])
+        assert not page.locator("#chat").inner_text().startswith("Error")
+        seed.fill("-1")
+        seed.blur()
+        temperature = page.locator("#temperature input[type=number]")
+        temperature.fill("-1")  # the page clamps it; no event may send it on and fail (HTTP 500)
+        temperature.blur()
+        _send(page, PROMPTS[0])
+
+        # Enter while a reply streams keeps the new message in the box and says why.
+        max_tokens = page.locator("#max-new-tokens input[type=number]")
+        max_tokens.fill("400")
+        max_tokens.blur()
+        box.fill(DRAGON)
+        box.press("Enter")
+        expect(bots).to_have_count(2, timeout=REPLY_TIMEOUT_S * 1_000)  # the dragon's reply streams
+        box.fill("And then?")
+        box.press("Enter")
+        expect(toasts.filter(has_text="A reply is still streaming")).to_be_visible()
+        expect(box).to_have_value("And then?")
+
+        # A reload mid-reply keeps the message and the partial reply, marked stopped.
+        page.wait_for_function(
+            "() => [...document.querySelectorAll('#chat pre.medusa-reply')].pop().textContent.trim().length > 0", polling=200
+        )
+        page.wait_for_timeout(1500)
+        page.reload()
+        expect(page.locator("#tree input")).to_have_value(READY, timeout=60_000)
+        expect(page.locator("#chat [data-testid=user]")).to_have_count(2)
+        expect(page.locator("#chat [data-testid=user]").last).to_contain_text(DRAGON)
+        expect(bots.last).to_contain_text("(stopped)")
+        assert bots.last.locator("pre.medusa-reply").inner_text().strip()
+
+        # A 2.5 M-character message is refused with the reason and never stored in the browser.
+        page.evaluate(
+            "(n) => { const t = document.querySelector('#message textarea'); t.value = 'x'.repeat(n);"
+            " t.dispatchEvent(new Event('input', {bubbles: true})); }", 2_500_000,
+        )
+        box.press("Enter")
+        expect(toasts.filter(has_text="The message is too long")).to_be_visible(timeout=30_000)
+        expect(page.locator("#chat [data-testid=user]")).to_have_count(2)
+        assert page.evaluate("() => Object.values(localStorage).reduce((n, v) => n + v.length, 0)") < 100_000
+        page.reload()
+        expect(page.locator("#tree input")).to_have_value(READY, timeout=60_000)
+        expect(page.locator("#chat [data-testid=user]")).to_have_count(2)
+
+        # The page has no upload control, so Gradio's upload route takes nothing.
+        upload = page.request.post(f"{app_url}/gradio_api/upload", multipart={"files": {"name": "a.txt", "mimeType": "text/plain", "buffer": b"hello"}})
+        assert upload.status == 413, upload.status
+        # No QuotaExceededError, no HTTP 500. Left out: what a reload logs when it aborts the page's open stream.
+        aborted = ("AbortError: BodyStreamBuffer was aborted", "Connection errored out")
+        assert not [e for e in errors if not any(a in e for a in aborted)], errors
