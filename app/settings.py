@@ -112,6 +112,8 @@ class AppSettings(BaseSettings):
     # ---- live view and files
     redraw_interval_s: float = Field(0.25, ge=0.0, allow_inf_nan=False, description="seconds between redraws of the plots while a reply streams")
     stream_interval_s: float = Field(0.05, ge=0.0, allow_inf_nan=False, description="seconds between chat updates while a reply streams")
+    prefill_chunk: int = Field(256, ge=1, description="prompt tokens read per pass: Stop and Clear wait at most one pass, and "
+                                                     "the status shows the reading's progress after each")
     data_dir: Path = Field(paths.user_data_dir(), description="folder for CSV exports (under exports/)")
     verbose: bool = Field(False, description="print tracebacks and debug logs")
 

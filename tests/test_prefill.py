@@ -82,10 +82,10 @@ def test_chunks_longer_than_the_rowwise_limit_agree_with_one_pass_to_rounding_on
     torch.testing.assert_close(hidden, whole, rtol=1e-5, atol=1e-5)
 
 
-def test_progress_comes_after_every_chunk_but_the_last_and_before_step_0(model):
+def test_progress_comes_before_the_first_chunk_and_after_every_chunk_but_the_last_then_step_0(model):
     reply, progress, read = run(model, ids(prompt(50, seed=3)), progress=True)
-    assert [(p.read, p.total, p.reused) for p in progress] == [(16, 50, 0), (32, 50, 0), (48, 50, 0)] and read == 50
-    assert [p.fraction for p in progress] == [16 / 50, 32 / 50, 48 / 50]
+    assert [(p.read, p.total, p.reused) for p in progress] == [(0, 50, 0), (16, 50, 0), (32, 50, 0), (48, 50, 0)]
+    assert [p.fraction for p in progress] == [0, 16 / 50, 32 / 50, 48 / 50] and read == 50
     assert run(model, ids(prompt(50, seed=3)))[0] == reply  # without progress: no records, same reply
     assert run(model, ids(prompt(50, seed=3)), prefill_chunk=50)[0] == reply
 
@@ -99,6 +99,7 @@ def test_each_turn_on_a_kept_cache_equals_a_fresh_run_and_reads_only_its_new_tok
         assert again == fresh, turn
         held = len(history) - (5 + 7 * turn) if turn else 0  # what the cache holds of this prompt
         assert progress[0].reused == held and read == len(history) - held
+        assert progress[1].fraction == 4 / (len(history) - held)  # of the tokens it has to read
         assert kept.token_ids[: len(history)] == history
         history += again[:-1]  # the reply, as the next prompt holds it (its last token is not in the cache)
 
@@ -131,7 +132,7 @@ def test_a_cache_kept_for_another_model_is_not_reused(model):
 def test_stopping_while_reading_keeps_the_chunks_already_read_for_the_next_turn(model):
     kept, input_ids = ConversationCache(), ids(prompt(70, seed=12))
     steps = model.generate(input_ids, max_new_tokens=N_NEW, kept=kept, progress=True, prefill_chunk=CHUNK)
-    assert next(steps).read == CHUNK
+    assert next(steps).read == 0 and next(steps).read == CHUNK
     steps.close()  # Stop: the iterator is closed between chunks
     assert kept.token_ids == input_ids[0, :CHUNK].tolist()
     reply, _, read = run(model, input_ids, kept=kept)
