@@ -238,9 +238,10 @@ class MedusaModel:
             kept: a conversation's ``ConversationCache`` (``medusa_core.prefill``): the prompt is read from
                 the end of its longest common prefix with the tokens the cache holds, and the cache keeps
                 the prompt's and the reply's entries for the next turn. None: a fresh cache, freed at the end.
-            progress: also yield a ``ReadProgress`` (not a ``StepRecord``: tell them apart with
-                ``isinstance``) after every ``prefill_chunk`` tokens of the prompt but the last, so a caller
-                can show the reading's progress and stop between chunks.
+            progress: also yield ``ReadProgress`` records (not ``StepRecord``: tell them apart with
+                ``isinstance``) while a prompt that takes more than one chunk is read: one before the first
+                chunk, then one after every chunk but the last, so a caller can show the reading's
+                progress and stop between chunks (closing the iterator).
             prefill_chunk: prompt tokens read per pass (an integer >= 1).
 
         Exact sampling (Leviathan et al. 2023, "Fast inference from transformers via speculative

@@ -38,8 +38,9 @@ PREFILL_CHUNK = 256
 
 @dataclass(frozen=True)
 class ReadProgress:
-    """How far the prompt has been read; ``generate(progress=True)`` yields one after every chunk of
-    the prompt but the last (the last one's end is step 0, the first ``StepRecord``).
+    """How far the prompt has been read. ``generate(progress=True)`` yields one before the first chunk
+    and one after every chunk but the last (whose end is step 0, the first ``StepRecord``) when the
+    tokens to read take more than one chunk; none otherwise.
 
     Attributes:
         read: prompt tokens in the cache so far, ``reused`` ones included.
@@ -55,8 +56,8 @@ class ReadProgress:
 
     @property
     def fraction(self) -> float:
-        """Share of the prompt read, in [0, 1]."""
-        return self.read / self.total
+        """Share of the tokens to read (those not ``reused``) read so far, in [0, 1)."""
+        return (self.read - self.reused) / (self.total - self.reused)
 
 
 class ConversationCache:
@@ -117,13 +118,16 @@ def read_prompt(
     kept: ConversationCache | None, progress: bool,
 ) -> Generator[ReadProgress, None, torch.Tensor]:
     """Read ``input_ids`` [1, T] from position ``reused`` on (the cache holds the first ``reused``), ``chunk``
-    tokens per decoder pass; yields a ``ReadProgress`` after each pass but the last when ``progress``.
+    tokens per decoder pass; with ``progress`` and more than one pass, yields a ``ReadProgress`` before the
+    first pass and after each but the last.
     Reserves ``capacity`` tokens in the cache first. Returns the last position's final-norm hidden
     state [1, H]. ``kept`` (if any) learns each chunk's tokens once their entries are written."""
     total, start = input_ids.shape[1], time.perf_counter()
     with torch.inference_mode():
         reserve(cache, capacity)
     read = reused
+    if progress and total - reused > chunk:
+        yield ReadProgress(read=read, total=total, reused=reused, elapsed_s=0.0)
     while True:
         end = min(read + chunk, total)
         with torch.inference_mode():  # not across the yield: the mode is the consumer's thread's state
