@@ -18,6 +18,9 @@ from transformers.cache_utils import DynamicLayer
 
 #: Smallest buffer a layer allocates, in tokens.
 MIN_CAPACITY = 256
+#: Reservations (``reserve``) are rounded up to a multiple of this many tokens: a conversation whose
+#: kept cache grows a little each turn is reallocated once per this many tokens, not at every turn.
+RESERVE_STEP = 1024
 
 
 class GrowingLayer(DynamicLayer):
@@ -67,12 +70,14 @@ def new_cache(config: Any) -> DynamicCache:
     return cache
 
 
-def reserve(cache: DynamicCache, tokens: int) -> None:
+def reserve(cache: DynamicCache, tokens: int, limit: int) -> None:
     """Make the next update of every ``GrowingLayer`` of ``cache`` allocate room for ``tokens`` entries
-    (at once, if it has less); other layer kinds are left as they are."""
+    (at once, if it has less), rounded up to a multiple of ``RESERVE_STEP`` but at most ``limit`` (the
+    most entries the cache can ever need); other layer kinds are left as they are."""
+    room = min(-(-tokens // RESERVE_STEP) * RESERVE_STEP, max(tokens, limit))
     for layer in cache.layers:
         if isinstance(layer, GrowingLayer):
-            layer.reserved = tokens
+            layer.reserved = room
 
 
 def compact_cache(cache: DynamicCache, start: int, nodes: list[int], appended: int) -> None:

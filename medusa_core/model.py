@@ -318,7 +318,7 @@ class MedusaModel:
         with torch.inference_mode():
             cache, reused = kept.take(self, self._new_cache, input_ids[0].tolist()) if kept else (self._new_cache(), 0)
         widest = full.num_nodes if full is not None else 1
-        room = min(cur_len + max_new_tokens, self.max_context) + widest  # the most entries the reply can need
+        room = (min(cur_len + max_new_tokens, self.max_context) + widest, self.max_context + widest)  # this reply, any reply
         hidden = yield from read_prompt(self._decoder, cache, input_ids, reused, reading["chunk"], room, kept, reading["progress"])
         with torch.inference_mode():
             scores = processors(self._logits(hidden), input_ids)  # [1, V]

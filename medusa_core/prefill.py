@@ -114,17 +114,18 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def read_prompt(
-    decoder: Any, cache: DynamicCache, input_ids: torch.Tensor, reused: int, chunk: int, capacity: int,
+    decoder: Any, cache: DynamicCache, input_ids: torch.Tensor, reused: int, chunk: int, capacity: tuple[int, int],
     kept: ConversationCache | None, progress: bool,
 ) -> Generator[ReadProgress, None, torch.Tensor]:
     """Read ``input_ids`` [1, T] from position ``reused`` on (the cache holds the first ``reused``), ``chunk``
     tokens per decoder pass; with ``progress`` and more than one pass, yields a ``ReadProgress`` before the
     first pass and after each but the last.
-    Reserves ``capacity`` tokens in the cache first. Returns the last position's final-norm hidden
+    Reserves room in the cache first: ``capacity`` is (entries the reply needs, most it can ever need),
+    see ``kvcache.reserve``. Returns the last position's final-norm hidden
     state [1, H]. ``kept`` (if any) learns each chunk's tokens once their entries are written."""
     total, start = input_ids.shape[1], time.perf_counter()
     with torch.inference_mode():
-        reserve(cache, capacity)
+        reserve(cache, *capacity)
     read = reused
     if progress and total - reused > chunk:
         yield ReadProgress(read=read, total=total, reused=reused, elapsed_s=0.0)

@@ -59,7 +59,7 @@ def test_a_reserved_cache_allocates_its_room_once_and_holds_the_same_entries():
     reserved, plain = new_cache(_config()), DynamicCache(config=_config())
     reserved.update(*_entries(3, seed=0), 0)
     plain.update(*_entries(3, seed=0), 0)
-    reserve(reserved, 5 * MIN_CAPACITY)
+    reserve(reserved, 5 * MIN_CAPACITY, limit=5 * MIN_CAPACITY)  # below RESERVE_STEP: the limit caps it
     for n in (MIN_CAPACITY, 2 * MIN_CAPACITY, MIN_CAPACITY):  # past the first buffer: one reallocation to the reserved room
         k, v = _entries(n, seed=n)
         reserved.update(k, v, 0)

@@ -14,6 +14,7 @@ from tiny_models import random_heads, tiny_backbone
 
 from medusa_core import ConversationCache, MedusaModel, ReadProgress, StepRecord
 from medusa_core.invariant import MAX_ROWWISE, make_batch_invariant
+from medusa_core.kvcache import RESERVE_STEP
 from medusa_core.prefill import common_prefix, read_prompt
 
 N_NEW = 12
@@ -56,7 +57,7 @@ def run(model, input_ids, **kwargs) -> tuple[list[int], list[ReadProgress], int]
 def read(model, input_ids, chunk, cache=None) -> tuple[torch.Tensor, object]:
     """Final hidden state [1, H] and cache after reading ``input_ids`` in chunks of ``chunk`` tokens."""
     cache = cache if cache is not None else model._new_cache()
-    reader = read_prompt(model._decoder, cache, input_ids, 0, chunk, input_ids.shape[1], None, False)
+    reader = read_prompt(model._decoder, cache, input_ids, 0, chunk, (input_ids.shape[1],) * 2, None, False)
     while True:
         try:
             next(reader)
@@ -139,12 +140,16 @@ def test_stopping_while_reading_keeps_the_chunks_already_read_for_the_next_turn(
     assert read == 70 - CHUNK and reply == run(model, input_ids)[0]
 
 
-def test_a_kept_cache_reserves_room_for_the_reply_and_frees_it_on_clear(model):
+def test_a_kept_cache_reserves_room_in_steps_of_whole_kilotokens_up_to_the_context_and_frees_it_on_clear(model):
     kept = ConversationCache()
+    per_token = model.config.num_hidden_layers * 2 * model.config.num_key_value_heads * model.config.head_dim * 4  # float32
     run(model, ids(prompt(300, seed=13)), kept=kept)
-    held = kept.nbytes
-    layers, kv, dh = model.config.num_hidden_layers, model.config.num_key_value_heads, model.config.head_dim
-    assert held == layers * 2 * kv * dh * 4 * (300 + N_NEW + 17)  # float32; sparse_16 has 17 nodes
+    assert kept.nbytes == per_token * RESERVE_STEP  # 300 + N_NEW + 17 tokens, rounded up
+    history = kept.token_ids
+    run(model, ids(history + prompt(20, seed=14)), kept=kept)
+    assert kept.nbytes == per_token * RESERVE_STEP  # the next turn fits: no reallocation
+    run(model, ids(prompt(1000, seed=15)), kept=kept, prefill_chunk=MAX_ROWWISE)
+    assert kept.nbytes == per_token * (model.max_context + 17)  # not 2 * RESERVE_STEP: more never fits
     kept.clear()
     assert kept.nbytes == 0 and kept.token_ids == []
 
