@@ -1,4 +1,5 @@
-"""The one model every browser session shares, and its loading state.
+"""The one model every browser session shares, its loading state, and the KV caches of the latest
+conversations, kept between their turns (``medusa_core.ConversationCache``).
 
 ``launch.py`` starts serving first and loads the model afterwards, so the page can show the load
 progress; until ``ready`` the chat handlers answer with the loading status instead of a reply.
@@ -8,9 +9,14 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from typing import Callable
 
-from medusa_core import MedusaModel
+from medusa_core import ConversationCache, MedusaModel
+
+#: Conversations whose KV cache the engine keeps between turns (the most recently used ones): each
+#: holds up to the context window's entries (on the demo 46 kB per token, 0.4 GB at 8,192 tokens).
+KEPT_CONVERSATIONS = 2
 
 
 class Engine:
@@ -27,6 +33,8 @@ class Engine:
         self.load_seconds: float | None = None
         self._started = time.monotonic()
         self._done = threading.Event()
+        self._kept: OrderedDict[str, ConversationCache] = OrderedDict()
+        self._kept_lock = threading.Lock()
 
     @classmethod
     def of(cls, model: MedusaModel) -> "Engine":
@@ -51,6 +59,23 @@ class Engine:
         finally:
             self.load_seconds = time.monotonic() - self._started
             self._done.set()
+
+    def conversation(self, key: str) -> ConversationCache:
+        """The KV cache kept for conversation ``key`` (a session id), made on first use; the least recently
+        used one beyond ``KEPT_CONVERSATIONS`` is dropped (its next turn reads the whole prompt again)."""
+        with self._kept_lock:
+            kept = self._kept.pop(key, None) or ConversationCache()
+            self._kept[key] = kept
+            while len(self._kept) > KEPT_CONVERSATIONS:
+                self._kept.popitem(last=False)[1].clear()
+            return kept
+
+    def forget(self, key: str) -> None:
+        """Drop the KV cache kept for conversation ``key`` (Clear), freeing its memory."""
+        with self._kept_lock:
+            kept = self._kept.pop(key, None)
+        if kept is not None:
+            kept.clear()
 
     @property
     def ready(self) -> bool:

@@ -115,6 +115,8 @@ class AppSettings(BaseSettings):
     save_interval_s: float = Field(
         1.0, ge=0.0, allow_inf_nan=False,
         description="seconds between writes of a streaming reply to the browser's storage (a reload keeps it, marked stopped)")
+    prefill_chunk: int = Field(256, ge=1, description="prompt tokens read per pass: Stop and Clear wait at most one pass, and "
+                                                     "the status shows the reading's progress after each")
     data_dir: Path = Field(paths.user_data_dir(), description="folder for CSV exports (under exports/)")
     verbose: bool = Field(False, description="print tracebacks and debug logs")
 

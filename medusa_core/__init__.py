@@ -11,6 +11,9 @@ Works on token ids and knows no UI. Public API:
 - The engine: ``MedusaModel.generate`` yields one ``StepRecord`` per decoding step; ``SAMPLING_MODES``
   (its ``sampling=`` argument), ``DRAFT_SOURCES`` (its ``drafts=``), ``SAMPLING_RULES``, ``NODE_STATUSES``
   and ``NODE_SOURCES`` (fields of the record).
+- Reading the prompt (``prefill``): a conversation's KV cache kept between turns, ``ConversationCache``
+  (``generate(kept=...)``), and ``ReadProgress`` records while a long prompt is read in ``PREFILL_CHUNK``-token
+  chunks (``generate(progress=True)``).
 - N-gram drafts in the tree (prompt lookup beside the heads, issue 20): ``NgramDrafter``, ``DraftConfig``.
 - Sampling settings with HF ``generate`` semantics, applied at every tree node: ``SamplingConfig``
   (temperature, top-k, top-p, min-p, repetition penalty) and ``CHAT_PRESET``.
@@ -25,6 +28,7 @@ from .generation import DRAFT_SOURCES, SAMPLING_MODES, SAMPLING_RULES, STOP_REAS
 from .heads import MedusaHeads
 from .loading import DEMO_MODEL_DIR, MedusaCheckpointError, heads_from_state_dict, load_medusa_model
 from .model import MedusaModel
+from .prefill import PREFILL_CHUNK, ConversationCache, ReadProgress
 from .processors import CHAT_PRESET, SamplingConfig
 from .steptree import NODE_SOURCES
 from .trees import (
@@ -46,15 +50,18 @@ __all__ = [
     "MAX_TREE_NODES",
     "NODE_SOURCES",
     "NODE_STATUSES",
+    "PREFILL_CHUNK",
     "SAMPLING_MODES",
     "SAMPLING_RULES",
     "STOP_REASONS",
     "TREE_PRESETS",
+    "ConversationCache",
     "DraftConfig",
     "MedusaCheckpointError",
     "MedusaHeads",
     "MedusaModel",
     "NgramDrafter",
+    "ReadProgress",
     "SamplingConfig",
     "StepRecord",
     "TreeBuffers",

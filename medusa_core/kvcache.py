@@ -18,15 +18,22 @@ from transformers.cache_utils import DynamicLayer
 
 #: Smallest buffer a layer allocates, in tokens.
 MIN_CAPACITY = 256
+#: Reservations (``reserve``) are rounded up to a multiple of this many tokens: a conversation whose
+#: kept cache grows a little each turn is reallocated once per this many tokens, not at every turn.
+RESERVE_STEP = 1024
 
 
 class GrowingLayer(DynamicLayer):
     """A ``DynamicLayer`` whose ``keys`` / ``values`` ([B, H, L, Dh]) are views of a [B, H, C, Dh] buffer.
 
     ``update`` writes the new entries at positions L.. and returns the views [B, H, L + n, Dh]; when
-    they do not fit, the buffer is reallocated with capacity max(2·C, L + n, ``MIN_CAPACITY``) and the
-    L entries are copied once. ``crop`` (inherited) shortens the views; the buffer is kept.
+    they do not fit, the buffer is reallocated with capacity ``reserved`` if that holds them (``reserve``:
+    the tokens a reply will need, so a long prompt is not copied at every doubling and no capacity is
+    wasted), else max(2·C, L + n, ``MIN_CAPACITY``), and the L entries are copied once. ``crop``
+    (inherited) shortens the views; the buffer is kept.
     """
+
+    reserved = 0  # tokens the next reallocation makes room for, if they are at least as many as needed
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -38,8 +45,8 @@ class GrowingLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         length = self.get_seq_length()
         end = length + key_states.shape[-2]
-        if end > self._capacity:
-            self._capacity = max(2 * self._capacity, end, MIN_CAPACITY)
+        if end > self._capacity or self.reserved > self._capacity:
+            self._capacity = self.reserved if self.reserved >= end else max(2 * self._capacity, end, MIN_CAPACITY)
             keys = key_states.new_empty(*key_states.shape[:-2], self._capacity, key_states.shape[-1])
             values = value_states.new_empty(*value_states.shape[:-2], self._capacity, value_states.shape[-1])
             if length:
@@ -61,6 +68,16 @@ def new_cache(config: Any) -> DynamicCache:
     if not cache.layers:  # a config transformers does not map: layers are made on first use
         cache.layer_class_to_replicate = GrowingLayer
     return cache
+
+
+def reserve(cache: DynamicCache, tokens: int, limit: int) -> None:
+    """Make the next update of every ``GrowingLayer`` of ``cache`` allocate room for ``tokens`` entries
+    (at once, if it has less), rounded up to a multiple of ``RESERVE_STEP`` but at most ``limit`` (the
+    most entries the cache can ever need); other layer kinds are left as they are."""
+    room = min(-(-tokens // RESERVE_STEP) * RESERVE_STEP, max(tokens, limit))
+    for layer in cache.layers:
+        if isinstance(layer, GrowingLayer):
+            layer.reserved = room
 
 
 def compact_cache(cache: DynamicCache, start: int, nodes: list[int], appended: int) -> None:

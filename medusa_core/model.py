@@ -29,6 +29,7 @@ from .acceptance import choose_token, verify_tree
 from .drafts import DraftConfig, NgramDrafter
 from .generation import StepRecord, check_generate_args, check_head_temperatures, step_record
 from .kvcache import compact_cache, new_cache
+from .prefill import PREFILL_CHUNK, ConversationCache, ReadProgress, read_prompt
 from .processors import CHAT_PRESET, NodeProcessors, SamplingConfig, tree_prefixes
 from .steptree import StepTree, confident_nodes, graft, prune, static_tree
 from .trees import TREE_PRESETS, resolve_tree, validate_tree
@@ -183,8 +184,12 @@ class MedusaModel:
         drafts: str = "heads",
         draft_config: DraftConfig = DraftConfig(),
         earlier_replies: Sequence[Sequence[int]] = (),
-    ) -> Iterator[StepRecord]:
-        """Decode a reply, yielding one ``StepRecord`` per decoding step (paper 2.1–2.3).
+        kept: ConversationCache | None = None,
+        progress: bool = False,
+        prefill_chunk: int = PREFILL_CHUNK,
+    ) -> Iterator[StepRecord | ReadProgress]:
+        """Decode a reply, yielding one ``StepRecord`` per decoding step (paper 2.1–2.3), after the
+        prompt's ``ReadProgress`` records if ``progress``.
 
         Args:
             input_ids: [1, T] prompt token ids (batch size 1).
@@ -231,6 +236,14 @@ class MedusaModel:
             earlier_replies: token ids of earlier replies that the prompt does not hold (e.g. the reply
                 that Regenerate replaces), indexed for the n-gram lookup beside the context (``hybrid``
                 and ``ngram`` only).
+            kept: a conversation's ``ConversationCache`` (``medusa_core.prefill``): the prompt is read from
+                the end of its longest common prefix with the tokens the cache holds, and the cache keeps
+                the prompt's and the reply's entries for the next turn. None: a fresh cache, freed at the end.
+            progress: also yield ``ReadProgress`` records (not ``StepRecord``: tell them apart with
+                ``isinstance``) while a prompt that takes more than one chunk is read: one before the first
+                chunk, then one after every chunk but the last, so a caller can show the reading's
+                progress and stop between chunks (closing the iterator).
+            prefill_chunk: prompt tokens read per pass (an integer >= 1).
 
         Exact sampling (Leviathan et al. 2023, "Fast inference from transformers via speculative
         decoding", and Chen et al. 2023, "Accelerating LLM decoding with speculative sampling", for
@@ -253,16 +266,19 @@ class MedusaModel:
         reply follows plain sampling; stopping rules (EOS, token limit) only cut it. The uniforms of
         all candidates are drawn up front, which leaves the law unchanged (``try_children``).
 
-        Returns an iterator; stopping the iteration early releases the KV cache.
+        Returns an iterator; stopping the iteration early releases the KV cache (a ``kept`` one keeps
+        the entries written so far, and what they hold).
 
         Raises ``ValueError`` (before any work) naming the value and what is allowed, for: an empty
         or too-long prompt, a batch size other than 1, ``max_new_tokens`` not an integer >= 1, a
         sampling setting outside its range (``SamplingConfig``: temperature a finite number >= 0,
         top_k an integer >= 0, top_p in (0, 1], min_p in [0, 1], repetition_penalty > 0), ε or δ
-        outside (0, 1], a seed outside [0, 2**63), an unknown ``sampling`` or ``drafts``, or a tree that
-        ``resolve_tree`` refuses.
+        outside (0, 1], a seed outside [0, 2**63), an unknown ``sampling`` or ``drafts``, a tree that
+        ``resolve_tree`` refuses, or ``prefill_chunk`` not an integer >= 1.
         """
         check_generate_args(max_new_tokens, posterior_threshold, posterior_alpha, seed, sampling, drafts)
+        if not isinstance(prefill_chunk, int) or isinstance(prefill_chunk, bool) or prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be an integer >= 1 (prompt tokens per pass), got {prefill_chunk!r}")
         overrides = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty)
         settings = dataclasses.replace(
             self.sampling_defaults if config is None else config, **{k: v for k, v in overrides.items() if v is not None}
@@ -284,24 +300,28 @@ class MedusaModel:
         rule = "greedy" if settings.greedy else sampling if medusa else "sample"
         drafter = NgramDrafter(draft_config, input_ids[0].tolist(), earlier_replies) if medusa and drafts != "heads" else None
         shape_at = self.min_head_probability if draft_config.min_head_probability is None else draft_config.min_head_probability
+        reading = dict(kept=kept, progress=progress, chunk=prefill_chunk)
         return self._decode(
             input_ids.to(self.device), max_new_tokens, full, NodeProcessors(settings), posterior_threshold, posterior_alpha,
-            seed, rule, drafter, drafts if medusa else "", shape_at if drafts != "ngram" else 0.0,
+            seed, rule, drafter, drafts if medusa else "", shape_at if drafts != "ngram" else 0.0, reading,
         )
 
     def _decode(
-        self, input_ids, max_new_tokens, full, processors, eps, alpha, seed, rule, drafter, drafts, shape_at
-    ) -> Iterator[StepRecord]:
+        self, input_ids, max_new_tokens, full, processors, eps, alpha, seed, rule, drafter, drafts, shape_at, reading
+    ) -> Iterator[StepRecord | ReadProgress]:
         root_only = self._tree("baseline")
         generator = torch.Generator(device=self.device).manual_seed(seed)
-        cache = self._new_cache()
+        kept = reading["kept"]
         cur_len = input_ids.shape[1]  # tokens in the cache; the root (last token emitted) is not yet
         # The distinct ids of the prompt and the reply so far: what a repetition penalty looks at.
         seen = dict.fromkeys(input_ids[0].tolist()) if processors.needs_prefix else {}
         start = time.perf_counter()
         with torch.inference_mode():
-            out = self._decoder(input_ids=input_ids, past_key_values=cache, use_cache=True)
-            hidden = out.last_hidden_state[:, -1]  # [1, H]
+            cache, reused = kept.take(self, self._new_cache, input_ids[0].tolist()) if kept else (self._new_cache(), 0)
+        widest = full.num_nodes if full is not None else 1
+        room = (min(cur_len + max_new_tokens, self.max_context) + widest, self.max_context + widest)  # this reply, any reply
+        hidden = yield from read_prompt(self._decoder, cache, input_ids, reused, reading["chunk"], room, kept, reading["progress"])
+        with torch.inference_mode():
             scores = processors(self._logits(hidden), input_ids)  # [1, V]
             root = choose_token(scores[0], rule == "greedy", generator)  # [] first token
             first = root.item()
@@ -343,6 +363,8 @@ class MedusaModel:
                 nodes, token_list = host[2 : host[0] + 3], host[2 + path.shape[0] :]
                 compact_cache(cache, cur_len, nodes, tree.num_nodes)
                 hidden = hidden_all[nodes[-1] : nodes[-1] + 1]
+            if kept is not None:  # the entries now held: the root and the accepted candidates
+                kept.token_ids += [token_list[i] for i in nodes]
             cur_len += len(nodes)
             # The accepted candidates, then the token chosen after them: the next step's root.
             new_tokens = [token_list[i] for i in nodes[1:]] + [host[1]]
@@ -397,7 +419,7 @@ class MedusaModel:
             input_ids=tokens[None],
             position_ids=(tree.position_ids + cur_len)[None],
             attention_mask=mask,
-            past_key_values=cache,
+            cache=cache,
             use_cache=True,
         )
         hidden = out.last_hidden_state[0]  # [N, H]

@@ -117,3 +117,22 @@ def test_greedy_with_n_gram_drafts_on_the_demo_equals_plain_greedy_on_bench_prom
             assert [t for r in records for t in r.token_ids] == plain, (prompt.category, drafts)
             copied += sum(r.ngram_tokens for r in records)
     assert copied > 10, copied  # the lookup's chains were really verified and accepted
+
+
+def test_a_conversation_on_the_demo_gives_the_same_greedy_replies_with_its_kept_cache_as_fresh_runs(demo):
+    from medusa_core import ConversationCache
+
+    # A long first message (three PREFILL_CHUNK chunks), then short questions: each later turn reads
+    # only its new tokens. Chunks of 256 rows are not batch-invariant (bf16 SDPA), so this checks what
+    # holds in practice on the demo: the same greedy tokens (README, "Kept conversation cache").
+    notes = " ".join(f"Note {i}: the river town trades salt, wool and copper with the hills." for i in range(40))
+    questions = [f"Read these notes and say what the town trades.\n{notes}", "Which metal is mentioned?", "Summarise it in one line."]
+    kept, messages = ConversationCache(), []
+    for question in questions:
+        messages.append({"role": "user", "content": question})
+        ids = demo.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+        fresh = [t for r in demo.generate(ids, max_new_tokens=24, temperature=0) for t in r.token_ids]
+        again = [t for r in demo.generate(ids, max_new_tokens=24, temperature=0, kept=kept) for t in r.token_ids]
+        assert again == fresh, question[:30]
+        assert kept.token_ids[: ids.shape[1]] == ids[0].tolist()
+        messages.append({"role": "assistant", "content": demo.tokenizer.decode(again, skip_special_tokens=True)})

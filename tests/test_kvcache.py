@@ -5,7 +5,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig
 from transformers.cache_utils import DynamicLayer
 
-from medusa_core.kvcache import MIN_CAPACITY, GrowingLayer, compact_cache, new_cache
+from medusa_core.kvcache import MIN_CAPACITY, GrowingLayer, compact_cache, new_cache, reserve
 
 
 def _config() -> LlamaConfig:
@@ -53,3 +53,19 @@ def test_growing_layer_writes_in_place_until_full():
     cache.update(*_entries(MIN_CAPACITY, seed=2), 0)
     assert cache.layers[0].keys.shape[-2] == MIN_CAPACITY + 5
     assert torch.equal(cache.layers[0].keys[:, :, :4], k)
+
+
+def test_a_reserved_cache_allocates_its_room_once_and_holds_the_same_entries():
+    reserved, plain = new_cache(_config()), DynamicCache(config=_config())
+    reserved.update(*_entries(3, seed=0), 0)
+    plain.update(*_entries(3, seed=0), 0)
+    reserve(reserved, 5 * MIN_CAPACITY, limit=5 * MIN_CAPACITY)  # below RESERVE_STEP: the limit caps it
+    for n in (MIN_CAPACITY, 2 * MIN_CAPACITY, MIN_CAPACITY):  # past the first buffer: one reallocation to the reserved room
+        k, v = _entries(n, seed=n)
+        reserved.update(k, v, 0)
+        plain.update(k, v, 0)
+        assert reserved.layers[0]._keys_buffer.shape[-2] == 5 * MIN_CAPACITY
+        assert torch.equal(reserved.layers[0].keys, plain.layers[0].keys)
+    buffer = reserved.layers[0].keys.untyped_storage().data_ptr()
+    reserved.update(*_entries(MIN_CAPACITY - 3, seed=9), 0)  # exactly full: still the same buffer
+    assert reserved.layers[0].keys.untyped_storage().data_ptr() == buffer

@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import gradio as gr
 from jinja2 import TemplateError
 
-from medusa_core import StepRecord
+from medusa_core import ReadProgress, StepRecord
 
 from ..charts import tree_figure
 from ..engine import Engine
@@ -28,7 +28,9 @@ from ..text import ReplyText, is_blank, plain_text
 from .compare import compare_table
 from .controls import Controls, sampling_config, tree_argument
 from .generation import fit_prompt, record_steps, too_long
-from .views import Updates, chat_view, labels, live_view, message_turn, model_panel, reply_status, speed_view, turn_stats
+from .views import (
+    Updates, chat_view, labels, live_view, message_turn, model_panel, reading_status, reply_status, speed_view, turn_stats,
+)
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +109,9 @@ def respond(engine: Engine, settings: AppSettings, session: Session, controls: C
             earlier_replies=session.reply_tokens,
             seed=controls.seed,
             sampling=controls.sampling,
+            kept=engine.conversation(session.id),
+            progress=True,
+            prefill_chunk=settings.prefill_chunk,
         )
     except (ValueError, TemplateError) as e:  # too-long prompt, invalid tree, bad control value, template error
         turn.state, turn.error = "error", f"Not sent: {e}"
@@ -142,7 +147,10 @@ def _stream(
     try:
         turn.reply_index = session.new_reply()
         with closing(record_steps(engine, session, steps, controls, "chat", turn.reply_index, turn.reply)) as records:
-            for _ in records:
+            for record in records:
+                if isinstance(record, ReadProgress):  # a long prompt is being read: no token yet
+                    yield {"reply_status": reading_status(record)}
+                    continue
                 now = turn.last_token_at = time.monotonic()
                 if turn.first_token_at is None:
                     turn.first_token_at = now
@@ -165,11 +173,11 @@ def _stream(
                 if now - last_save >= settings.save_interval_s:  # the partial reply survives a reload or a lost connection
                     last_save = now
                     yield {"saved": session.saved()}
-        turn.state = "stopped" if session.rows[-1].stop_reason == "stopped" else "done"
+        rows = session.reply_rows(turn.reply_index)  # none when Stop came while the prompt was read
+        turn.state = "stopped" if not rows or rows[-1].stop_reason == "stopped" else "done"
     except Exception as e:  # noqa: BLE001 - any failure inside the model is shown in the chat; the app keeps serving
         log.exception("generation failed")
         turn.state, turn.error = "error", f"Generation failed: {type(e).__name__}: {e}"
-
 
 
 def stop(engine: Engine, session: Session, highlight: bool) -> Updates:
@@ -233,6 +241,7 @@ def clear(engine: Engine, session: Session) -> Updates:
     """Stop any running reply and empty the conversation. The session's statistics are kept."""
     session.stop_requested.set()
     session.idle.wait(STOP_WAIT_S)
+    engine.forget(session.id)
     session.turns.clear()
     session.adopted = True  # a cleared chat stays empty: nothing to take from the browser any more
     session.last_records = []

@@ -10,7 +10,7 @@ from typing import Iterator
 
 import torch
 
-from medusa_core import MedusaModel, StepRecord
+from medusa_core import MedusaModel, ReadProgress, StepRecord
 
 from ..engine import Engine
 from ..session import Session
@@ -25,16 +25,18 @@ EARLIER_REPLIES = 8
 def record_steps(
     engine: Engine,
     session: Session,
-    steps: Iterator[StepRecord],
+    steps: Iterator[StepRecord | ReadProgress],
     controls: Controls,
     source: str,
     reply_index: int,
     reply: ReplyText,
-) -> Iterator[StepRecord]:
-    """Consume the engine's steps: record each in the session's statistics and the reply's text.
+) -> Iterator[StepRecord | ReadProgress]:
+    """Consume the engine's steps: record each in the session's statistics and the reply's text;
+    ``ReadProgress`` records (a long prompt being read) are passed on as they are.
 
-    Stops after the current step when Stop is pressed; closing this generator closes the engine's
-    iterator, which releases the KV cache. A chat reply's token ids join the session's index of
+    Stops after the current step, or the current chunk of the prompt, when Stop is pressed; closing
+    this generator closes the engine's iterator, which releases the KV cache (a conversation's kept
+    cache keeps what was written). A chat reply's token ids join the session's index of
     earlier replies (``Session.reply_tokens``, the latest ``EARLIER_REPLIES``) for later n-gram drafts.
     """
     session.last_records = []
@@ -42,6 +44,11 @@ def record_steps(
     ids: list[int] = []
     try:
         for record in steps:
+            if isinstance(record, ReadProgress):
+                yield record
+                if session.stop_requested.is_set():
+                    break
+                continue
             session.rows.append(
                 StepRow.from_record(
                     record,

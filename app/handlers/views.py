@@ -11,7 +11,7 @@ from typing import Any
 import gradio as gr
 import torch
 
-from medusa_core import MedusaModel, SamplingConfig, StepRecord
+from medusa_core import MedusaModel, ReadProgress, SamplingConfig, StepRecord
 
 from ..charts import EMPTY_TREE, empty_figure, speed_figure, tree_figure
 from ..engine import Engine
@@ -101,6 +101,11 @@ def turn_stats(session: Session, turn: Turn) -> str:
     parts.append(settings_label(rows[-1]))
     parts.append(STOP_REASON_TEXT.get(rows[-1].stop_reason, turn.state))
     return " · ".join(parts)
+
+
+def reading_status(progress: ReadProgress) -> str:
+    """The line under the chat while a long prompt is read: the share of its new tokens read so far."""
+    return f"Reading your message… {progress.fraction * 100:.0f} %"
 
 
 def reply_status(session: Session) -> str:

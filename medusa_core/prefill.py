@@ -1,0 +1,143 @@
+"""Reading the prompt (the prefill before step 0): in chunks, with progress, and from a conversation's KV
+cache kept between turns.
+
+A chat sends the whole conversation as each turn's prompt. Like llama.cpp's server and LM Studio, the
+engine keeps the KV cache of a conversation (``ConversationCache``) and reads only what it does not
+already hold: the cache is cut to the longest common prefix of the tokens it holds and the new prompt,
+and the rest is read. Nothing else decides whether it is reused: a K/V entry depends only on the
+model and the tokens up to it, so an edit, a regenerate or a new system prompt simply shares a shorter
+prefix, and sampling, tree and Medusa settings do not touch the entries. A cache belongs to the model
+that wrote it; another model starts afresh.
+
+The prompt is read ``PREFILL_CHUNK`` tokens at a time, so a caller can stop between chunks and show
+progress (``ReadProgress`` records, ``MedusaModel.generate(progress=True)``).
+
+Exactness: an entry that was decoded (a reply's token, written by a tree or one-token pass) is reused
+instead of being read again with the next prompt. On the CPU every pass of at most
+``invariant.MAX_ROWWISE`` rows is batch-invariant, so with chunks that small a turn on a kept cache
+is bitwise a fresh run (``tests/test_prefill.py``). Longer chunks use batched matmuls and SDPA, whose
+results differ from one-row passes in the last bits (as a fresh run's long prefill differs from
+decoding); greedy replies on a kept cache then equal fresh ones unless two top logits are that close.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Generator, Sequence
+
+import torch
+from transformers import DynamicCache
+
+from .kvcache import reserve
+
+#: Prompt tokens read per pass: the longest a Stop waits and the granularity of ``ReadProgress``.
+PREFILL_CHUNK = 256
+
+
+@dataclass(frozen=True)
+class ReadProgress:
+    """How far the prompt has been read. ``generate(progress=True)`` yields one before the first chunk
+    and one after every chunk but the last (whose end is step 0, the first ``StepRecord``) when the
+    tokens to read take more than one chunk; none otherwise.
+
+    Attributes:
+        read: prompt tokens in the cache so far, ``reused`` ones included.
+        total: T, the prompt's tokens.
+        reused: tokens taken from the kept ``ConversationCache`` (0 without one).
+        elapsed_s: seconds since the reading started.
+    """
+
+    read: int
+    total: int
+    reused: int
+    elapsed_s: float
+
+    @property
+    def fraction(self) -> float:
+        """Share of the tokens to read (those not ``reused``) read so far, in [0, 1)."""
+        return (self.read - self.reused) / (self.total - self.reused)
+
+
+class ConversationCache:
+    """A conversation's KV cache, kept between its turns, and the token ids it holds.
+
+    Pass the same object to every turn's ``MedusaModel.generate(kept=...)``; the engine reuses the
+    entries of the longest common prefix of ``token_ids`` and the new prompt (at most T − 1: the last
+    prompt token is read again for its logits) and records every token it writes. Not thread-safe:
+    one reply at a time per conversation.
+    """
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []  # the tokens whose K/V entries the cache holds, in order
+        self._cache: DynamicCache | None = None
+        self._owner: Callable[[], Any] = lambda: None  # weak reference to the model that wrote it
+
+    def clear(self) -> None:
+        """Forget the entries (and free their memory)."""
+        self.token_ids, self._cache, self._owner = [], None, lambda: None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the buffers the kept entries live in (their capacity, see ``kvcache.GrowingLayer``)."""
+        if self._cache is None:
+            return 0
+        return sum(x.untyped_storage().nbytes() for layer in self._cache.layers if layer.is_initialized
+                   for x in (layer.keys, layer.values))
+
+    def take(self, owner: Any, new_cache: Callable[[], DynamicCache], prompt: Sequence[int]) -> tuple[DynamicCache, int]:
+        """The cache to read ``prompt`` with, cut to the entries it shares with it, and their number.
+
+        ``owner`` is the model (held weakly): a cache of another model is dropped and ``new_cache()``
+        made. Call inside ``torch.inference_mode`` (the cut makes views of inference tensors).
+        """
+        if self._cache is None or self._owner() is not owner:
+            self.clear()
+            self._cache, self._owner = new_cache(), weakref.ref(owner)
+        reused = min(common_prefix(self.token_ids, prompt), len(prompt) - 1)
+        for layer in self._cache.layers:  # a failed pass may have left more entries in some layers
+            extra = layer.get_seq_length() - reused if layer.is_initialized else 0
+            if extra > 0:
+                layer.crop(-extra)
+        self.token_ids = list(prompt[:reused])
+        return self._cache, reused
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token id sequences."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def read_prompt(
+    decoder: Any, cache: DynamicCache, input_ids: torch.Tensor, reused: int, chunk: int, capacity: tuple[int, int],
+    kept: ConversationCache | None, progress: bool,
+) -> Generator[ReadProgress, None, torch.Tensor]:
+    """Read ``input_ids`` [1, T] from position ``reused`` on (the cache holds the first ``reused``), ``chunk``
+    tokens per decoder pass; with ``progress`` and more than one pass, yields a ``ReadProgress`` before the
+    first pass and after each but the last.
+    Reserves room in the cache first: ``capacity`` is (entries the reply needs, most it can ever need),
+    see ``kvcache.reserve``. Returns the last position's final-norm hidden
+    state [1, H]. ``kept`` (if any) learns each chunk's tokens once their entries are written."""
+    total, start = input_ids.shape[1], time.perf_counter()
+    with torch.inference_mode():
+        reserve(cache, *capacity)
+    read = reused
+    if progress and total - reused > chunk:
+        yield ReadProgress(read=read, total=total, reused=reused, elapsed_s=0.0)
+    while True:
+        end = min(read + chunk, total)
+        with torch.inference_mode():  # not across the yield: the mode is the consumer's thread's state
+            out = decoder(input_ids=input_ids[:, read:end], cache=cache, use_cache=True)
+        if kept is not None:
+            kept.token_ids += input_ids[0, read:end].tolist()
+        read = end
+        if read == total:
+            return out.last_hidden_state[:, -1]  # [1, H]
+        del out  # a chunk's activations are not kept while the caller looks at the progress
+        if progress:
+            yield ReadProgress(read=read, total=total, reused=reused, elapsed_s=time.perf_counter() - start)

@@ -1,0 +1,90 @@
+"""The chat keeps each conversation's KV cache between turns (``Engine.conversation``): a later turn
+reads only its new tokens and answers as a fresh chat would; a long message shows its reading's
+progress, and Stop or Clear end the reading within one chunk. Handler-level, on the tiny model."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from app import handlers
+from app.engine import KEPT_CONVERSATIONS
+from app.handlers.generation import fit_prompt
+from app.session import Session
+from medusa_core.prefill import common_prefix
+from app.settings import AppSettings
+
+
+@pytest.fixture
+def settings(tmp_path) -> AppSettings:
+    return AppSettings(data_dir=tmp_path / "data", stream_interval_s=0.0, redraw_interval_s=0.0, max_new_tokens=16, prefill_chunk=8)
+
+
+@pytest.fixture
+def controls(settings) -> handlers.Controls:
+    return dataclasses.replace(handlers.Controls.from_settings(settings), tree="sparse_16", system_prompt="be brief",
+                               **handlers.GREEDY_PRESET)
+
+
+@pytest.fixture
+def reads(engine):
+    """Tokens of every decoder pass while the test runs (prefill chunks and tree passes)."""
+    passes: list[int] = []
+    embed = engine.model.backbone.get_input_embeddings()
+    hook = embed.register_forward_pre_hook(lambda _, args: passes.append(args[0].shape[1]))
+    yield passes
+    hook.remove()
+
+
+def fresh_reply(engine, session, controls, index) -> str:
+    ids, _ = fit_prompt(engine.model, controls, session.history(index), session.turns[index].user)
+    tokens = [t for r in engine.model.generate(ids, max_new_tokens=controls.max_new_tokens, tree=controls.tree) for t in r.token_ids]
+    return engine.model.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def send(engine, settings, session, controls, message) -> list[dict]:
+    handlers.add_user(engine, session, controls, message)
+    return list(handlers.respond(engine, settings, session, controls))
+
+
+def test_a_later_turn_reads_only_its_new_tokens_and_answers_as_a_fresh_chat(engine, settings, controls, reads):
+    session = Session()
+    send(engine, settings, session, controls, "def add(a, b): return a + b")
+    held = list(engine.conversation(session.id).token_ids)  # the first prompt and reply
+    reads.clear()
+    handlers.add_user(engine, session, controls, "add")
+    stream = handlers.respond(engine, settings, session, controls)
+    read = next(sum(reads) for update in stream if "chatbot" in update)  # the first token is out
+    list(stream)
+    ids = fit_prompt(engine.model, controls, session.history(1), "add")[0][0].tolist()
+    assert read == len(ids) - min(common_prefix(held, ids), len(ids) - 1) < len(ids) // 2
+    assert session.turns[1].reply.text == fresh_reply(engine, session, controls, 1)
+
+
+def test_a_long_message_shows_reading_progress_and_stop_ends_the_reading_within_a_chunk(engine, settings, controls, reads):
+    session = Session()
+    handlers.add_user(engine, session, controls, "def add(a, b): return a + b " * 6)
+    stream = handlers.respond(engine, settings, session, controls)
+    statuses = [next(stream)["reply_status"], next(stream)["reply_status"]]
+    assert statuses[0] == "Reading your message… 0 %" and statuses[1].startswith("Reading your message… ")
+    assert 0 < int(statuses[1].split()[-2]) < 100
+    read_before_stop = sum(reads)
+    session.stop_requested.set()  # what Stop (and Clear) do first
+    rest = list(stream)
+    assert sum(reads) == read_before_stop  # not one more pass
+    turn = session.turns[0]
+    assert turn.state == "stopped" and not session.busy and not session.reply_rows(turn.reply_index)
+    assert rest[-1]["reply_status"] == "Latest reply: stopped before it started."
+    assert len(engine.conversation(session.id).token_ids) == read_before_stop  # kept for the next turn
+
+
+def test_clear_frees_the_conversations_cache_and_only_the_latest_conversations_keep_one(engine, settings, controls):
+    sessions = [Session() for _ in range(KEPT_CONVERSATIONS + 1)]
+    for session in sessions:
+        send(engine, settings, session, controls, "def add")
+    kept = engine.conversation(sessions[-1].id)
+    assert kept.nbytes > 0
+    handlers.clear(engine, sessions[-1])
+    assert kept.nbytes == 0 and engine.conversation(sessions[-1].id).token_ids == []
+    assert engine.conversation(sessions[0].id).token_ids == []  # the oldest conversation's cache was dropped

@@ -1,0 +1,169 @@
+"""Reading the prompt (``medusa_core.prefill``): chunked prefill, ``ReadProgress`` records, and a
+conversation's KV cache kept between turns, on tiny random models whose every pass is batch-invariant
+(``make_batch_invariant``, chunks of at most ``MAX_ROWWISE`` rows), so a kept cache must give bitwise
+what a fresh run gives."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import pytest
+import torch
+from tiny_models import random_heads, tiny_backbone
+
+from medusa_core import ConversationCache, MedusaModel, ReadProgress, StepRecord
+from medusa_core.invariant import MAX_ROWWISE, make_batch_invariant
+from medusa_core.kvcache import RESERVE_STEP
+from medusa_core.prefill import common_prefix, read_prompt
+
+N_NEW = 12
+CHUNK = 16  # <= MAX_ROWWISE: every pass is batch-invariant on these models
+
+
+@pytest.fixture(scope="module")
+def model() -> MedusaModel:
+    backbone = make_batch_invariant(tiny_backbone("llama", seed=3, max_position_embeddings=1024), quantized=False)
+    return MedusaModel(backbone, random_heads(backbone))
+
+
+def ids(*tokens: int | list[int]) -> torch.Tensor:
+    flat = [t for part in tokens for t in (part if isinstance(part, list) else [part])]
+    return torch.tensor([flat])
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run(model, input_ids, **kwargs) -> tuple[list[int], list[ReadProgress], int]:
+    """The reply's tokens, the progress records and the prompt tokens read (passes before step 0) of one
+    ``generate``."""
+    kwargs = {"max_new_tokens": N_NEW, "tree": "sparse_16", "prefill_chunk": CHUNK, **kwargs}
+    passes = []
+    hook = model.backbone.get_input_embeddings().register_forward_pre_hook(lambda _, args: passes.append(args[0].shape[1]))
+    try:
+        items, read = [], None
+        for item in model.generate(input_ids, **kwargs):
+            read = sum(passes) if read is None and isinstance(item, StepRecord) else read
+            items.append(item)
+    finally:
+        hook.remove()
+    steps = [r for r in items if isinstance(r, StepRecord)]
+    assert items[len(items) - len(steps) :] == steps  # progress first, then the steps
+    return [t for r in steps for t in r.token_ids], [r for r in items if isinstance(r, ReadProgress)], read
+
+
+def read(model, input_ids, chunk, cache=None) -> tuple[torch.Tensor, object]:
+    """Final hidden state [1, H] and cache after reading ``input_ids`` in chunks of ``chunk`` tokens."""
+    cache = cache if cache is not None else model._new_cache()
+    reader = read_prompt(model._decoder, cache, input_ids, 0, chunk, (input_ids.shape[1],) * 2, None, False)
+    while True:
+        try:
+            next(reader)
+        except StopIteration as done:
+            return done.value, cache
+
+
+def test_a_prompt_read_in_chunks_gives_bitwise_the_hidden_states_and_cache_of_one_pass(model):
+    input_ids = ids(prompt(60, seed=1))
+    whole, whole_cache = read(model, input_ids, 60)
+    for chunk in (1, 7, 16, 59):
+        hidden, cache = read(model, input_ids, chunk)
+        assert torch.equal(hidden, whole), chunk
+        for a, b in zip(cache.layers, whole_cache.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values), chunk
+
+
+def test_chunks_longer_than_the_rowwise_limit_agree_with_one_pass_to_rounding_only(model):
+    # Passes of more than MAX_ROWWISE rows take batched matmuls and SDPA: not bitwise (documented).
+    input_ids = ids(prompt(3 * MAX_ROWWISE, seed=2))
+    whole, _ = read(model, input_ids, input_ids.shape[1])
+    hidden, _ = read(model, input_ids, MAX_ROWWISE + 1)
+    torch.testing.assert_close(hidden, whole, rtol=1e-5, atol=1e-5)
+
+
+def test_progress_comes_before_the_first_chunk_and_after_every_chunk_but_the_last_then_step_0(model):
+    reply, progress, read = run(model, ids(prompt(50, seed=3)), progress=True)
+    assert [(p.read, p.total, p.reused) for p in progress] == [(0, 50, 0), (16, 50, 0), (32, 50, 0), (48, 50, 0)]
+    assert [p.fraction for p in progress] == [0, 16 / 50, 32 / 50, 48 / 50] and read == 50
+    assert run(model, ids(prompt(50, seed=3)))[0] == reply  # without progress: no records, same reply
+    assert run(model, ids(prompt(50, seed=3)), prefill_chunk=50)[0] == reply
+
+
+def test_each_turn_on_a_kept_cache_equals_a_fresh_run_and_reads_only_its_new_tokens(model):
+    kept, history = ConversationCache(), prompt(30, seed=4)
+    for turn in range(4):
+        history += prompt(5 + 7 * turn, seed=10 + turn)  # the next user message
+        fresh = run(model, ids(history))[0]
+        again, progress, read = run(model, ids(history), kept=kept, progress=True, prefill_chunk=4)
+        assert again == fresh, turn
+        held = len(history) - (5 + 7 * turn) if turn else 0  # what the cache holds of this prompt
+        assert progress[0].reused == held and read == len(history) - held
+        assert progress[1].fraction == 4 / (len(history) - held)  # of the tokens it has to read
+        assert kept.token_ids[: len(history)] == history
+        history += again[:-1]  # the reply, as the next prompt holds it (its last token is not in the cache)
+
+
+@pytest.mark.parametrize("change", ["edit", "regenerate", "medusa off", "system prompt"])
+def test_an_edit_regenerate_or_setting_change_reuses_only_the_shared_prefix_and_stays_exact(model, change):
+    kept, first = ConversationCache(), prompt(40, seed=5)
+    reply = run(model, ids(first), kept=kept)[0]
+    second = first + reply + prompt(9, seed=6)
+    run(model, ids(second), kept=kept)
+    nxt = {
+        "edit": first + reply + prompt(9, seed=7),  # the last message, edited
+        "regenerate": second,
+        "medusa off": second + prompt(3, seed=8),
+        "system prompt": prompt(4, seed=9) + second[4:],
+    }[change]
+    settings = {"medusa": False} if change == "medusa off" else {"temperature": 0.0}
+    again, _, read = run(model, ids(nxt), kept=kept, prefill_chunk=4, **settings)
+    assert again == run(model, ids(nxt), **settings)[0]
+    assert read == len(nxt) - min(common_prefix(second + reply, nxt), len(nxt) - 1)
+
+
+def test_a_cache_kept_for_another_model_is_not_reused(model):
+    other = MedusaModel(model.backbone, random_heads(model.backbone, seed=9))
+    kept, input_ids = ConversationCache(), ids(prompt(40, seed=11))
+    run(model, input_ids, kept=kept)
+    assert run(other, input_ids, kept=kept)[2] == 40
+
+
+def test_stopping_while_reading_keeps_the_chunks_already_read_for_the_next_turn(model):
+    kept, input_ids = ConversationCache(), ids(prompt(70, seed=12))
+    steps = model.generate(input_ids, max_new_tokens=N_NEW, kept=kept, progress=True, prefill_chunk=CHUNK)
+    assert next(steps).read == 0 and next(steps).read == CHUNK
+    steps.close()  # Stop: the iterator is closed between chunks
+    assert kept.token_ids == input_ids[0, :CHUNK].tolist()
+    reply, _, read = run(model, input_ids, kept=kept)
+    assert read == 70 - CHUNK and reply == run(model, input_ids)[0]
+
+
+def test_a_kept_cache_reserves_room_in_steps_of_whole_kilotokens_up_to_the_context_and_frees_it_on_clear(model):
+    kept = ConversationCache()
+    per_token = model.config.num_hidden_layers * 2 * model.config.num_key_value_heads * model.config.head_dim * 4  # float32
+    run(model, ids(prompt(300, seed=13)), kept=kept)
+    assert kept.nbytes == per_token * RESERVE_STEP  # 300 + N_NEW + 17 tokens, rounded up
+    history = kept.token_ids
+    run(model, ids(history + prompt(20, seed=14)), kept=kept)
+    assert kept.nbytes == per_token * RESERVE_STEP  # the next turn fits: no reallocation
+    run(model, ids(prompt(1000, seed=15)), kept=kept, prefill_chunk=MAX_ROWWISE)
+    assert kept.nbytes == per_token * (model.max_context + 17)  # not 2 * RESERVE_STEP: more never fits
+    kept.clear()
+    assert kept.nbytes == 0 and kept.token_ids == []
+
+
+def test_generate_passes_the_current_cache_keyword_and_warns_nothing(model, monkeypatch):
+    logged = []
+    monkeypatch.setattr(logging.Logger, "warning_once", lambda self, *a, **k: logged.append(a))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run(model, ids(prompt(40, seed=14)), kept=ConversationCache())
+    assert logged == []
+
+
+@pytest.mark.parametrize("chunk", [0, -1, 2.5, True])
+def test_prefill_chunk_must_be_a_positive_integer(model, chunk):
+    with pytest.raises(ValueError, match="prefill_chunk must be an integer >= 1"):
+        model.generate(ids(1, 2, 3), max_new_tokens=2, prefill_chunk=chunk)
