@@ -8,7 +8,7 @@ nothing still returns a name (with ``gr.skip()``): Gradio reads an empty dict as
 
 | module | what |
 |---|---|
-| ``controls`` | ``Controls`` (what a reply reads when it starts), sampling presets, tree choices, custom-tree check, inactive controls |
+| ``controls`` | ``Controls`` (what a reply reads when it starts), sampling presets, tree choices, custom-tree check, inactive controls, the Medusa toggle's note |
 | ``views`` | chat messages, status line, live view, model panel |
 | ``generation`` | the prompt that fits the context, recording the engine's steps |
 | ``chat`` | send, reply, Stop, Regenerate, edit and resend, Clear, restore after a reload, step slider, highlight |
@@ -30,6 +30,7 @@ from .controls import (
     check_tree,
     explain_controls,
     greedy_preset,
+    medusa_notice,
     tree_choices,
 )
 from .export import export_csv, export_transcript
@@ -42,7 +43,7 @@ SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "sam
 #: output costs the browser work at every streamed update. ``saved`` is the conversation in the
 #: browser's storage (``gr.BrowserState``), written when a reply ends, not while it streams.
 OUTPUTS: dict[str, tuple[str, ...]] = {
-    "page_status": ("banner", "timer", "tree", "model_panel", "tree_status", *SAMPLING),
+    "page_status": ("banner", "timer", "tree", "model_panel", "tree_status", "medusa", *SAMPLING),
     "restore_chat": ("chatbot", "reply_status"),
     "add_user": ("message", "chatbot", "reply_status", "send"),
     "respond": ("chatbot", "tree_status", "reply_status", "model_panel", "send", "saved", *LIVE_VIEW),
@@ -54,6 +55,7 @@ OUTPUTS: dict[str, tuple[str, ...]] = {
     "rerender_chat": ("chatbot",),
     "show_step": ("tree_plot", "step_slider"),
     "check_tree": ("tree_status",),
+    "medusa_notice": ("medusa",),
     "explain_controls": ("tree", "drafts", "posterior_threshold", "posterior_alpha", "top_k", "top_p", "min_p"),
     "greedy_preset": tuple(GREEDY_PRESET),
     "chat_preset": SAMPLING,
@@ -63,7 +65,7 @@ OUTPUTS: dict[str, tuple[str, ...]] = {
 
 __all__ = [
     "CONTROL_NAMES", "CUSTOM_TREE", "GREEDY_PRESET", "OUTPUTS", "Controls", "add_user", "chat_preset", "check_tree", "clear",
-    "compare", "edit_user", "explain_controls", "export_csv", "export_transcript", "greedy_preset", "model_panel",
+    "compare", "edit_user", "explain_controls", "export_csv", "export_transcript", "greedy_preset", "medusa_notice", "model_panel",
     "page_status", "regenerate", "rerender_chat",
     "respond", "restore_chat", "show_step", "stop", "tree_choices",
 ]
