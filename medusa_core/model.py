@@ -198,7 +198,8 @@ class MedusaModel:
             input_ids: [1, T] prompt token ids (batch size 1).
             max_new_tokens: limit in tokens (tokens accepted past it are dropped).
             tree: a tree name (the model's own trees, ``TREE_PRESETS``, ``chain_D``, ``dense_AxB``),
-                a list of paths, or None: the tuned tree of the settings' preset (``tuned_for``), else ``default_tree``.
+                a list of paths, or None: the tuned tree of the settings' preset (``tuned_for``), else ``default_tree``;
+                ``"tuned"`` too stands for the tree tuned at the settings' preset when there is one.
             config: the sampling settings (``SamplingConfig``); None: ``sampling_defaults``, which
                 is what HF ``generate`` would use for this model (its generation config, else greedy).
             temperature, top_k, top_p, min_p, repetition_penalty: override the fields of ``config``
@@ -288,7 +289,8 @@ class MedusaModel:
         tuned = self.tuned_for(settings)
         full = None
         if medusa:
-            tree = tree if tree is not None else tuned.tree if tuned else self.default_tree
+            if tree is None or tree == "tuned":  # the tree tuned on this machine at these settings, where there is one
+                tree = tuned.tree if tuned else tree or self.default_tree
             full = self._tree("ngram") if drafts == "ngram" else self._tree(tree)
         if seed is None:
             seed = random.SystemRandom().randrange(2**63)

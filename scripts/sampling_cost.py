@@ -10,6 +10,7 @@ what the settings add to a step. Figures: docs/BENCH.md, "Sampling per tree row"
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -31,8 +32,9 @@ TREES = {1: [], 3: [[0], [0, 0]], 16: [[i] for i in range(5)] + [[i, j] for i in
 
 
 def step_ms(config: SamplingConfig, rows: int, vocab: int, context: int, repeats: int, scale: float) -> float:
-    """Mean ms of the sampling part of one step with ``rows`` tree rows: the penalty's context tensor,
-    the rows' prefixes, the processors and the verification."""
+    """Median ms of the sampling part of one step with ``rows`` tree rows (the median shrugs off a step
+    slowed by another process): the penalty's context tensor, the rows' prefixes, the processors and the
+    verification."""
     gen = torch.Generator().manual_seed(0)
     tree = static_tree("t", TREES[rows], torch.float32, torch.device("cpu"))
     seen = dict.fromkeys(torch.randint(vocab, (context,), generator=gen).tolist())
@@ -40,7 +42,7 @@ def step_ms(config: SamplingConfig, rows: int, vocab: int, context: int, repeats
     rule = "greedy" if config.greedy else "exact"
     logits = [torch.randn(rows, vocab, generator=gen) * scale for _ in range(8)]  # [N, V] a few different steps
     tokens = torch.randint(vocab, (rows,), generator=gen)
-    total = 0.0
+    times = []
     for i in range(repeats + 10):
         start = time.perf_counter()
         prefixes = None
@@ -51,8 +53,8 @@ def step_ms(config: SamplingConfig, rows: int, vocab: int, context: int, repeats
         path, length, root = verify_tree(tree, scores, tokens, rule, 0.09, 0.3, gen)
         torch.cat([length.view(1), root.view(1), path, tokens]).tolist()  # the step's host sync
         if i >= 10:  # warm-up
-            total += time.perf_counter() - start
-    return 1e3 * total / repeats
+            times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
 
 
 def main() -> None:

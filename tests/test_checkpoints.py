@@ -441,6 +441,8 @@ def test_tuned_entries_per_settings_give_each_preset_its_tree_and_tau_and_an_old
     ids = torch.tensor([[5, 9, 17, 3, 44]])
     assert {r.tree_name for r in model.generate(ids, max_new_tokens=6, config=CHAT_PRESET, seed=0)} <= {"prefill", "baseline", "tuned_chat"}
     assert {r.tree_name for r in model.generate(ids, max_new_tokens=6)} <= {"prefill", "baseline", "tuned"}
+    chat_tuned = model.generate(ids, max_new_tokens=6, tree="tuned", config=CHAT_PRESET, seed=0)  # "tuned": of these settings
+    assert {r.tree_name for r in chat_tuned} <= {"prefill", "baseline", "tuned_chat"}
 
 
 def test_head_temperatures_of_the_wrong_length_raise_a_checkpoint_error_naming_the_file_and_the_value(base, tmp_path):

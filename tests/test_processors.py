@@ -146,7 +146,8 @@ def test_node_processors_equal_hfs_processors_in_generates_order_on_the_slice_an
     logits = torch.randn(16, 5000, generator=gen) * scale
     prefix = torch.randint(5000, (16, 40), generator=gen)  # [M, L] each row's own prefix, repeats included
     expected = hf_processors(config)(prefix, logits.clone())
-    assert torch.equal(NodeProcessors(config, candidates=32)(logits, prefix), expected)
+    processed = NodeProcessors(config, candidates=32)(logits, prefix)
+    assert torch.equal(processed, expected) and processed.is_contiguous()  # HF's penalty returns a strided view: slow rows
     assert torch.isfinite(expected).sum() > 16  # the filters kept more than one token somewhere
 
 
@@ -170,9 +171,13 @@ def test_the_slice_decides_where_it_holds_the_kept_tokens_and_hfs_sort_where_it_
 
 
 def test_ids_past_the_lm_heads_width_are_not_penalised_as_in_hf():
-    logits, prefix = torch.randn(2, 10), torch.tensor([[3, 12, 12], [0, 9, 10]])
-    config = SamplingConfig(repetition_penalty=2.0)
-    assert torch.equal(NodeProcessors(config)(logits, prefix), hf_processors(config)(prefix, logits.clone()))
+    logits = torch.tensor([[0.5, -1.0, 2.0, 3.0, -0.5, 1.0, 1.5, -2.0, 0.3, 4.0]] * 2)
+    prefix = torch.tensor([[3, 12, 12, 9], [0, 10, 1, 1]])  # ids past the width, with and without the last column's 9
+    for penalty in (2.0, 0.5):
+        config = SamplingConfig(repetition_penalty=penalty)
+        processed = NodeProcessors(config)(logits, prefix)
+        assert torch.equal(processed, hf_processors(config)(prefix, logits.clone()))
+        assert processed[0, 9] == 4.0 / penalty and processed[1, 9] == 4.0 and processed[0, 8] == 0.3
 
 
 def test_typical_acceptance_never_takes_a_token_the_filters_removed():
