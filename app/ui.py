@@ -213,7 +213,7 @@ def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
             model_panel=model_info, compare_result=compare_result, export_file=export_file, export_path=export_path,
             tree_plot=tree_plot, step_slider=step_slider, speed_plot=speed_plot, summary=summary, reply_status=status_line,
             posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha, temperature=temperature, top_k=top_k,
-            top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, sampling=sampling, drafts=drafts,
+            top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, sampling=sampling, drafts=drafts, medusa=medusa,
         )
         controls = dict(
             medusa=medusa, drafts=drafts, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
@@ -340,6 +340,8 @@ def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
         greedy_button.click(greedy_fn, None, greedy_out, **QUICK)
         chat_fn, chat_out = event(functools.partial(handlers.chat_preset, engine, settings))
         chat_button.click(chat_fn, None, chat_out, **QUICK)
+        notice_fn, notice_out = event(functools.partial(handlers.medusa_notice, engine))
+        temperature.change(notice_fn, [temperature], notice_out, **QUICK)  # the tuned verdict of the settings' preset
         explain_fn, explain_out = event(handlers.explain_controls)
         gr.on([demo.load, medusa.change, temperature.change, sampling.change], explain_fn, [medusa, temperature, sampling], explain_out,
               **QUICK, **raw)

@@ -7,7 +7,7 @@ Works on token ids and knows no UI. Public API:
 - Trees (paper 2.1.2, 2.3.3): ``TREE_PRESETS``, ``MAX_TREE_NODES``, ``build_tree_buffers``, ``TreeBuffers``,
   ``resolve_tree``, ``validate_tree``, ``dense_tree``, ``chain_tree``, ``optimal_tree``.
 - Acceptance (paper 2.3.1): ``evaluate_posterior``; exact rejection sampling over the tree (Leviathan
-  et al. 2023, Chen et al. 2023): ``try_children``, ``residual_distributions``, ``node_status``.
+  et al. 2023, Chen et al. 2023): ``try_children``, ``residual_distributions``, ``node_status``, ``draw``.
 - The engine: ``MedusaModel.generate`` yields one ``StepRecord`` per decoding step; ``SAMPLING_MODES``
   (its ``sampling=`` argument), ``DRAFT_SOURCES`` (its ``drafts=``), ``SAMPLING_RULES``, ``NODE_STATUSES``
   and ``NODE_SOURCES`` (fields of the record).
@@ -17,10 +17,12 @@ Works on token ids and knows no UI. Public API:
 - N-gram drafts in the tree (prompt lookup beside the heads, issue 20): ``NgramDrafter``, ``DraftConfig``.
 - Sampling settings with HF ``generate`` semantics, applied at every tree node: ``SamplingConfig``
   (temperature, top-k, top-p, min-p, repetition penalty) and ``CHAT_PRESET``.
+- Trees tuned per machine and settings preset by ``bench tune``: ``TunedSettings``, ``TUNED_PRESETS``
+  (``MedusaModel.tuned_for``).
 - ``physical_cores``: the default torch thread count of the app and the benchmark.
 """
 
-from .acceptance import NODE_STATUSES, evaluate_posterior, node_status, residual_distributions, try_children
+from .acceptance import NODE_STATUSES, draw, evaluate_posterior, node_status, residual_distributions, try_children
 from .cpu import physical_cores
 from .export import export_vllm, save_medusa_heads
 from .drafts import DraftConfig, NgramDrafter
@@ -30,6 +32,7 @@ from .loading import DEMO_MODEL_DIR, MedusaCheckpointError, heads_from_state_dic
 from .model import MedusaModel
 from .prefill import PREFILL_CHUNK, ConversationCache, ReadProgress
 from .processors import CHAT_PRESET, SamplingConfig
+from .tuned import TUNED_PRESETS, TunedSettings
 from .steptree import NODE_SOURCES
 from .trees import (
     MAX_TREE_NODES,
@@ -64,10 +67,13 @@ __all__ = [
     "ReadProgress",
     "SamplingConfig",
     "StepRecord",
+    "TUNED_PRESETS",
     "TreeBuffers",
+    "TunedSettings",
     "build_tree_buffers",
     "chain_tree",
     "dense_tree",
+    "draw",
     "evaluate_posterior",
     "export_vllm",
     "heads_from_state_dict",

@@ -162,8 +162,8 @@ def residual_distributions(probs: torch.Tensor, parent_rows: torch.Tensor, token
         tokens: [C] candidate token ids.
 
     Returns:
-        [M, V] float: ``probs`` with ``[parent_rows[c], tokens[c]]`` set to 0; ``torch.multinomial``
-        normalises it. A row is all zero only if its candidates held all of p's mass.
+        [M, V] float: ``probs`` with ``[parent_rows[c], tokens[c]]`` set to 0; ``draw`` normalises it.
+        A row is all zero only if its candidates held all of p's mass.
     """
     return probs.index_put((parent_rows, tokens), torch.zeros((), dtype=probs.dtype, device=probs.device))
 
@@ -227,10 +227,12 @@ def verify_tree(
         best, length = select_path(walk, torch.zeros(walk.shape, device=walk.device), tree.path_valid, 0.0)
         path = tree.retrieve_indices.index_select(0, best.view(1))[0]  # [D+1]
         last = path.gather(0, length.view(1))  # [1]
-        residual = residual_distributions(probs, rows, cands).index_select(0, last)[0]  # [V]
+        # Only the last node's residual is drawn from: row 0 is its p, row 1 a scratch copy for the other candidates.
+        pair = probs.index_select(0, torch.cat([last, last]))  # [2, V]
+        residual = residual_distributions(pair, (rows != last).long(), cands)[0]  # [V]
         # All zero only if float rounding rejected a child holding all the mass left: fall back to p.
         residual = torch.where(residual.sum() > 0, residual, probs.index_select(0, last)[0])
-        return path, length, torch.multinomial(residual, 1, generator=generator)[0]
+        return path, length, draw(residual, generator)
     temperature = 0.0 if greedy else 1.0  # the scores are already divided by T
     accepted, log_prob = score_children(scores, rows, cands, temperature, eps, alpha)  # [N-1]
     best, length = select_path(accepted[tree.path_nodes], log_prob[tree.path_nodes], tree.path_valid, temperature)
@@ -244,4 +246,22 @@ def choose_token(scores: torch.Tensor, greedy: bool, generator: torch.Generator)
     tensor on the scores' device (no host sync)."""
     if greedy:
         return scores.argmax()
-    return torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator)[0]
+    return draw(torch.softmax(scores, dim=-1), generator)
+
+
+def draw(weights: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One index i drawn with probability ``weights[i] / weights.sum()``, by the inverse of the cumulative
+    distribution: one uniform, a float64 cumulative sum, a binary search. ``torch.multinomial`` draws one
+    exponential per entry even for a single sample (2 ms for 49,152 on this project's CPU, against 0.06).
+
+    Args:
+        weights: [V] finite, >= 0, not all zero (need not sum to 1).
+
+    Returns a 0-d long tensor on ``weights``' device (no host sync); an index of zero weight is never drawn.
+    """
+    cumulative = weights.cumsum(0, dtype=torch.float64)  # [V]
+    total = cumulative[-1:]  # [1]
+    u = torch.rand(1, dtype=torch.float64, generator=generator, device=weights.device) * total  # [1] in [0, total)
+    index = torch.searchsorted(cumulative, u, right=True)  # first entry whose cumulative sum exceeds u
+    last = torch.searchsorted(cumulative, total)  # the last entry of nonzero weight: where u * total rounds up to it
+    return torch.minimum(index, last)[0]

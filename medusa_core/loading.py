@@ -10,7 +10,7 @@ Layouts read by ``load_medusa_model``:
 The head count and block count come from the tensors, never from the config (published configs
 are wrong about it). Optional files next to the heads: ``medusa_calibration.json`` (rank accuracies
 and optimised trees, paper 2.3.3, and the heads' temperatures) and ``medusa_tuned.json`` (trees and
-the tree-shaping threshold tuned per device and precision).
+the tree-shaping threshold tuned per device, precision and sampling settings: ``medusa_core.tuned``).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from .invariant import make_batch_invariant
 from .model import MedusaModel
 from .quant.gguf_backbone import load_gguf_backbone
 from .trees import resolve_tree, validate_tree
+from .tuned import TunedSettings, tuned_entries
 
 log = logging.getLogger(__name__)
 
@@ -151,9 +152,12 @@ def load_medusa_model(
     tokenizer = _load_tokenizer(folder, backbone_source(base, trust_remote_code), trust_remote_code)
     calibration_file = heads_folder / CALIBRATION_FILE
     calibration = _read_json(calibration_file) if calibration_file.exists() else {}
-    tuned_file, key = folder / TUNED_FILE, tuned_key(dev, quantization)
-    tuned = _read_json(tuned_file).get(key) if tuned_file.exists() else None  # this device and precision's entry
-    trees, default_tree = _fitting_trees(tuned_file, tuned, calibration_file, calibration, key, heads)
+    tuned_file = folder / TUNED_FILE
+    entries = tuned_entries(_read_json(tuned_file), dev, quantization) if tuned_file.exists() else {}  # preset -> (key, entry, measured at)
+    greedy_key = entries["greedy"][0] if "greedy" in entries else None  # its tree is "tuned", the default as before
+    names = {p: "tuned" if key == greedy_key else f"tuned_{p}" for p, (key, _, _) in entries.items()}
+    tuned = {names[p]: (key, entry) for p, (key, entry, _) in entries.items()}  # tree name -> (key, entry)
+    trees, default_tree = _fitting_trees(tuned_file, tuned, calibration_file, calibration, heads)
     try:
         temperatures = check_head_temperatures(calibration.get("head_temperatures"), heads.num_heads)
     except (ValueError, TypeError) as e:
@@ -169,7 +173,10 @@ def load_medusa_model(
         default_tree=default_tree,
         rank_accuracy=calibration.get("rank_accuracy"),
         head_temperatures=temperatures,
-        min_head_probability=_tuned_threshold(tuned_file, key, tuned),
+        min_head_probability=_tuned_threshold(tuned_file, *tuned.get("tuned", ("", None))),
+        tuned={p: TunedSettings(p, names[p], _tuned_threshold(tuned_file, key, entry), measured_at,
+                                entry.get("measured_speedup"), entry.get("device_name"))
+               for p, (key, entry, measured_at) in entries.items() if names[p] in trees},
     )
     model.backbone_file = base if str(base).lower().endswith(".gguf") else None  # what llama.cpp can read (bench)
     return model
@@ -183,11 +190,6 @@ def resolve_quantization(quantization: str | None, base: str, device: torch.devi
     return "gguf" if str(base).lower().endswith(".gguf") and device.type == "cpu" else "nf4"
 
 
-def tuned_key(device: torch.device, quantization: str | None) -> str:
-    """Key of a machine-tuned tree in ``medusa_tuned.json``: ``"<device type>/<quantization>"``."""
-    return f"{device.type}/{quantization or 'none'}"
-
-
 def _tuned_threshold(tuned_file: Path, key: str, entry: Any) -> float:
     """τ of ``entry``, the tuned entry ``key`` of ``tuned_file`` (``min_head_probability``, chosen by
     ``bench tune``), 0.0 when there is none. Raises ``MedusaCheckpointError`` naming the file and the value
@@ -199,23 +201,25 @@ def _tuned_threshold(tuned_file: Path, key: str, entry: Any) -> float:
 
 
 def _fitting_trees(
-    tuned_file: Path, tuned: Any, calibration_file: Path, calibration: dict[str, Any], tuned_key_: str, heads: MedusaHeads
+    tuned_file: Path, tuned: dict[str, tuple[str, Any]], calibration_file: Path, calibration: dict[str, Any], heads: MedusaHeads
 ) -> tuple[dict[str, list[list[int]]], str | None]:
-    """The model's own trees and default tree from ``medusa_calibration.json`` and ``tuned``, the entry
-    ``tuned_key_`` of ``medusa_tuned.json`` (None when absent).
+    """The model's own trees and default tree from ``medusa_calibration.json`` and ``tuned``, this device
+    and precision's entries of ``medusa_tuned.json`` by tree name: ``"tuned"`` (greedy's, or a file's
+    entry from before entries were per settings), ``"tuned_chat"`` -> (key, entry).
 
     A tree that does not fit the heads (too deep, a rank >= the vocabulary, invalid) is dropped with
-    a logged warning naming the file and the reason. The default is the tuned tree for this device
-    and precision, else the calibration's ``default_tree``, else (both missing or dropped, with a
-    warning) None: the model's default for its device.
+    a logged warning naming the file and the reason. The default is the tree ``"tuned"``, else the
+    calibration's ``default_tree``, else (both missing or dropped, with a warning) None: the model's
+    default for its device.
     Raises ``MedusaCheckpointError`` when a file's layout is wrong.
     """
     found: list[tuple[Path, str, Any]] = []  # (file, tree name, paths), first found wins
     defaults: list[tuple[Path, Any]] = []  # (file, tree name), in order of preference
-    if tuned is not None:
-        if not isinstance(tuned, dict) or "choices" not in tuned:
-            raise MedusaCheckpointError(f'{tuned_file}: entry {tuned_key_!r} must be an object with "choices" (a list of paths)')
-        found.append((tuned_file, "tuned", tuned["choices"]))
+    for name, (key, entry) in tuned.items():
+        if not isinstance(entry, dict) or "choices" not in entry:
+            raise MedusaCheckpointError(f'{tuned_file}: entry {key!r} must be an object with "choices" (a list of paths)')
+        found.append((tuned_file, name, entry["choices"]))
+    if "tuned" in tuned:
         defaults.append((tuned_file, "tuned"))
     calibrated = calibration.get("trees", {})
     if not isinstance(calibrated, dict):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -33,6 +33,7 @@ from .prefill import PREFILL_CHUNK, ConversationCache, ReadProgress, read_prompt
 from .processors import CHAT_PRESET, NodeProcessors, SamplingConfig, tree_prefixes
 from .steptree import StepTree, confident_nodes, graft, prune, static_tree
 from .trees import TREE_PRESETS, resolve_tree, validate_tree
+from .tuned import TunedSettings, settings_preset
 
 
 class MedusaModel:
@@ -55,6 +56,8 @@ class MedusaModel:
             for every head (the raw softmax). Ranks, hence the candidates, do not depend on it.
         min_head_probability: τ, the path probability a head node needs to be verified when
             ``generate``'s ``draft_config`` leaves it unset (``bench tune``'s choice; 0 = every node).
+        tuned: ``bench tune``'s choices per settings preset (``medusa_core.tuned``): a reply's settings
+            take their preset's tree when ``generate(tree=None)`` and its τ when ``draft_config`` leaves it unset.
 
     Raises ``ValueError`` when the heads do not match the backbone's hidden size, when one of
     ``trees`` or ``default_tree`` does not fit the model (see ``resolve_tree``), when
@@ -75,6 +78,7 @@ class MedusaModel:
         rank_accuracy: list[list[float]] | None = None,
         head_temperatures: Sequence[float] | None = None,
         min_head_probability: float = 0.0,
+        tuned: Mapping[str, TunedSettings] | None = None,
     ):
         self.backbone = backbone.eval()
         self.heads = heads.eval()
@@ -97,13 +101,14 @@ class MedusaModel:
         if not 0 <= min_head_probability <= 1:
             raise ValueError(f"min_head_probability must be in [0, 1], got {min_head_probability}")
         self.min_head_probability = float(min_head_probability)
+        self.tuned = dict(tuned or {})
         self._temperatures = torch.tensor(self.head_temperatures, device=self.device)[:, None]  # [K, 1]
         # Heads may run in a cheaper dtype than the backbone: they only propose, the backbone verifies.
         self._head_dtype = next(heads.parameters(), backbone.get_input_embeddings().weight).dtype
         self._trees: dict[str, StepTree] = {}
         self._pruned_trees: dict[tuple[str, int, tuple[int, ...]], StepTree] = {}
         self._default_tree = default_tree
-        for tree in [*self.trees, *([default_tree] if default_tree else [])]:
+        for tree in [*self.trees, *([default_tree] if default_tree else []), *(t.tree for t in self.tuned.values())]:
             try:
                 self.resolve_tree(tree)
             except ValueError as e:
@@ -158,6 +163,10 @@ class MedusaModel:
         sets any, else ``CHAT_PRESET`` (greedy loops on small models: README, "Defaults and why")."""
         return SamplingConfig.from_generation_config(getattr(self.backbone, "generation_config", None)) or CHAT_PRESET
 
+    def tuned_for(self, config: SamplingConfig) -> TunedSettings | None:
+        """``bench tune``'s choice for the preset that serves ``config`` (``settings_preset``), None if untuned."""
+        return self.tuned.get(settings_preset(config))
+
     def tree_names(self) -> list[str]:
         """Tree names offered to users: the model's own trees first, then the presets that fit."""
         fitting = [n for n, c in TREE_PRESETS.items() if max(map(len, c)) <= self.num_heads]
@@ -195,7 +204,8 @@ class MedusaModel:
             input_ids: [1, T] prompt token ids (batch size 1).
             max_new_tokens: limit in tokens (tokens accepted past it are dropped).
             tree: a tree name (the model's own trees, ``TREE_PRESETS``, ``chain_D``, ``dense_AxB``),
-                a list of paths, or None for ``default_tree``.
+                a list of paths, or None: the tuned tree of the settings' preset (``tuned_for``), else ``default_tree``;
+                ``"tuned"`` too stands for the tree tuned at the settings' preset when there is one.
             config: the sampling settings (``SamplingConfig``); None: ``sampling_defaults``, which
                 is what HF ``generate`` would use for this model (its generation config, else greedy).
             temperature, top_k, top_p, min_p, repetition_penalty: override the fields of ``config``
@@ -232,7 +242,8 @@ class MedusaModel:
                 budget): a node is verified only when its path probability, the product of the heads'
                 probabilities softmax(logits_k / T_k) (``head_temperatures``) of the tokens on its path,
                 is at least τ; a deterministic choice given the context, so exactness is unchanged. None
-                (the default) means the model's tuned ``min_head_probability``; 0 turns shaping off.
+                (the default) means the tuned τ of the settings' preset (``tuned_for``), else the model's
+                ``min_head_probability``; 0 turns shaping off.
             earlier_replies: token ids of earlier replies that the prompt does not hold (e.g. the reply
                 that Regenerate replaces), indexed for the n-gram lookup beside the context (``hybrid``
                 and ``ngram`` only).
@@ -292,14 +303,19 @@ class MedusaModel:
             raise ValueError(
                 f"the prompt has {prompt_len} tokens; the model's context window is {self.max_context} tokens"
             )
+        tuned = self.tuned_for(settings)
         full = None
         if medusa:
-            full = self._tree("ngram") if drafts == "ngram" else self._tree(tree if tree is not None else self.default_tree)
+            if tree is None or tree == "tuned":  # the tree tuned on this machine at these settings, where there is one
+                tree = tuned.tree if tuned else tree or self.default_tree
+            full = self._tree("ngram") if drafts == "ngram" else self._tree(tree)
         if seed is None:
             seed = random.SystemRandom().randrange(2**63)
         rule = "greedy" if settings.greedy else sampling if medusa else "sample"
         drafter = NgramDrafter(draft_config, input_ids[0].tolist(), earlier_replies) if medusa and drafts != "heads" else None
-        shape_at = self.min_head_probability if draft_config.min_head_probability is None else draft_config.min_head_probability
+        shape_at = draft_config.min_head_probability
+        if shape_at is None:
+            shape_at = tuned.min_head_probability if tuned else self.min_head_probability
         reading = dict(kept=kept, progress=progress, chunk=prefill_chunk)
         return self._decode(
             input_ids.to(self.device), max_new_tokens, full, NodeProcessors(settings), posterior_threshold, posterior_alpha,
@@ -315,6 +331,7 @@ class MedusaModel:
         cur_len = input_ids.shape[1]  # tokens in the cache; the root (last token emitted) is not yet
         # The distinct ids of the prompt and the reply so far: what a repetition penalty looks at.
         seen = dict.fromkeys(input_ids[0].tolist()) if processors.needs_prefix else {}
+        context = torch.tensor(list(seen), dtype=torch.long, device=self.device)  # [C] grown by each step's new ids
         start = time.perf_counter()
         with torch.inference_mode():
             cache, reused = kept.take(self, self._new_cache, input_ids[0].tolist()) if kept else (self._new_cache(), 0)
@@ -337,9 +354,10 @@ class MedusaModel:
             start = time.perf_counter()
             remaining = max_new_tokens - record.total_tokens
             tree = full if medusa and remaining > 1 and cur_len + full.num_nodes <= self.max_context else root_only
-            if processors.needs_prefix:
-                seen.update(dict.fromkeys(record.token_ids))
-                context = torch.tensor(list(seen), device=self.device)  # [C] ids before the root, root included
+            new_ids = [t for t in dict.fromkeys(record.token_ids) if t not in seen] if processors.needs_prefix else []
+            if new_ids:  # the context's ids before the root, root included
+                seen.update(dict.fromkeys(new_ids))
+                context = torch.cat([context, torch.tensor(new_ids, device=self.device)])
             chain = []
             if drafter is not None:
                 drafter.extend(record.token_ids)  # the context now ends with the root

@@ -25,7 +25,7 @@ from app.session import Session, Turn
 from app.settings import AppSettings
 from app.stats import CSV_COLUMNS, summarize, summary_markdown
 from app.ui import build_ui
-from medusa_core import CHAT_PRESET
+from medusa_core import CHAT_PRESET, TunedSettings
 from medusa_core.processors import CHAT_SAMPLING
 
 
@@ -353,6 +353,36 @@ def test_while_the_model_loads_messages_wait_and_the_page_shows_progress(setting
     assert "no such folder" in failed["banner"] and "timer" in failed
 
 
+def test_the_medusa_toggle_says_when_the_tree_tuned_at_the_settings_ran_slower_than_the_plain_loop(engine, settings, monkeypatch):
+    assert handlers.medusa_notice(engine, 0.2)["medusa"].info == ""  # untuned: nothing to say
+    monkeypatch.setattr(engine.model, "tuned", {
+        "greedy": TunedSettings("greedy", "sparse_16", 0.0, "greedy", 1.05),
+        "chat": TunedSettings("chat", "chain_2", 0.0, "chat", 0.92, "Intel Xeon"),
+    })
+    assert handlers.medusa_notice(engine, 0.0)["medusa"].info == ""  # faster at greedy
+    note = handlers.medusa_notice(engine, 0.7)["medusa"].info
+    assert note == "⚠ Medusa measured 0.92× the plain loop at these settings (chat preset) on Intel Xeon: plain decoding is faster here"
+    assert handlers.page_status(engine, settings)["medusa"].info == note  # the page opens at the chat defaults
+    # A greedy figure read from an old file says nothing about sampled settings.
+    monkeypatch.setattr(engine.model, "tuned", {"chat": TunedSettings("chat", "chain_2", 0.0, "greedy", 0.92)})
+    assert handlers.medusa_notice(engine, 0.7)["medusa"].info == ""
+
+
+def test_the_default_tree_runs_the_tree_tuned_at_each_replys_settings(engine, settings, controls, monkeypatch):
+    monkeypatch.setattr(engine.model, "tuned", {"chat": TunedSettings("chat", "chain_2", 0.0, "chat", 1.3)})
+    controls = dataclasses.replace(controls, drafts="heads")  # the heads' tree alone: every step names it
+    assert controls.tree == engine.model.default_tree
+    label = dict((v, label) for label, v in handlers.tree_choices(engine.model))[controls.tree]
+    session = Session()
+    send(engine, settings, session, controls)  # greedy: no tuned entry, the model's default tree
+    assert {r.tree_name for r in session.last_records[1:]} <= {"sparse_16", "baseline"}
+    send(engine, settings, session, dataclasses.replace(controls, **dataclasses.asdict(CHAT_PRESET), sampling="exact", seed=1))
+    assert {r.tree_name for r in session.last_records[1:]} <= {"chain_2", "baseline"} and len(session.last_records) > 2
+    send(engine, settings, session, dataclasses.replace(controls, tree="chain_3", **dataclasses.asdict(CHAT_PRESET)))
+    assert {r.tree_name for r in session.last_records[1:]} <= {"chain_3", "baseline"}  # a tree picked by hand stays
+    assert "sparse_16" in label
+
+
 def test_page_status_fills_the_tree_choices_once_ready(engine, settings):
     updates = handlers.page_status(engine, settings)
     assert updates["banner"] == "" and updates["tree"].value == engine.model.default_tree
@@ -455,6 +485,7 @@ def test_every_handler_returns_only_the_outputs_its_event_declares(engine, setti
     note("rerender_chat", handlers.rerender_chat(session, True))
     note("show_step", handlers.show_step(engine, session, 0))
     note("check_tree", handlers.check_tree(engine, CUSTOM_TREE, "[[0]]"))
+    note("medusa_notice", handlers.medusa_notice(engine, 0.2))
     note("export_csv", handlers.export_csv(settings, session))
     note("export_transcript", handlers.export_transcript(engine, settings, session, "sys", fmt="md"))
     note("explain_controls", handlers.explain_controls(True, 0.0))

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from medusa_core import load_medusa_model, optimal_tree, physical_cores
+from medusa_core import CHAT_PRESET, load_medusa_model, optimal_tree, physical_cores
 from medusa_core.bench import (
     ALL,
     Prompt,
@@ -483,7 +483,7 @@ def test_a_sampled_benchmark_records_each_runs_rule_and_compares_no_outputs(samp
     assert f"temperature: 0.7, sampling: {sampling}" in markdown
 
 
-def test_tune_writes_a_tuned_tree_that_the_loader_makes_the_default(tiny, tmp_path):
+def test_tune_writes_a_tree_per_settings_preset_that_the_loader_gives_those_settings(tiny, tmp_path):
     heads, prompts = tiny
     (heads / "medusa_calibration.json").write_text(json.dumps({"rank_accuracy": [list(r) for r in SMALL_MODEL_RANK_ACCURACY]}))
     tuned = heads / "medusa_tuned.json"
@@ -495,17 +495,29 @@ def test_tune_writes_a_tuned_tree_that_the_loader_makes_the_default(tiny, tmp_pa
             "--out", str(tmp_path / "tune"), "--no-progress", "--threads", "1",
         ]) == 0
         data = json.loads(tuned.read_text())
-        assert set(data) == {"cuda/nf4", "cpu/none"}
-        entry = data["cpu/none"]
-        assert len(entry["choices"]) in (2, 4) and entry["nodes"] == len(entry["choices"]) + 1
-        assert entry["choices"] == optimal_tree(SMALL_MODEL_RANK_ACCURACY, len(entry["choices"]))[0]
-        assert entry["predicted_speedup"] > 0 and entry["measured_speedup"] > 0
+        assert set(data) == {"cuda/nf4", "cpu/none@greedy", "cpu/none@chat"}
+        for preset, settings in (("greedy", "greedy"), ("chat", "T 0.2 · top-p 0.9 · rep. 1.1, exact")):
+            entry = data[f"cpu/none@{preset}"]
+            assert entry["settings"] == settings and ("identical_to_hf" in entry) == (preset == "greedy")
+            assert len(entry["choices"]) in (2, 4) and entry["nodes"] == len(entry["choices"]) + 1
+            assert entry["choices"] == optimal_tree(SMALL_MODEL_RANK_ACCURACY, len(entry["choices"]))[0]
+            assert entry["predicted_speedup"] > 0 and entry["measured_speedup"] > 0
+            report = (tmp_path / "tune" / preset / "tune.md").read_text()
+            assert report.startswith(f"# Tree tuning at {preset}: {settings}") and (tmp_path / "tune" / preset / "tune.csv").exists()
         model = load_medusa_model(heads, quantization=None, device="cpu")
-        assert model.default_tree == "tuned" and model.trees["tuned"] == entry["choices"]
-        assert (tmp_path / "tune" / "tune.md").exists() and (tmp_path / "tune" / "tune.csv").exists()
+        assert model.default_tree == "tuned" and model.trees["tuned"] == data["cpu/none@greedy"]["choices"]
+        chat = model.tuned_for(CHAT_PRESET)
+        assert model.trees[chat.tree] == data["cpu/none@chat"]["choices"] and chat.measured_at == "chat"
+        assert chat.measured_speedup == data["cpu/none@chat"]["measured_speedup"]
     finally:
         tuned.unlink(missing_ok=True)
         (heads / "medusa_calibration.json").unlink()
+
+
+def test_tune_refuses_an_unknown_preset_naming_the_allowed_ones(capsys):
+    with pytest.raises(SystemExit):
+        build_parser("tune").parse_args(["--presets", "greedy,creative"])
+    assert "'greedy,creative': presets are a comma list of greedy, chat" in capsys.readouterr().err
 
 
 def test_the_llama_cpp_anchor_is_skipped_with_one_line_for_a_backbone_that_is_not_gguf(capsys):

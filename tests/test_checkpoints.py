@@ -19,9 +19,12 @@ from safetensors.torch import load_file, save_file
 from tiny_models import HIDDEN, VOCAB, random_heads, tiny_backbone, tiny_tokenizer
 
 from medusa_core import (
+    CHAT_PRESET,
     MedusaCheckpointError,
     MedusaHeads,
     MedusaModel,
+    SamplingConfig,
+    TunedSettings,
     export_vllm,
     load_medusa_model,
     save_medusa_heads,
@@ -451,6 +454,34 @@ def test_head_temperatures_and_the_tuned_threshold_are_read_from_the_calibration
     model = load(tmp_path)
     assert model.head_temperatures == (1.5, 2.0, 2.5, 3.0)
     assert model.min_head_probability == 0.25  # this device and precision's entry
+
+
+def test_tuned_entries_per_settings_give_each_preset_its_tree_and_tau_and_an_old_file_serves_both(base, tmp_path):
+    folder, backbone = base
+    save_medusa_heads(random_heads(backbone, HEADS), tmp_path, base_model_name_or_path=str(folder))
+    # A file from before entries were per settings: one entry, measured greedy, serves both presets.
+    old = {"cpu/none": {"choices": [[0], [1]], "min_head_probability": 0.25, "measured_speedup": 0.9}}
+    (tmp_path / "medusa_tuned.json").write_text(json.dumps(old))
+    model = load(tmp_path)
+    greedy, chat = model.tuned_for(SamplingConfig()), model.tuned_for(CHAT_PRESET)
+    assert (greedy.tree, greedy.min_head_probability, greedy.measured_at) == ("tuned", 0.25, "greedy")
+    assert (chat.tree, chat.measured_at) == ("tuned", "greedy")
+    assert greedy.slower_than_plain and not chat.slower_than_plain  # a greedy figure says nothing of the chat settings
+    # Entries per settings: the chat preset gets its own tree, τ and verdict; generate takes them by default.
+    tuned = {"cpu/none@greedy": {"choices": [[0], [1]], "min_head_probability": 0.1, "measured_speedup": 1.2},
+             "cpu/none@chat": {"choices": [[0]], "min_head_probability": 0.3, "measured_speedup": 0.92, "device_name": "a CPU"},
+             "cpu/none": {"choices": [[0], [0, 0]]}}
+    (tmp_path / "medusa_tuned.json").write_text(json.dumps(tuned))
+    model = load(tmp_path)
+    assert model.default_tree == "tuned" and model.trees == {"tuned": [[0], [1]], "tuned_chat": [[0]]}
+    chat = model.tuned_for(SamplingConfig(temperature=0.7, top_k=5))  # any sampled settings: the chat preset's entry
+    assert chat == TunedSettings("chat", "tuned_chat", 0.3, "chat", 0.92, "a CPU") and chat.slower_than_plain
+    assert model.min_head_probability == 0.1 and not model.tuned_for(SamplingConfig()).slower_than_plain
+    ids = torch.tensor([[5, 9, 17, 3, 44]])
+    assert {r.tree_name for r in model.generate(ids, max_new_tokens=6, config=CHAT_PRESET, seed=0)} <= {"prefill", "baseline", "tuned_chat"}
+    assert {r.tree_name for r in model.generate(ids, max_new_tokens=6)} <= {"prefill", "baseline", "tuned"}
+    chat_tuned = model.generate(ids, max_new_tokens=6, tree="tuned", config=CHAT_PRESET, seed=0)  # "tuned": of these settings
+    assert {r.tree_name for r in chat_tuned} <= {"prefill", "baseline", "tuned_chat"}
 
 
 def test_head_temperatures_of_the_wrong_length_raise_a_checkpoint_error_naming_the_file_and_the_value(base, tmp_path):

@@ -14,12 +14,19 @@ import pytest
 import torch
 from conftest import ARCH_SETTINGS, PROMPT, OracleHeads  # plain data and a fake, shared with the fixtures
 from transformers import GenerationConfig
-from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopPLogitsWarper
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 import medusa_core.model
-from medusa_core import CHAT_PRESET, MedusaModel, SamplingConfig
+from medusa_core import CHAT_PRESET, MedusaModel, SamplingConfig, draw
 from medusa_core.acceptance import score_children
-from medusa_core.processors import NodeProcessors, NucleusWarper, tree_prefixes
+from medusa_core.processors import NodeProcessors, top_slice, tree_prefixes
 
 PENALTY = 1.3
 
@@ -106,11 +113,71 @@ def test_node_processors_apply_hfs_classes_in_generates_order():
     assert NodeProcessors(SamplingConfig(top_k=3))(logits, None) is logits
 
 
-@pytest.mark.parametrize("scale", [0.3, 3.0, 30.0])  # flat rows need HF's full sort, peaked ones take the fast path
-def test_the_nucleus_warper_keeps_exactly_the_tokens_hfs_top_p_keeps(scale):
-    logits = torch.randn(16, 5000, generator=torch.Generator().manual_seed(1)) * scale
-    for top_p in (0.3, 0.9, 0.99):
-        assert torch.equal(NucleusWarper(top_p, candidates=32)(None, logits), TopPLogitsWarper(top_p)(None, logits))
+def hf_processors(config: SamplingConfig) -> LogitsProcessorList:
+    """transformers' processors for ``config`` in ``generate``'s order (``_get_logits_processor``, 5.x)."""
+    processors = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(config.repetition_penalty)])
+    if not config.greedy:
+        processors.append(TemperatureLogitsWarper(config.temperature))
+        if config.top_k:
+            processors.append(TopKLogitsWarper(config.top_k))
+        if config.top_p < 1:
+            processors.append(TopPLogitsWarper(config.top_p))
+        if config.min_p:
+            processors.append(MinPLogitsWarper(config.min_p))
+    return processors
+
+
+SLICE_CASES = [  # (settings, logit scale): which path each takes with 32 candidates of 5,000 tokens
+    (CHAT_PRESET, 3.0),  # peaked rows: the nucleus lies in the slice
+    (CHAT_PRESET, 0.05),  # flat rows: the slice holds less than top_p, HF's full sort decides
+    (SamplingConfig(temperature=0.7, top_k=50, top_p=0.95, min_p=0.05, repetition_penalty=1.3), 1.0),  # k > slice
+    (SamplingConfig(temperature=1.0, top_k=8, repetition_penalty=0.8), 1.0),
+    (SamplingConfig(temperature=0.5, min_p=0.2), 3.0),  # min-p alone, decided in the slice
+    (SamplingConfig(temperature=1.5, min_p=0.01), 0.3),  # min-p alone, passes past the slice: fallback
+    (SamplingConfig(temperature=1.2, top_p=0.5, min_p=0.3), 2.0),  # fallback
+    (SamplingConfig(temperature=0.3, top_p=0.95, min_p=0.01), 3.0),  # top-p then min-p in the slice
+    (SamplingConfig(temperature=0.9), 1.0),  # temperature alone: no filter
+]
+
+
+@pytest.mark.parametrize("config, scale", SLICE_CASES)
+def test_node_processors_equal_hfs_processors_in_generates_order_on_the_slice_and_in_the_fallback(config, scale):
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(16, 5000, generator=gen) * scale
+    prefix = torch.randint(5000, (16, 40), generator=gen)  # [M, L] each row's own prefix, repeats included
+    expected = hf_processors(config)(prefix, logits.clone())
+    processed = NodeProcessors(config, candidates=32)(logits, prefix)
+    assert torch.equal(processed, expected) and processed.is_contiguous()  # HF's penalty returns a strided view: slow rows
+    assert torch.isfinite(expected).sum() > 16  # the filters kept more than one token somewhere
+
+
+@pytest.mark.parametrize("vocab", [5000, 4999, 200])  # a whole number of blocks, a ragged last block, fewer tokens than c blocks
+def test_the_top_slice_holds_topks_values_at_distinct_indices_ties_included(vocab):
+    gen = torch.Generator().manual_seed(2)
+    for scores in (torch.randn(5, vocab, generator=gen), torch.randint(0, 6, (5, vocab), generator=gen).float()):  # many ties
+        top, index = top_slice(scores, 32)
+        assert torch.equal(top, scores.topk(32).values) and torch.equal(scores.gather(1, index), top)
+        assert all(len(set(row)) == 32 for row in index.tolist())
+
+
+def test_the_slice_decides_where_it_holds_the_kept_tokens_and_hfs_sort_where_it_may_not(monkeypatch):
+    sorts = []
+    monkeypatch.setattr(TopPLogitsWarper, "__call__", lambda self, ids, scores: sorts.append(1) or scores)
+    peaked, flat = torch.randn(4, 5000) * 3.0, torch.randn(4, 5000) * 0.05
+    NodeProcessors(CHAT_PRESET, candidates=32)(peaked, torch.zeros(4, 1, dtype=torch.long))
+    assert sorts == []
+    NodeProcessors(CHAT_PRESET, candidates=32)(flat, torch.zeros(4, 1, dtype=torch.long))
+    assert sorts == [1]
+
+
+def test_ids_past_the_lm_heads_width_are_not_penalised_as_in_hf():
+    logits = torch.tensor([[0.5, -1.0, 2.0, 3.0, -0.5, 1.0, 1.5, -2.0, 0.3, 4.0]] * 2)
+    prefix = torch.tensor([[3, 12, 12, 9], [0, 10, 1, 1]])  # ids past the width, with and without the last column's 9
+    for penalty in (2.0, 0.5):
+        config = SamplingConfig(repetition_penalty=penalty)
+        processed = NodeProcessors(config)(logits, prefix)
+        assert torch.equal(processed, hf_processors(config)(prefix, logits.clone()))
+        assert processed[0, 9] == 4.0 / penalty and processed[1, 9] == 4.0 and processed[0, 8] == 0.3
 
 
 def test_typical_acceptance_never_takes_a_token_the_filters_removed():
@@ -157,7 +224,7 @@ def test_with_top_k_1_typical_and_exact_sampling_equal_penalised_greedy(sampling
 
 
 def test_plain_sampling_with_processors_draws_from_hfs_processed_distribution(backbone_for, random_model):
-    # medusa=False: token i = multinomial(softmax(processed logits_i)) with one seeded generator, the
+    # medusa=False: token i = draw(softmax(processed logits_i)) with one seeded generator, the
     # processors being HF's in generate's order, the penalty over the prompt and the reply so far.
     backbone = backbone_for("mistral")
     generator = torch.Generator().manual_seed(5)
@@ -166,7 +233,7 @@ def test_plain_sampling_with_processors_draws_from_hfs_processed_distribution(ba
         for _ in range(16):
             scores = RepetitionPenaltyLogitsProcessor(1.2)(seq, backbone(seq).logits[:, -1].float())
             scores = TopPLogitsWarper(0.9)(seq, TemperatureLogitsWarper(0.8)(seq, scores))
-            expected.append(int(torch.multinomial(torch.softmax(scores[0], -1), 1, generator=generator)))
+            expected.append(int(draw(torch.softmax(scores[0], -1), generator)))
             seq = torch.cat([seq, torch.tensor([[expected[-1]]])], dim=1)
     config = SamplingConfig(temperature=0.8, top_p=0.9, repetition_penalty=1.2)
     records = list(random_model(backbone).generate(PROMPT, max_new_tokens=16, config=config, medusa=False, seed=5))

@@ -8,7 +8,7 @@ nothing still returns a name (with ``gr.skip()``): Gradio reads an empty dict as
 
 | module | what |
 |---|---|
-| ``controls`` | ``Controls`` (what a reply reads when it starts), sampling presets, tree choices, custom-tree check, inactive controls |
+| ``controls`` | ``Controls`` (what a reply reads when it starts), sampling presets, tree choices, custom-tree check, inactive controls, the Medusa toggle's note |
 | ``views`` | chat messages, status line, live view, model panel |
 | ``generation`` | the prompt that fits the context, recording the engine's steps |
 | ``chat`` | send, reply, Stop, Regenerate, edit and resend, Clear, restore after a reload, step slider, highlight |
@@ -30,6 +30,7 @@ from .controls import (
     check_tree,
     explain_controls,
     greedy_preset,
+    medusa_notice,
     tree_choices,
 )
 from .export import export_csv, export_transcript
@@ -43,7 +44,7 @@ SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "sam
 #: browser's storage (``gr.BrowserState``), written when a message is sent, about once a second while its
 #: reply streams (``settings.save_interval_s``) and when the reply ends.
 OUTPUTS: dict[str, tuple[str, ...]] = {
-    "page_status": ("banner", "timer", "tree", "model_panel", "tree_status", *SAMPLING),
+    "page_status": ("banner", "timer", "tree", "model_panel", "tree_status", "medusa", *SAMPLING),
     "restore_chat": ("chatbot", "reply_status"),
     "add_user": ("message", "chatbot", "reply_status", "send", "saved"),
     "respond": ("chatbot", "tree_status", "reply_status", "model_panel", "send", "saved", *LIVE_VIEW),
@@ -55,6 +56,7 @@ OUTPUTS: dict[str, tuple[str, ...]] = {
     "rerender_chat": ("chatbot",),
     "show_step": ("tree_plot", "step_slider"),
     "check_tree": ("tree_status",),
+    "medusa_notice": ("medusa",),
     "explain_controls": ("tree", "drafts", "posterior_threshold", "posterior_alpha", "top_k", "top_p", "min_p"),
     "greedy_preset": tuple(GREEDY_PRESET),
     "chat_preset": SAMPLING,
@@ -64,7 +66,7 @@ OUTPUTS: dict[str, tuple[str, ...]] = {
 
 __all__ = [
     "CONTROL_NAMES", "CUSTOM_TREE", "GREEDY_PRESET", "OUTPUTS", "Controls", "add_user", "chat_preset", "check_tree", "clear",
-    "compare", "edit_user", "explain_controls", "export_csv", "export_transcript", "greedy_preset", "model_panel",
+    "compare", "edit_user", "explain_controls", "export_csv", "export_transcript", "greedy_preset", "medusa_notice", "model_panel",
     "page_status", "regenerate", "rerender_chat",
     "respond", "restore_chat", "show_step", "stop", "tree_choices", "waiting_turn",
 ]

@@ -219,7 +219,10 @@ def tree_choices(model: MedusaModel) -> list[tuple[str, str]]:
         except ValueError:  # a model tree deeper than its heads: not offered
             continue
         if name in model.trees:
-            groups[0].append((f"{name} ({nodes} nodes · this model's own)", name))
+            tuned_at = [t.preset for t in model.tuned.values() if t.tree == name]
+            note = f" · tuned at {' and '.join(tuned_at)}" if tuned_at else ""
+            default = " · the default: each reply's settings take their tuned tree" if name == model.default_tree and model.tuned else ""
+            groups[0].append((f"{name} ({nodes} nodes · this model's own{note}{default})", name))
         elif name in TREE_PRESETS and nodes >= PUBLISHED_TREE_NODES:
             groups[2].append((f"{name} ({nodes} nodes · published, sized for 7B–33B models on GPUs)", name))
         else:
@@ -257,11 +260,12 @@ def explain_controls(medusa: bool, temperature: float, sampling: str = "typical"
 
 
 def tree_argument(model: MedusaModel, tree: str | None, custom_tree: str) -> str | list[list[int]] | None:
-    """The ``tree`` for ``model.generate`` from the tree controls; ValueError with the validator's message."""
+    """The ``tree`` for ``model.generate`` from the tree controls; ValueError with the validator's message.
+    The model's default tree stands for the tree tuned at the reply's settings (None: ``MedusaModel.tuned_for``)."""
     if tree != CUSTOM_TREE:
         if tree:
             model.resolve_tree(tree)
-        return tree or None
+        return None if tree == model.default_tree else tree or None
     try:
         paths = json.loads(custom_tree)
     except json.JSONDecodeError as e:
@@ -270,6 +274,18 @@ def tree_argument(model: MedusaModel, tree: str | None, custom_tree: str) -> str
         raise ValueError("the custom tree must be a JSON list of paths, e.g. [[0], [1], [0, 0]]")
     model.resolve_tree(paths)
     return paths
+
+
+def medusa_notice(engine: Engine, temperature: float) -> Updates:
+    """The note beside the Medusa toggle: where ``bench tune`` measured the tree tuned for the settings
+    preset of ``temperature`` slower than the plain loop on this machine (``TunedSettings.slower_than_plain``),
+    it says so, so that Medusa on does not slow the reply silently; otherwise no note."""
+    tuned = engine.model.tuned_for(SamplingConfig(temperature=temperature)) if engine.model is not None else None
+    if tuned is None or not tuned.slower_than_plain:
+        return {"medusa": gr.Checkbox(info="")}
+    where = f"on {tuned.device_name}" if tuned.device_name else "on this machine"
+    return {"medusa": gr.Checkbox(info=f"⚠ Medusa measured {tuned.measured_speedup:.2f}× the plain loop at these settings "
+                                       f"({tuned.preset} preset) {where}: plain decoding is faster here")}
 
 
 def check_tree(engine: Engine, tree: str | None, custom_tree: str) -> Updates:

@@ -16,6 +16,7 @@ from ..cpu import physical_cores
 from ..drafts import DraftConfig
 from ..generation import SAMPLING_MODES
 from ..processors import CHAT_SAMPLING, SamplingConfig
+from ..tuned import TUNED_PRESETS
 from .agreement import cmd_agreement
 from .methods import DRAFT_METHODS, METHOD_KINDS, build_methods, default_trees
 from .profiling import cmd_profile
@@ -47,6 +48,14 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 def _csv_list(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _presets(text: str) -> list[str]:
+    presets = _csv_list(text)
+    unknown = [p for p in presets if p not in TUNED_PRESETS]
+    if unknown or not presets:
+        raise argparse.ArgumentTypeError(f"{text!r}: presets are a comma list of {', '.join(TUNED_PRESETS)}")
+    return presets
 
 
 def _positive_int(text: str) -> int:
@@ -105,6 +114,9 @@ def build_parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("--threads", type=_positive_int, default=cores, metavar="N",
                        help=f"torch CPU threads (default: {cores}, the physical cores this process may use)")
     if command == "tune":
+        p.add_argument("--presets", type=_presets, default=list(TUNED_PRESETS),
+                       help="settings to tune at, comma list of greedy and chat (the app's chat defaults with their verification "
+                            "mode); each writes its own medusa_tuned.json entry, '<device>/<precision>@<preset>' (default: greedy,chat)")
         p.add_argument("--sizes", type=lambda s: [int(x) for x in _csv_list(s)], default=list(TUNE_SIZES),
                        help=f"tree sizes in paths (default {','.join(map(str, TUNE_SIZES))})")
         p.add_argument("--latency-prompts", type=int, default=6, help="prompts used to time each size (default 6)")
@@ -123,7 +135,7 @@ def build_parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("--dry-run", action="store_true", help="do not write the tuned-tree file")
         p.add_argument("--threshold-only", action="store_true",
                        help="measure nothing: derive τ (min_head_probability) from the figures this device and precision's "
-                            "tuned entry already stores, and write it there")
+                            "tuned entry of each preset already stores, and write it there")
     elif command == "agreement":
         p.set_defaults(quantization="none")
         p.add_argument("--candidates", type=_csv_list, default=["gguf", "nf4"],

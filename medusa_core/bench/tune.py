@@ -4,7 +4,9 @@ Tree sizes are counted in paths ``n`` (nodes without the root, ``optimal_tree``'
 verifies ``N = n + 1`` tokens per step (``StepRecord.tree_nodes``). The prediction (``predict_speedups``,
 ``monotone_latency``, ``choose_tree_size``, ``confirm_choice``) is pure and tested on synthetic curves.
 
-The tuner also picks τ, the path probability a node of the chosen tree needs to be verified in trees
+It tunes at each settings preset of ``medusa_core.tuned`` (greedy, and the app's chat defaults): a tree
+that pays at greedy may not under sampling, where the processors run on every tree row and fewer
+candidates are accepted. The tuner also picks τ, the path probability a node of the chosen tree needs to be verified in trees
 shaped per step (EAGLE-2; ``DraftConfig.min_head_probability``): a node pays when its calibrated path
 probability beats the marginal cost of one more tree token (``marginal_token_cost``,
 ``choose_min_head_probability``, ``tuned_threshold``: pure as well).
@@ -24,6 +26,8 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from ..drafts import DraftConfig
+from ..processors import CHAT_SAMPLING, SamplingConfig
+from ..tuned import tuned_key
 from .accounting import ALL, Summary, _ratio, summarise
 from .methods import Method
 from .prompts import encode_prompt, load_prompts
@@ -141,9 +145,10 @@ def tuned_threshold(entry: Mapping[str, Any]) -> float:
 
 def measure_step_latency(
     model: Any, prompt_ids: Sequence[torch.Tensor], trees: Mapping[int, Sequence[Sequence[int]]],
-    *, max_new_tokens: int = 64, progress: bool = True,
+    *, max_new_tokens: int = 64, progress: bool = True, config: SamplingConfig = SamplingConfig(), sampling: str = "typical",
 ) -> tuple[dict[int, float], dict[int, float]]:
-    """Step latency (s) and acceleration rate of every tree size, through the real decode loop.
+    """Step latency (s) and acceleration rate of every tree size, through the real decode loop, at the
+    sampling settings ``config`` (verified as ``sampling`` says when it samples; seed 0 for every run).
 
     ``trees[n]`` are the paths of size n; size 0 is plain decoding (``medusa=False``). Sizes are
     interleaved per prompt. A run's step latency is the mean over the steps that verified the full tree
@@ -159,7 +164,7 @@ def measure_step_latency(
 
     def go(n: int, ids: torch.Tensor, limit: int) -> list[Any]:
         kwargs = dict(medusa=False) if n == 0 else dict(tree=[list(p) for p in trees[n]])
-        return list(model.generate(ids, max_new_tokens=limit, temperature=0.0, repetition_penalty=1.0,  # greedy, whole trees
+        return list(model.generate(ids, max_new_tokens=limit, config=config, sampling=sampling, seed=0,  # whole trees
                                    draft_config=DraftConfig(min_head_probability=0.0), **kwargs))
 
     for n in sizes:
@@ -215,22 +220,31 @@ def _model_folder(name_or_path: str) -> Path:
     return _local_folder(name_or_path)
 
 
+def preset_settings(model: Any, preset: str) -> tuple[SamplingConfig, str]:
+    """(settings, Medusa verification mode) a tuned preset is measured at: greedy, or the app's chat defaults
+    (``MedusaModel.chat_defaults`` verified with ``CHAT_SAMPLING``, as the app and ``bench --preset chat``)."""
+    return (SamplingConfig(), "typical") if preset == "greedy" else (model.chat_defaults, CHAT_SAMPLING)
+
+
 def cmd_tune(model: Any, args: argparse.Namespace, command: str) -> int:
-    """Measure step latency per tree size, predict, confirm the best sizes, write ``medusa_tuned.json``
-    with the chosen tree and τ (``--threshold-only``: τ alone, from the entry's stored figures)."""
-    from ..loading import TUNED_FILE, tuned_key
+    """Measure step latency per tree size at each of ``--presets``, predict, confirm the best sizes, and write
+    one ``medusa_tuned.json`` entry per preset with the chosen tree and τ (``--threshold-only``: τ alone,
+    from the entries' stored figures)."""
+    from ..loading import TUNED_FILE
     from ..trees import optimal_tree
 
-    key = tuned_key(model.device, model.quantization)
     target = args.tuned_file or _model_folder(args.model) / TUNED_FILE
     if args.threshold_only:
-        entry = (json.loads(target.read_text(encoding="utf-8")) if target.exists() else {}).get(key)
-        if not isinstance(entry, dict):
-            raise SystemExit(f"{target} has no entry {key!r} to derive τ from: run bench tune first")
-        entry |= {"min_head_probability": round(tuned_threshold(entry), 4), "min_head_probability_command": command}
-        print(f"τ (min_head_probability) = {entry['min_head_probability']} from the figures stored in {target} [{key}]")
-        if not args.dry_run:
-            write_tuned(target, key, entry)
+        data = json.loads(target.read_text(encoding="utf-8")) if target.exists() else {}
+        for preset in args.presets:
+            key = tuned_key(model.device, model.quantization, preset)
+            entry = data.get(key)
+            if not isinstance(entry, dict):
+                raise SystemExit(f"{target} has no entry {key!r} to derive τ from: run bench tune --presets {preset} first")
+            entry |= {"min_head_probability": round(tuned_threshold(entry), 4), "min_head_probability_command": command}
+            print(f"τ (min_head_probability) = {entry['min_head_probability']} from the figures stored in {target} [{key}]")
+            if not args.dry_run:
+                write_tuned(target, key, entry)
         return 0
 
     if args.rank_accuracy:
@@ -249,9 +263,23 @@ def cmd_tune(model: Any, args: argparse.Namespace, command: str) -> int:
         paths, e = optimal_tree(rank_accuracy, n)
         if len(paths) == n:  # a budget beyond the calibrated ranks adds nothing
             trees[n], expected[n] = paths, e
+    for preset in args.presets:
+        tune_at(model, args, command, preset, trees, expected, target)
+    return 0
+
+
+def tune_at(model: Any, args: argparse.Namespace, command: str, preset: str, trees: Mapping[int, list[list[int]]],
+            expected: Mapping[int, float], target: Path) -> dict[str, Any]:
+    """One preset's tuning (``cmd_tune``): time every size of ``trees`` (paths n -> the tree, 0 the plain loop;
+    ``expected`` accepted tokens from the rank accuracies), confirm the best by a benchmark, print and write
+    the report under ``--out``/<preset>, and merge the entry into ``target``. Returns the entry."""
+    key = tuned_key(model.device, model.quantization, preset)
+    config, sampling = preset_settings(model, preset)
+    label = config.describe() + ("" if config.greedy else f", {sampling}")
+    print(f"tuning at {preset} ({label}) → {target} [{key}]")
     timing_ids = [encode_prompt(model.tokenizer, p, args.system) for p in load_prompts(args.prompts, args.latency_prompts, args.categories)]
     latency, accel = measure_step_latency(model, timing_ids, trees, max_new_tokens=args.latency_tokens,
-                                          progress=not args.no_progress)
+                                          progress=not args.no_progress, config=config, sampling=sampling)
     fitted = monotone_latency(latency)
     predicted = predict_speedups(expected, fitted)
     pick = choose_tree_size({n: s for n, s in predicted.items() if n}, args.tolerance)
@@ -262,14 +290,16 @@ def cmd_tune(model: Any, args: argparse.Namespace, command: str) -> int:
         Method(f"medusa:optimal_{n}", "medusa", tuple(map(tuple, trees[n]))) for n in ranked
     ]
     runs, notes = run_benchmark(model, confirm_prompts, methods, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
-                                system=args.system, progress=not args.no_progress, draft_config=DraftConfig(min_head_probability=0.0))
+                                system=args.system, progress=not args.no_progress, config=config, sampling=sampling,
+                                draft_config=DraftConfig(min_head_probability=0.0))
     overall = {s.method: s for s in summarise(runs) if s.category == ALL}
     base_tok_s = overall["baseline"].tok_s
     measured = {n: overall[f"medusa:optimal_{n}"] for n in ranked}
     best = confirm_choice(pick, {n: measured[n].tok_s for n in ranked}, args.tolerance)
     if measured[best].tok_s < base_tok_s:
         notes.append(f"no tree beat plain decoding here: the best, {best} paths, ran at "
-                     f"{_ratio(measured[best].tok_s, base_tok_s):.2f}× the plain loop's tokens/s")
+                     f"{_ratio(measured[best].tok_s, base_tok_s):.2f}× the plain loop's tokens/s (the app says so beside "
+                     "its Medusa toggle at these settings)")
     if pick != best:
         notes.append(f"the prediction picked {pick} paths; the confirming benchmark measured {best} paths faster")
 
@@ -287,15 +317,15 @@ def cmd_tune(model: Any, args: argparse.Namespace, command: str) -> int:
                                   "step ms (monotone fit)", "step cost ×", "predicted speedup",
                                   "step speedup in timing runs", "measured speedup vs baseline", "measured speedup vs HF", ""])
     text = "\n".join([
-        "# Tree tuning", "", f"`{command}`", "", ", ".join(f"{k}: {v}" for k, v in env.items()), "", table, "",
+        f"# Tree tuning at {preset}: {label}", "", f"`{command}`", "", ", ".join(f"{k}: {v}" for k, v in env.items()), "", table, "",
         "predicted speedup = expected accel. (from the calibrated rank accuracies, paper 2.3.3) ÷ step cost "
         "(fitted step latency ÷ plain step latency); step speedup in timing runs = the acceleration the timing runs "
         "reached ÷ step cost; measured = tokens/s ÷ the plain loop's tokens/s "
         f"(and ÷ HF generate's) in a confirming benchmark of {len({r.prompt for r in runs})} prompts × "
-        f"{args.max_new_tokens} tokens.", "",
+        f"{args.max_new_tokens} tokens at the same settings.", "",
     ] + [f"- {n}" for n in notes])
     print(text)
-    out = args.out or Path("out") / "tune"
+    out = (args.out or Path("out") / "tune") / preset
     out.mkdir(parents=True, exist_ok=True)
     (out / "tune.md").write_text(text, encoding="utf-8")
     with (out / "tune.csv").open("w", newline="", encoding="utf-8") as f:
@@ -313,13 +343,14 @@ def cmd_tune(model: Any, args: argparse.Namespace, command: str) -> int:
     entry = {
         "choices": trees[best],
         "nodes": best + 1,
+        "settings": label,
         "predicted_speedup": round(predicted[best], 4),
         "measured_speedup": round(_ratio(m.tok_s, base_tok_s), 4),
         "measured_speedup_vs_hf": round(m.speedup, 4),
         "predicted_acceleration": round(1 + expected[best], 4),
         "measured_acceleration": round(m.acceleration, 4),
         "measured_overhead": round(m.overhead, 4),
-        "identical_to_hf": f"{m.identical}/{m.compared}",
+        **({"identical_to_hf": f"{m.identical}/{m.compared}"} if config.greedy else {}),
         "step_latency_ms": {str(n): round(1e3 * v, 4) for n, v in sorted(latency.items())},
         "step_latency_fitted_ms": {str(n): round(1e3 * v, 4) for n, v in sorted(fitted.items())},
         "predicted_best_paths": pick,
@@ -336,9 +367,9 @@ def cmd_tune(model: Any, args: argparse.Namespace, command: str) -> int:
         print(f"--dry-run: not writing {target} [{key}]")
     else:
         write_tuned(target, key, entry)
-        print(f"wrote tree 'tuned' ({best} paths, {best + 1} tree tokens) to {target} [{key}]")
+        print(f"wrote the tree tuned at {preset} ({best} paths, {best + 1} tree tokens) to {target} [{key}]")
     print("wrote " + ", ".join(map(str, [out / "tune.md", out / "tune.csv", out / "runs.csv", *paths])))
-    return 0
+    return entry
 
 
 def _tune_figure(predicted: Mapping[int, float], measured: Mapping[int, Summary], base_tok_s: float, env: Mapping[str, Any]) -> Any:

@@ -1,0 +1,81 @@
+"""Trees tuned per machine and per sampling settings (paper 2.3.3): the entries of ``medusa_tuned.json``.
+
+``python -m medusa_core.bench tune`` measures each tree size on this machine at a settings preset
+(``TUNED_PRESETS``: greedy, and the chat preset the app starts with) and writes one entry per device,
+precision and preset under ``tuned_key``: ``"cpu/gguf@chat"``. Files written before entries were per
+settings hold one entry per device and precision (``"cpu/gguf"``), measured greedy; they are still read,
+as the greedy entry and as the tree of any preset that has no entry of its own.
+A reply's settings pick an entry through ``settings_preset``: greedy at temperature 0, chat otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from .processors import SamplingConfig
+
+#: The settings ``bench tune`` measures at: greedy (the exactness demo) and the chat preset (the app's defaults).
+TUNED_PRESETS = ("greedy", "chat")
+
+
+def tuned_key(device: torch.device, quantization: str | None, preset: str | None = None) -> str:
+    """Key of a tuned entry in ``medusa_tuned.json``: ``"<device type>/<quantization>@<preset>"``, or without
+    ``preset`` the key of files written before entries were per settings (``"cpu/gguf"``).
+    Raises ``ValueError`` for a preset not in ``TUNED_PRESETS``."""
+    if preset is not None and preset not in TUNED_PRESETS:
+        raise ValueError(f"preset must be one of {TUNED_PRESETS}, got {preset!r}")
+    base = f"{device.type}/{quantization or 'none'}"
+    return base if preset is None else f"{base}@{preset}"
+
+
+def settings_preset(config: SamplingConfig) -> str:
+    """The tuned preset whose entry serves ``config``: ``"greedy"`` at temperature 0, else ``"chat"``."""
+    return "greedy" if config.greedy else "chat"
+
+
+@dataclass(frozen=True)
+class TunedSettings:
+    """What ``bench tune`` chose for one preset on this machine.
+
+    Attributes:
+        preset: the settings the entry serves (``TUNED_PRESETS``).
+        tree: name of the tuned tree among the model's trees.
+        min_head_probability: τ, the path probability a head node needs to be verified (0 = every node).
+        measured_at: the preset the entry was measured at: ``preset``, or ``"greedy"`` for an entry read
+            from a file written before entries were per settings and used for another preset.
+        measured_speedup: the tuned tree's tokens/s ÷ the plain loop's in the tuner's confirming benchmark
+            (None when the entry does not say).
+        device_name: the processor the entry was measured on (None when the entry does not say).
+    """
+
+    preset: str
+    tree: str
+    min_head_probability: float
+    measured_at: str
+    measured_speedup: float | None = None
+    device_name: str | None = None
+
+    @property
+    def slower_than_plain(self) -> bool:
+        """True when the entry was measured at its own preset and its tree ran slower than the plain loop."""
+        return self.measured_at == self.preset and self.measured_speedup is not None and self.measured_speedup < 1
+
+
+def tuned_entries(data: Mapping[str, Any], device: torch.device, quantization: str | None) -> dict[str, tuple[str, Any, str]]:
+    """This device and precision's entries of a tuned file's ``data``: preset -> (key, entry, measured_at).
+
+    A preset's own entry first, else the entry of a file written before entries were per settings
+    (measured greedy). Presets with neither are left out.
+    """
+    legacy = tuned_key(device, quantization)
+    found = {}
+    for preset in TUNED_PRESETS:
+        key = tuned_key(device, quantization, preset)
+        if key in data:
+            found[preset] = (key, data[key], preset)
+        elif legacy in data:
+            found[preset] = (legacy, data[legacy], "greedy")
+    return found

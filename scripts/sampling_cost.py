@@ -1,0 +1,79 @@
+"""What the sampling settings cost per tree row: the processors (``NodeProcessors``, each row given its own
+prefix) and the verification (``verify_tree``) of one decoding step, on logits of the demo's size, per
+setting and per tree size. Synthetic logits (no model is loaded), so the figures are the sampling code
+alone; the "extra" column is the cost above greedy without a penalty (the argmax of raw logits), which is
+what the settings add to a step. Figures: docs/BENCH.md, "Sampling per tree row".
+
+    python scripts/sampling_cost.py [--vocab 49152] [--context 600] [--threads 2] [--repeats 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from medusa_core import CHAT_PRESET, SamplingConfig
+from medusa_core.acceptance import verify_tree
+from medusa_core.processors import NodeProcessors, tree_prefixes
+from medusa_core.steptree import static_tree
+
+SETTINGS = {
+    "greedy": SamplingConfig(),
+    "greedy, rep. 1.1": SamplingConfig(repetition_penalty=1.1),
+    "chat preset (exact)": CHAT_PRESET,
+    "T 0.7 top-k 50 top-p 0.95 min-p 0.05 rep. 1.1": SamplingConfig(
+        temperature=0.7, top_k=50, top_p=0.95, min_p=0.05, repetition_penalty=1.1),
+}
+# Trees by rows: the plain loop's one row, a 3-row chain, a 16-row tree.
+TREES = {1: [], 3: [[0], [0, 0]], 16: [[i] for i in range(5)] + [[i, j] for i in range(2) for j in range(5)]}
+
+
+def step_ms(config: SamplingConfig, rows: int, vocab: int, context: int, repeats: int, scale: float) -> float:
+    """Median ms of the sampling part of one step with ``rows`` tree rows (the median shrugs off a step
+    slowed by another process): the penalty's context tensor, the rows' prefixes, the processors and the
+    verification."""
+    gen = torch.Generator().manual_seed(0)
+    tree = static_tree("t", TREES[rows], torch.float32, torch.device("cpu"))
+    seen = dict.fromkeys(torch.randint(vocab, (context,), generator=gen).tolist())
+    processors = NodeProcessors(config)
+    rule = "greedy" if config.greedy else "exact"
+    logits = [torch.randn(rows, vocab, generator=gen) * scale for _ in range(8)]  # [N, V] a few different steps
+    tokens = torch.randint(vocab, (rows,), generator=gen)
+    times = []
+    for i in range(repeats + 10):
+        start = time.perf_counter()
+        prefixes = None
+        if processors.needs_prefix:
+            context_ids = torch.tensor(list(seen))  # [C]
+            prefixes = tree_prefixes(context_ids, tokens, tree.parents, tree.depth)
+        scores = processors(logits[i % 8], prefixes)
+        path, length, root = verify_tree(tree, scores, tokens, rule, 0.09, 0.3, gen)
+        torch.cat([length.view(1), root.view(1), path, tokens]).tolist()  # the step's host sync
+        if i >= 10:  # warm-up
+            times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--vocab", type=int, default=49152, help="V (the demo's SmolLM2 vocabulary)")
+    parser.add_argument("--context", type=int, default=600, help="ids in the prompt and reply so far")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=300)
+    parser.add_argument("--scale", type=float, default=3.0, help="std of the synthetic logits")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"V {args.vocab}, context {args.context} ids, {args.threads} threads, logits N(0, {args.scale:g}²)")
+    print(f"{'setting':48s} {'rows':>4s} {'ms/step':>8s} {'extra ms/row':>12s}")
+    for rows in TREES:
+        floor = step_ms(SETTINGS["greedy"], rows, args.vocab, args.context, args.repeats, args.scale)
+        for name, config in SETTINGS.items():
+            ms = floor if name == "greedy" else step_ms(config, rows, args.vocab, args.context, args.repeats, args.scale)
+            print(f"{name:48s} {rows:4d} {ms:8.3f} {(ms - floor) / rows:12.3f}")
+
+
+if __name__ == "__main__":
+    main()
