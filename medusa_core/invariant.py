@@ -80,8 +80,9 @@ def rowwise_attention(
         out = F.scaled_dot_product_attention(query, key, value, scale=scaling, enable_gqa=gqa)
         return out.transpose(1, 2).contiguous(), None
     layer = getattr(key, "rows_cache", None)
-    out = query.new_empty(1, n, query.shape[1], query.shape[3])  # [1, N, H, Dh]
-    for group in _row_groups(attention_mask, n, length):
+    groups = _row_groups(attention_mask, n, length)
+    outs = []
+    for group in groups:
         if group.view:  # one row whose keys are 0 .. count−1: a view, as one-token decoding sees its cache
             k, v = key[:, :, : group.count], value[:, :, : group.count]
         elif group.paths is not None and layer is not None:
@@ -90,16 +91,21 @@ def rowwise_attention(
             shape = (key.shape[1], len(group.rows), group.count, key.shape[3])
             k = key[0].index_select(1, group.keys).view(shape).transpose(0, 1)
             v = value[0].index_select(1, group.keys).view(shape).transpose(0, 1)
-        q = query[0].index_select(1, group.index).transpose(0, 1)[:, :, None]  # [B, H, 1, Dh]
-        rows = F.scaled_dot_product_attention(q, k, v, scale=scaling, enable_gqa=gqa)  # [B, H, 1, Dh]
-        out[0].index_copy_(0, group.index, rows[:, :, 0])
-    return out, None
+        first, last = group.rows[0], group.rows[-1] + 1
+        q = query[0, :, first:last] if group.span else query[0].index_select(1, group.index)  # [H, B, Dh]
+        outs.append(F.scaled_dot_product_attention(q.transpose(0, 1)[:, :, None], k, v, scale=scaling, enable_gqa=gqa))
+    rows = outs[0] if len(outs) == 1 else torch.cat(outs)  # [ΣB, H, 1, Dh], the groups' rows in turn
+    if all(g.span for g in groups) and all(a.rows[-1] + 1 == b.rows[0] for a, b in zip(groups, groups[1:])):
+        return rows.view(1, n, query.shape[1], query.shape[3]), None  # rows in order (a tree listed by depth)
+    order = torch.cat([g.index for g in groups])
+    return rows.new_empty(rows.shape).index_copy_(0, order, rows).view(1, n, query.shape[1], query.shape[3]), None
 
 
 class _RowGroup(NamedTuple):
     """Query rows of a pass that see the same number of keys: one batched SDPA call."""
 
     rows: list[int]  # query rows
+    span: bool  # consecutive rows
     index: torch.Tensor  # [B] the same, as a tensor
     count: int  # keys each row sees
     view: bool  # a single row whose keys are 0 .. count−1
@@ -118,7 +124,7 @@ MAX_BATCH = 8
 def _row_groups(mask: torch.Tensor | None, n: int, length: int) -> list[_RowGroup]:
     """The pass's query rows grouped by how many keys they see (read once per mask)."""
     if mask is None:  # causal: row i sees keys 0 .. L−N+i, each a view
-        return [_RowGroup([i], torch.tensor([i]), length - n + i + 1, True, torch.arange(length - n + i + 1), None)
+        return [_RowGroup([i], True, torch.tensor([i]), length - n + i + 1, True, torch.arange(length - n + i + 1), None)
                 for i in range(n)]
     if _last_groups[0]() is not mask:
         _last_groups[:] = [weakref.ref(mask), _read_groups(mask, n, length)]
@@ -142,7 +148,8 @@ def _read_groups(mask: torch.Tensor, n: int, length: int) -> list[_RowGroup]:
             view = len(chunk) == 1 and prefix[chunk[0]] == count
             shared = all(prefix[i] >= start for i in chunk)
             paths = keys.view(len(chunk), count)[:, start:] if shared else None
-            groups.append(_RowGroup(chunk, torch.tensor(chunk), count, view, keys, paths))
+            span = chunk == list(range(chunk[0], chunk[-1] + 1))
+            groups.append(_RowGroup(chunk, span, torch.tensor(chunk), count, view, keys, paths))
     return groups
 
 
