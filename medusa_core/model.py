@@ -17,6 +17,7 @@ Tree attention goes only through the model's public inputs: a 4-D additive atten
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import random
 import time
 from typing import Any, Iterator, Sequence
@@ -83,6 +84,9 @@ class MedusaModel:
         self.trees = dict(trees or {})
         self.rank_accuracy = rank_accuracy
         self._decoder = backbone.get_decoder()
+        # transformers >= 5.2x names the decoder's cache argument ``cache``; ``past_key_values`` goes through a
+        # deprecation wrapper that warns on every call (and is gone in 5.40)
+        self._cache_keyword = "cache" if "cache" in inspect.signature(self._decoder.forward).parameters else "past_key_values"
         self._lm_head = backbone.get_output_embeddings()
         self.config = backbone.config.get_text_config(decoder=True)
         hidden = getattr(heads, "hidden_size", self.config.hidden_size)
@@ -305,7 +309,7 @@ class MedusaModel:
         seen = dict.fromkeys(input_ids[0].tolist()) if processors.needs_prefix else {}
         start = time.perf_counter()
         with torch.inference_mode():
-            out = self._decoder(input_ids=input_ids, past_key_values=cache, use_cache=True)
+            out = self._decoder(input_ids=input_ids, use_cache=True, **{self._cache_keyword: cache})
             hidden = out.last_hidden_state[:, -1]  # [1, H]
             scores = processors(self._logits(hidden), input_ids)  # [1, V]
             root = choose_token(scores[0], rule == "greedy", generator)  # [] first token
@@ -403,8 +407,8 @@ class MedusaModel:
             input_ids=tokens[None],
             position_ids=(tree.position_ids + cur_len)[None],
             attention_mask=mask,
-            past_key_values=cache,
             use_cache=True,
+            **{self._cache_keyword: cache},
         )
         hidden = out.last_hidden_state[0]  # [N, H]
         return self._logits(hidden), hidden
