@@ -17,6 +17,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+#: Token ids the heads score when drafting on a CPU (``MedusaHeads.restrict_drafts``): the first third
+#: of a 49,152-token vocabulary, which covers 92 % of the demo's training prompts' tokens.
+DRAFT_VOCABULARY = 16384
+
 
 class ResBlock(nn.Module):
     """``h + SiLU(W h + b)`` with W [H, H] zero-initialised, so a fresh block is the identity."""
@@ -71,6 +75,7 @@ class MedusaHeads(nn.ModuleList):
         self._root_embedding = (root_embedding,) if root_embedding is not None else ()
         if root_embedding is not None:  # a parameter, not a module: len(self) stays K
             self.root_weight = nn.Parameter(torch.zeros(num_heads, hidden_size, hidden_size))  # [K, H, H]
+        self._draft_projections: tuple[nn.Module, ...] = ()  # restrict_drafts: one per head, or one shared
 
     @property
     def num_heads(self) -> int:
@@ -100,6 +105,56 @@ class MedusaHeads(nn.ModuleList):
         with torch.no_grad():
             copy.weight.copy_(_dense_weight(lm_head))
         self._shared_lm_head = (copy.requires_grad_(False),)
+
+    @property
+    def draft_vocabulary(self) -> int:
+        """Token ids 0..S−1 that ``draft_logits`` scores (S = V unless ``restrict_drafts`` cut it)."""
+        return self._draft_projections[0].out_features if self._draft_projections else self.vocab_size
+
+    def restrict_drafts(self, size: int) -> None:
+        """Make ``draft_logits`` score only token ids 0..size−1: a frequency-ranked vocabulary subset for
+        drafting (FR-Spec, Zhao et al. 2025, "FR-Spec: Accelerating large-vocabulary language models via
+        frequency-ranked speculative sampling"). A BPE vocabulary lists its tokens in merge order, the
+        order of their frequency in the tokenizer's training data, so the first ids are the frequent ones.
+        Drafts only need each head's top few tokens, and the backbone still verifies over the whole
+        vocabulary, so outputs are unchanged; a token past S is never proposed (measured in
+        docs/BENCH.md). ``forward`` (training, calibration) keeps the whole vocabulary.
+
+        The projections are views of the heads' own (or the shared LM head's) first S rows; a shared
+        LM head with a 4-bit first pass (``quant.layers.int4_lm_head``) gets a 4-bit copy of its first S
+        rows (the same codes) without the float32 refinement of the top logits: ranks are all drafts use.
+        Raises ``ValueError`` unless 0 < size <= V, or for an LM head whose rows cannot be sliced
+        (bitsandbytes 4-bit).
+        """
+        from .quant.layers import BF16Linear, Int4Linear
+
+        if not 0 < size <= self.vocab_size:
+            raise ValueError(f"a draft vocabulary must have 1..{self.vocab_size} tokens, got {size}")
+        projections = [self._shared_lm_head[0]] if self._shared_lm_head else [head[-1] for head in self]
+        restricted = []
+        for layer in projections:
+            if isinstance(layer, BF16Linear) and isinstance(layer.coarse, Int4Linear):
+                bias = None if layer.bias is None else layer.bias[:size]
+                restricted.append(Int4Linear.quantize(layer.weight[:size], bias))
+            elif type(layer) in (nn.Linear, BF16Linear):
+                part = type(layer)(layer.in_features, size, bias=layer.bias is not None, device="meta")
+                part.weight = nn.Parameter(layer.weight[:size], requires_grad=False)  # a view: no copy
+                part.bias = None if layer.bias is None else nn.Parameter(layer.bias[:size], requires_grad=False)
+                restricted.append(part)
+            else:
+                raise ValueError(f"cannot restrict the drafts of a {type(layer).__name__} projection: its rows are not sliceable")
+        self._draft_projections = tuple(restricted)
+
+    def draft_logits(self, hidden: torch.Tensor, num_heads: int | None = None, root: torch.Tensor | None = None) -> torch.Tensor:
+        """``forward``'s logits over the draft vocabulary: hidden [..., H] -> [k, ..., S] for token ids 0..S−1
+        (``root`` as in ``forward``)."""
+        if not self._draft_projections:
+            return self(hidden, num_heads, root)
+        heads = list(self)[: num_heads or len(self)]
+        inputs = self._inputs(hidden, len(heads), root)
+        if self._shared_lm_head:
+            return self._draft_projections[0](torch.stack([head(x) for head, x in zip(heads, inputs)]))
+        return torch.stack([proj(head[:-1](x)) for head, x, proj in zip(heads, inputs, self._draft_projections)])
 
     @classmethod
     def from_backbone(

@@ -12,10 +12,10 @@ the few ops that are not, and test 1-row against N-row results bit for bit):
   from a 2-row one), so float32 layers become ``RowwiseLinear``: one gemv per row in decoding passes.
 - norms, rotary embeddings, activations, residual adds: row by row already.
 - attention: ``rowwise_attention`` below. SDPA over N query rows with a tree mask differs from SDPA
-  over one row (other blocking, masked keys interleaved in its reductions), so each query row runs
-  as its own SDPA call over exactly the keys it may see, in cache order. That is the same call, on
-  the same values, that one-token decoding makes at that position (keys 0..p), so the result is the
-  same bits. Passes of more than ``MAX_ROWWISE`` rows (a long prompt's prefill, shared by every
+  over one row (other blocking, masked keys interleaved in its reductions), so each query row is
+  computed over exactly the keys it may see, in cache order, as a query of length 1: the same
+  computation, on the same values, that one-token decoding makes at that position (keys 0..p), so the
+  result is the same bits. Rows with as many keys go as one call, in SDPA's batch dimension. Passes of more than ``MAX_ROWWISE`` rows (a long prompt's prefill, shared by every
   decoding mode) use transformers' SDPA as they are.
 - the LM head: ``int4_lm_head`` for a 4-bit backbone (a 4-bit first pass, the top logits refined in
   float32), ``RowwiseLinear`` for a float32 one.
@@ -27,6 +27,7 @@ It is registered with transformers' public ``AttentionInterface`` / ``AttentionM
 from __future__ import annotations
 
 import weakref
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -53,7 +54,7 @@ def rowwise_attention(
     scaling: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Attention with an ``AttentionInterface`` signature whose every query row is computed alone.
+    """Attention with an ``AttentionInterface`` signature whose every query row is computed as if alone.
 
     Args:
         query: [B, H, N, Dh]; key, value: [B, Hkv, L, Dh] (the cache, this pass's N entries last).
@@ -63,47 +64,93 @@ def rowwise_attention(
 
     Returns (output [1, N, H, Dh], None), as transformers' attention functions do.
     Row i's output is bitwise equal to this function's output for row i alone with only its visible
-    keys (``tests/test_invariance.py``). Batches of several sequences (distillation, training) and
-    passes of more than ``MAX_ROWWISE`` rows go to transformers' SDPA unchanged.
+    keys (``tests/test_invariance.py``). Rows that see the same number of keys run as one SDPA call with
+    the rows in SDPA's batch dimension (its CPU kernel computes each (batch, head) item on its own, so a
+    row's bits do not depend on the others'): a tree pass takes one call per tree depth. Each row's keys
+    are the shared prefix then its ancestors, in cache order: views of the cache's replicas
+    (``kvcache.GrowingLayer.row_keys``) when ``key`` comes from one, else gathered copies. Batches of
+    several sequences (distillation, training) and passes of more than ``MAX_ROWWISE`` rows go to
+    transformers' SDPA unchanged.
     """
     n, length = query.shape[2], key.shape[2]
     if n > MAX_ROWWISE or query.shape[0] != 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     gqa = query.shape[1] != key.shape[1]
-    rows = _visible_keys(attention_mask, n, length)
-    out = []
-    for i, keys in enumerate(rows):
-        if isinstance(keys, int):  # keys 0 .. keys-1: a view, as one-token decoding sees its cache
-            k, v = key[:, :, :keys], value[:, :, :keys]
-        else:
-            k, v = key.index_select(2, keys), value.index_select(2, keys)
-        out.append(F.scaled_dot_product_attention(query[:, :, i : i + 1], k, v, scale=scaling, enable_gqa=gqa))
-    return (out[0] if n == 1 else torch.cat(out, dim=2)).transpose(1, 2).contiguous(), None
+    if n == 1 and attention_mask is None:  # one-token decoding: every key, as a view of the cache
+        out = F.scaled_dot_product_attention(query, key, value, scale=scaling, enable_gqa=gqa)
+        return out.transpose(1, 2).contiguous(), None
+    layer = getattr(key, "rows_cache", None)
+    groups = _row_groups(attention_mask, n, length)
+    outs = []
+    for group in groups:
+        if group.view:  # one row whose keys are 0 .. count−1: a view, as one-token decoding sees its cache
+            k, v = key[:, :, : group.count], value[:, :, : group.count]
+        elif group.paths is not None and layer is not None:
+            k, v = layer.row_keys(length - n, group.paths)  # [B, Hkv, count, Dh] views of replicas
+        else:  # [Hkv, B·count, Dh] -> [B, Hkv, count, Dh]
+            shape = (key.shape[1], len(group.rows), group.count, key.shape[3])
+            k = key[0].index_select(1, group.keys).view(shape).transpose(0, 1)
+            v = value[0].index_select(1, group.keys).view(shape).transpose(0, 1)
+        first, last = group.rows[0], group.rows[-1] + 1
+        q = query[0, :, first:last] if group.span else query[0].index_select(1, group.index)  # [H, B, Dh]
+        outs.append(F.scaled_dot_product_attention(q.transpose(0, 1)[:, :, None], k, v, scale=scaling, enable_gqa=gqa))
+    rows = outs[0] if len(outs) == 1 else torch.cat(outs)  # [ΣB, H, 1, Dh], the groups' rows in turn
+    if all(g.span for g in groups) and all(a.rows[-1] + 1 == b.rows[0] for a, b in zip(groups, groups[1:])):
+        return rows.view(1, n, query.shape[1], query.shape[3]), None  # rows in order (a tree listed by depth)
+    order = torch.cat([g.index for g in groups])
+    return rows.new_empty(rows.shape).index_copy_(0, order, rows).view(1, n, query.shape[1], query.shape[3]), None
+
+
+class _RowGroup(NamedTuple):
+    """Query rows of a pass that see the same number of keys: one batched SDPA call."""
+
+    rows: list[int]  # query rows
+    span: bool  # consecutive rows
+    index: torch.Tensor  # [B] the same, as a tensor
+    count: int  # keys each row sees
+    view: bool  # a single row whose keys are 0 .. count−1
+    keys: torch.Tensor  # [B·count] each row's key positions, ascending
+    paths: torch.Tensor | None  # [B, count − P] positions after the pass's first P = L − N, when every row sees 0 .. P−1
 
 
 # One pass hands the same mask tensor to every layer: read its rows once. The last mask is held weakly
 # and compared by identity (a tensor's == is elementwise), so a freed mask is never mistaken for a new one.
-_last_rows: list = [lambda: None, None]  # [weakref to the mask, its rows]
+_last_groups: list = [lambda: None, None]  # [weakref to the mask, its groups]
+
+#: Most rows in one batched call (a tree pass's cache keeps a replica per row of its largest call).
+MAX_BATCH = 8
 
 
-def _visible_keys(mask: torch.Tensor | None, n: int, length: int) -> list[int | torch.Tensor]:
-    """Per query row, the keys it may see: an int m for keys 0..m−1, else their indices [m] (ascending)."""
-    if mask is None:
-        return [length - n + i + 1 for i in range(n)]
-    if _last_rows[0]() is not mask:
-        _last_rows[:] = [weakref.ref(mask), _read_rows(mask, n)]
-    return _last_rows[1]
+def _row_groups(mask: torch.Tensor | None, n: int, length: int) -> list[_RowGroup]:
+    """The pass's query rows grouped by how many keys they see (read once per mask)."""
+    if mask is None:  # causal: row i sees keys 0 .. L−N+i, each a view
+        return [_RowGroup([i], True, torch.tensor([i]), length - n + i + 1, True, torch.arange(length - n + i + 1), None)
+                for i in range(n)]
+    if _last_groups[0]() is not mask:
+        _last_groups[:] = [weakref.ref(mask), _read_groups(mask, n, length)]
+    return _last_groups[1]
 
 
-def _read_rows(mask: torch.Tensor, n: int) -> list[int | torch.Tensor]:
+def _read_groups(mask: torch.Tensor, n: int, length: int) -> list[_RowGroup]:
     mask = mask[0, 0, -n:]  # [N, L]
     visible = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
-    counts = visible.sum(dim=-1)  # [N]
-    prefix = visible.cumprod(dim=-1).sum(dim=-1)  # [N] leading run of visible keys
-    rows: list[int | torch.Tensor] = []
-    for i, (c, p) in enumerate(zip(counts.tolist(), prefix.tolist())):
-        rows.append(c if c == p else visible[i].nonzero()[:, 0])
-    return rows
+    counts = visible.sum(dim=-1).tolist()  # [N]
+    prefix = visible.cumprod(dim=-1).sum(dim=-1).tolist()  # [N] leading run of visible keys
+    start = length - n
+    by_count: dict[int, list[int]] = {}
+    for i, c in enumerate(counts):
+        by_count.setdefault(c, []).append(i)
+    groups = []
+    for count, rows in sorted(by_count.items()):
+        for at in range(0, len(rows), MAX_BATCH):
+            chunk = rows[at : at + MAX_BATCH]
+            keys = visible[chunk].nonzero()[:, 1]  # [B·count] row-major, ascending within a row
+            view = len(chunk) == 1 and prefix[chunk[0]] == count
+            shared = all(prefix[i] >= start for i in chunk)
+            paths = keys.view(len(chunk), count)[:, start:] if shared else None
+            span = chunk == list(range(chunk[0], chunk[-1] + 1))
+            groups.append(_RowGroup(chunk, span, torch.tensor(chunk), count, view, keys, paths))
+    return groups
 
 
 class RowwiseLinear(nn.Linear):

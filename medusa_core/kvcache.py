@@ -24,13 +24,20 @@ RESERVE_STEP = 1024
 
 
 class GrowingLayer(DynamicLayer):
-    """A ``DynamicLayer`` whose ``keys`` / ``values`` ([B, H, L, Dh]) are views of a [B, H, C, Dh] buffer.
+    """A ``DynamicLayer`` whose ``keys`` / ``values`` ([1, H, L, Dh]) are views of replica 0 of a
+    [R, H, C, Dh] buffer.
 
-    ``update`` writes the new entries at positions L.. and returns the views [B, H, L + n, Dh]; when
+    ``update`` writes the new entries at positions L.. and returns the views [1, H, L + n, Dh]; when
     they do not fit, the buffer is reallocated with capacity ``reserved`` if that holds them (``reserve``:
     the tokens a reply will need, so a long prompt is not copied at every doubling and no capacity is
     wasted), else max(2·C, L + n, ``MIN_CAPACITY``), and the L entries are copied once. ``crop``
     (inherited) shortens the views; the buffer is kept.
+
+    Replicas 1..R−1 (none until ``row_keys`` asks) are scratch copies of the cache for the rows of a
+    tree pass: ``row_keys`` gives B rows each a replica that holds the shared prefix followed by that
+    row's own keys, so batch-invariant attention runs B rows as one batched call over views shaped
+    exactly like one-token decoding's (``invariant.rowwise_attention``). The returned views carry
+    ``rows_cache`` (this layer) for that purpose.
     """
 
     reserved = 0  # tokens the next reallocation makes room for, if they are at least as many as needed
@@ -38,7 +45,8 @@ class GrowingLayer(DynamicLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         self._keys_buffer = self._values_buffer = None
-        self._capacity = 0
+        self._capacity, self._replicas = 0, 1
+        self._replicated = 0  # entries 0.._replicated−1 of every replica equal replica 0's
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         if not self.is_initialized:
@@ -46,18 +54,51 @@ class GrowingLayer(DynamicLayer):
         length = self.get_seq_length()
         end = length + key_states.shape[-2]
         if end > self._capacity or self.reserved > self._capacity:
-            self._capacity = self.reserved if self.reserved >= end else max(2 * self._capacity, end, MIN_CAPACITY)
-            keys = key_states.new_empty(*key_states.shape[:-2], self._capacity, key_states.shape[-1])
-            values = value_states.new_empty(*value_states.shape[:-2], self._capacity, value_states.shape[-1])
-            if length:
-                keys[..., :length, :] = self.keys
-                values[..., :length, :] = self.values
-            self._keys_buffer, self._values_buffer = keys, values
-        self._keys_buffer[..., length:end, :] = key_states
-        self._values_buffer[..., length:end, :] = value_states
-        self.keys = self._keys_buffer[..., :end, :]
-        self.values = self._values_buffer[..., :end, :]
+            capacity = self.reserved if self.reserved >= end else max(2 * self._capacity, end, MIN_CAPACITY)
+            self._reallocate(key_states, value_states, capacity, self._replicas)
+        self._replicated = min(self._replicated, length)  # a crop may have cut below it; writes start at length
+        batch = key_states.shape[0]
+        self._keys_buffer[:batch, ..., length:end, :] = key_states
+        self._values_buffer[:batch, ..., length:end, :] = value_states
+        self.keys = self._keys_buffer[:batch, ..., :end, :]
+        self.values = self._values_buffer[:batch, ..., :end, :]
+        self.keys.rows_cache = self.values.rows_cache = self if batch == 1 else None
         return self.keys, self.values
+
+    def _reallocate(self, key_states: torch.Tensor, value_states: torch.Tensor, capacity: int, replicas: int) -> None:
+        """New buffers [max(B, replicas), H, capacity, Dh] holding replica 0's (or the batch's) entries."""
+        length, batch = self.get_seq_length(), key_states.shape[0]
+        rows = max(batch, replicas)
+        keys = key_states.new_empty(rows, *key_states.shape[1:-2], capacity, key_states.shape[-1])
+        values = value_states.new_empty(rows, *value_states.shape[1:-2], capacity, value_states.shape[-1])
+        if length:
+            keys[:batch, ..., :length, :] = self.keys
+            values[:batch, ..., :length, :] = self.values
+        self._keys_buffer, self._values_buffer = keys, values
+        self._capacity, self._replicas, self._replicated = capacity, replicas, 0
+        self.keys, self.values = keys[:batch, ..., :length, :], values[:batch, ..., :length, :]
+
+    def row_keys(self, start: int, paths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of B tree rows, each the shared prefix then its own entries, as one batch.
+
+        Args:
+            start: P, the entries every row sees first (0..P−1: the cache before this pass).
+            paths: [B, d] positions (≥ P, in this pass's entries) of each row's further keys, in order.
+
+        Returns (keys, values), each [B, H, P + d, Dh]: views of replicas 1..B, whose entries P..P+d−1
+        are overwritten with row b's. Replica 0 (the cache) is left as it is. Batch size 1 only.
+        """
+        rows, depth = paths.shape
+        if rows + 1 > self._replicas:
+            self._reallocate(self.keys, self.values, self._capacity, rows + 1)
+        if self._replicated < start:  # bring the replicas' prefix up to date (the entries since the last tree pass)
+            for buffer in (self._keys_buffer, self._values_buffer):
+                buffer[1:, ..., self._replicated : start, :] = buffer[:1, ..., self._replicated : start, :]
+            self._replicated = start
+        count = start + depth
+        for buffer, cache in ((self._keys_buffer, self.keys), (self._values_buffer, self.values)):
+            buffer[1 : rows + 1, ..., start:count, :] = cache[0][..., paths, :].transpose(0, 1)  # [H, B, d, Dh] -> [B, H, d, Dh]
+        return self._keys_buffer[1 : rows + 1, ..., :count, :], self._values_buffer[1 : rows + 1, ..., :count, :]
 
 
 def new_cache(config: Any) -> DynamicCache:

@@ -30,7 +30,7 @@ from torch import nn
 from .errors import MedusaCheckpointError
 from .generation import check_head_temperatures
 from .gguf import demo_gguf_file, gguf_model_folder
-from .heads import MedusaHeads
+from .heads import DRAFT_VOCABULARY, MedusaHeads
 from .invariant import make_batch_invariant
 from .model import MedusaModel
 from .quant.gguf_backbone import load_gguf_backbone
@@ -69,6 +69,7 @@ def load_medusa_model(
     dtype: torch.dtype | str | None = None,
     device: str | torch.device = "auto",
     head_dtype: torch.dtype | str | None = None,
+    draft_vocabulary: int | str | None = "auto",
     trust_remote_code: bool = False,
 ) -> MedusaModel:
     """Load a backbone with its Medusa heads (any of the three layouts) into a ``MedusaModel``.
@@ -89,6 +90,10 @@ def load_medusa_model(
             another dtype than ``dtype`` get a copy of the LM head in it (on the demo: 5 ms instead of
             40 ms per step for three heads, since float32 matmuls of 2–5 rows by the 49,152 × 576 LM
             head are slow on this CPU; docs/BENCH.md).
+        draft_vocabulary: S, the heads draft only among token ids 0..S−1 (``MedusaHeads.restrict_drafts``,
+            FR-Spec: the most frequent tokens; the backbone still verifies over all V, so outputs are
+            unchanged); ``"auto"`` (default): ``heads.DRAFT_VOCABULARY`` on a CPU when V is larger and
+            the heads' projection can be sliced, else all V; None: all V.
         trust_remote_code: passed to transformers; off unless the caller asks.
 
     Heads learn the hidden states of the backbone they were trained on, and a 4-bit backbone's differ
@@ -149,6 +154,15 @@ def load_medusa_model(
     heads = heads.to(device=dev, dtype=head_dtype)
     if heads.shares_lm_head and head_dtype != backbone.get_output_embeddings().weight.dtype:
         heads.own_lm_head_copy(head_dtype)
+    auto = draft_vocabulary == "auto"
+    if auto:
+        draft_vocabulary = DRAFT_VOCABULARY if dev.type == "cpu" and heads.vocab_size > DRAFT_VOCABULARY else None
+    if draft_vocabulary is not None:
+        try:
+            heads.restrict_drafts(int(draft_vocabulary))
+        except ValueError as e:
+            if not auto:  # "auto" keeps the whole vocabulary for a projection that cannot be sliced
+                raise MedusaCheckpointError(f"draft_vocabulary={draft_vocabulary!r}: {e}") from None
     tokenizer = _load_tokenizer(folder, backbone_source(base, trust_remote_code), trust_remote_code)
     calibration_file = heads_folder / CALIBRATION_FILE
     calibration = _read_json(calibration_file) if calibration_file.exists() else {}

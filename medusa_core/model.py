@@ -105,6 +105,7 @@ class MedusaModel:
         self._temperatures = torch.tensor(self.head_temperatures, device=self.device)[:, None]  # [K, 1]
         # Heads may run in a cheaper dtype than the backbone: they only propose, the backbone verifies.
         self._head_dtype = next(heads.parameters(), backbone.get_input_embeddings().weight).dtype
+        self._draft_logits = getattr(heads, "draft_logits", heads)  # heads(hidden [..., H], num_heads) -> [k, ..., S]
         self._trees: dict[str, StepTree] = {}
         self._pruned_trees: dict[tuple[str, int, tuple[int, ...]], StepTree] = {}
         self._default_tree = default_tree
@@ -134,6 +135,11 @@ class MedusaModel:
     def vocab_size(self) -> int:
         """V, the tokens each head ranks (the backbone's LM-head width)."""
         return self._lm_head.out_features
+
+    @property
+    def _draft_vocabulary(self) -> int:
+        """S, the token ids 0..S−1 the heads draft from (``MedusaHeads.restrict_drafts``; V by default)."""
+        return getattr(self.heads, "draft_vocabulary", self.vocab_size)
 
     @property
     def max_context(self) -> int:
@@ -398,12 +404,14 @@ class MedusaModel:
         and with ``with_log_p`` each node's calibrated log probability under its head k,
         log_softmax(logits_k / T_k) ([N], 0 at the root; T_k from ``head_temperatures``).
 
-        Heads run only at the last accepted position ``hidden`` [1, H] and only the tree's depth of them.
+        Heads run only at the last accepted position ``hidden`` [1, H] and only the tree's depth of them,
+        over their draft vocabulary (token ids 0..S−1, ``MedusaHeads.restrict_drafts``; the probabilities
+        are then normalised over those S tokens).
         """
         if tree.num_nodes == 1:
             return root.view(1), None
         rooted = {"root": root.view(1)} if getattr(self.heads, "root_conditioned", False) else {}  # layout "root"
-        head_logits = self.heads(hidden.to(self._head_dtype), num_heads=tree.head_depth, **rooted)[:, 0]  # [D, V]
+        head_logits = self._draft_logits(hidden.to(self._head_dtype), num_heads=tree.head_depth, **rooted)[:, 0]  # [D, S]
         top = head_logits.topk(tree.topk, dim=-1)  # [D, topk]
         tokens = torch.cat([root.view(1), top.indices.flatten()])[tree.tree_indices]
         if not with_log_p:
@@ -437,8 +445,8 @@ class MedusaModel:
             input_ids=tokens[None],
             position_ids=(tree.position_ids + cur_len)[None],
             attention_mask=mask,
-            cache=cache,
             use_cache=True,
+            cache=cache,
         )
         hidden = out.last_hidden_state[0]  # [N, H]
         return self._logits(hidden), hidden
@@ -466,14 +474,14 @@ class MedusaModel:
         """``(name, medusa_choices)`` of a tree given by name (model's own first) or as paths.
 
         Raises ``ValueError`` for an unknown name, an invalid tree, one deeper than the heads, a
-        rank >= the vocabulary size, more than ``MAX_TREE_NODES`` nodes, or more nodes than fit in
+        rank >= the heads' draft vocabulary, more than ``MAX_TREE_NODES`` nodes, or more nodes than fit in
         the context window beside a one-token prompt.
         """
         if isinstance(tree, str) and tree in self.trees:
             name, choices = tree, [list(p) for p in self.trees[tree]]
-            validate_tree(choices, self.num_heads, vocab_size=self.vocab_size)
+            validate_tree(choices, self.num_heads, vocab_size=self._draft_vocabulary)
         else:
-            name, choices = resolve_tree(tree, num_heads=self.num_heads, vocab_size=self.vocab_size)
+            name, choices = resolve_tree(tree, num_heads=self.num_heads, vocab_size=self._draft_vocabulary)
         if len(choices) + 1 >= self.max_context:
             raise ValueError(
                 f"tree {name!r} has {len(choices) + 1} nodes (root included) but the model's context window is "

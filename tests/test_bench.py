@@ -583,3 +583,24 @@ def test_draft_flags_reach_the_engine_and_the_report_and_shaped_trees_stay_ident
     assert "draft_tokens: 4, min_path_probability: 0.1, min_head_probability: 0.9" in markdown
     assert "No divergence" in markdown
     assert seen and set(seen) == {DraftConfig(max_tokens=4, min_path_probability=0.1, min_head_probability=0.9)}
+
+
+def test_profile_split_only_times_each_stage_of_plain_medusa_and_hybrid_steps_and_they_add_up(tiny, tmp_path):
+    from medusa_core.bench.stepsplit import STAGES, step_split
+
+    heads, prompts = tiny
+    out = tmp_path / "prof"
+    assert main(["profile", "--model", str(heads), "--quantization", "none", "--prompts", str(prompts), "--split-only",
+                 "--tree", "chain_2", "--max-new-tokens", "8", "--rounds", "1", "--out", str(out), "--threads", "1"]) == 0
+    table = (out / "profile.md").read_text()
+    assert all(f"| {kind} |" in table for kind in ("plain", "medusa:chain_2", "medusa+ngram:chain_2"))
+    model = load_medusa_model(heads, quantization="none")
+    ids = torch.tensor([[1, 2, 3, 4]])
+    layers = model.config.num_hidden_layers
+    plain, tree = (step_split(model, [ids], max_new_tokens=8, **kw) for kw in (dict(medusa=False), dict(tree="chain_2")))
+    for split in (plain, tree):
+        assert split["steps"] > 0 and math.isclose(sum(split["ms"].values()), split["step_ms"], rel_tol=1e-9)
+        assert split["calls"]["attention"] == layers and split["calls"]["LM head"] == 1  # one pass a step
+        assert all(split["ms"][s] > 0 for s in ("attention", "LM head"))
+    assert plain["calls"]["heads"] == 1 and plain["ms"]["heads"] < tree["ms"]["heads"]  # a root-only step skips the heads
+    assert list(plain["ms"]) == list(STAGES)

@@ -50,6 +50,27 @@ def test_greedy_medusa_output_equals_plain_greedy_decoding(
         assert tokens_per_step(records) < 1.5
 
 
+def test_heads_restricted_to_a_draft_vocabulary_propose_only_its_ids_and_greedy_stays_plain_greedy(
+    backbone_for, reference_for
+):
+    from medusa_core import MedusaHeads
+
+    backbone = backbone_for("llama")
+    vocab = backbone.get_output_embeddings().out_features
+    heads = MedusaHeads.from_backbone(backbone, 4)  # fresh heads predict what the LM head predicts
+    heads.restrict_drafts(vocab // 2)
+    model = MedusaModel(backbone, heads)
+    records = list(model.generate(PROMPT, max_new_tokens=N_NEW, tree="mc_sim_7b_63"))
+    assert reply(records) == reference_for("llama", N_NEW)
+    assert all(t < vocab // 2 for r in records[1:] for t in r.node_token_ids[1:])
+    hidden = torch.randn(3, backbone.config.hidden_size)
+    draft, whole = heads.draft_logits(hidden, 2), heads(hidden, 2)  # [2, 3, S], [2, 3, V]
+    assert torch.equal(draft, whole[..., : vocab // 2])  # the same scores for the ids it keeps
+    assert heads.draft_vocabulary == vocab // 2
+    with pytest.raises(ValueError, match="draft vocabulary"):
+        heads.restrict_drafts(vocab + 1)
+
+
 def test_oracle_heads_accept_the_whole_chain_at_every_step_and_random_heads_almost_nothing(
     backbone_for, oracle_model, random_model
 ):

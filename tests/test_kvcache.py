@@ -69,3 +69,36 @@ def test_a_reserved_cache_allocates_its_room_once_and_holds_the_same_entries():
     buffer = reserved.layers[0].keys.untyped_storage().data_ptr()
     reserved.update(*_entries(MIN_CAPACITY - 3, seed=9), 0)  # exactly full: still the same buffer
     assert reserved.layers[0].keys.untyped_storage().data_ptr() == buffer
+
+
+def test_tree_rows_attend_through_the_caches_replicas_bitwise_as_one_token_decoding_does():
+    """Rows of a tree pass run batched over replica views of a growing cache; each equals a one-token
+    step over the cache holding exactly its prefix and ancestors, across steps that compact and crop."""
+    from medusa_core.invariant import rowwise_attention
+
+    torch.manual_seed(0)
+    parents = [-1, 0, 0, 0, 1, 2, 4]  # three children of the root, then a chain under the first
+    n, heads, kv_heads, dim = len(parents), 6, 2, 16
+    cache = new_cache(_config())
+    layer, other = cache.layers
+    prompt = [torch.randn(1, kv_heads, 40, dim) for _ in range(2)]
+    layer.update(*prompt), other.update(*prompt)
+    for step in range(3):
+        start = layer.get_seq_length()
+        k_new, v_new = torch.randn(1, kv_heads, n, dim), torch.randn(1, kv_heads, n, dim)
+        keys, values = layer.update(k_new, v_new)
+        other.update(k_new, v_new)
+        visible = torch.zeros(n, start + n, dtype=torch.bool)
+        visible[:, :start] = True
+        for i in range(n):
+            j = i
+            while j >= 0:
+                visible[i, start + j], j = True, parents[j]
+        q = torch.randn(1, heads, n, dim)
+        out, _ = rowwise_attention(torch.nn.Module(), q, keys, values, visible[None, None], scaling=0.25)
+        assert layer._replicas > 1  # the replicas were used
+        for i in range(n):
+            ids = visible[i].nonzero()[:, 0]
+            alone, _ = rowwise_attention(torch.nn.Module(), q[:, :, i : i + 1], keys[:, :, ids], values[:, :, ids], None, scaling=0.25)
+            assert torch.equal(out[:, i], alone[:, 0]), (step, i)
+        compact_cache(cache, start, [0, 1, 4][: step + 1], n)  # keep a path of 1..3 nodes

@@ -145,6 +145,10 @@ def build_parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("--tree", default=None, help="tree to profile (default: the model's default tree)")
         p.add_argument("--max-new-tokens", type=int, default=64)
         p.add_argument("--runs", type=int, default=3, help="generations profiled (default 3)")
+        p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of the split table (default 2)")
+        p.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                       help="time the split by wall clock or by the decoding thread's CPU time (loaded machines; use --threads 1)")
+        p.add_argument("--split-only", action="store_true", help="only the split table (no cProfile, no torch.profiler)")
     return p
 
 

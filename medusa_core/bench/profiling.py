@@ -1,4 +1,5 @@
-"""Where a Medusa step spends its time: ``python -m medusa_core.bench profile`` (cProfile and torch.profiler)."""
+"""Where a Medusa step spends its time: ``python -m medusa_core.bench profile`` (the step split by stage of
+``stepsplit``, then cProfile and torch.profiler unless ``--split-only``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 from .prompts import encode_prompt, load_prompts
 from .report import _fmt, markdown_table
+from .stepsplit import STAGES, step_split
 
 
 def cmd_profile(model: Any, args: argparse.Namespace, command: str) -> int:
@@ -20,6 +22,10 @@ def cmd_profile(model: Any, args: argparse.Namespace, command: str) -> int:
     prompts = load_prompts(args.prompts, args.limit or args.runs, args.categories)[: args.runs]
     ids = [encode_prompt(model.tokenizer, p, args.system) for p in prompts]
     tree = args.tree or model.default_tree
+
+    lines = [f"# Profile of {tree} on {model.name}", "", f"`{command}`", ""] + split_table(model, ids, args, tree)
+    if args.split_only:
+        return _write(lines, args)
 
     def generate_all() -> tuple[int, int]:
         steps = tokens = 0
@@ -44,8 +50,7 @@ def cmd_profile(model: Any, args: argparse.Namespace, command: str) -> int:
         if file.endswith(("medusa_core/model.py", "medusa_core/acceptance.py", "medusa_core/heads.py")):
             stages.append([f"{Path(file).name}:{func}", calls, _fmt(1e3 * cumtime / steps, 3), _fmt(1e3 * tottime / steps, 3)])
     stages.sort(key=lambda r: -float(r[2]))
-    lines = [f"# Profile of {tree} on {model.name}", "", f"`{command}`", "",
-             f"{steps} steps, {tokens} tokens, {elapsed:.2f} s under cProfile: {1e3 * elapsed / steps:.2f} ms/step, "
+    lines += [f"{steps} steps, {tokens} tokens, {elapsed:.2f} s under cProfile: {1e3 * elapsed / steps:.2f} ms/step, "
              f"{tokens / steps:.2f} tokens/step", "", "## medusa_core functions (ms per step)", "",
              markdown_table(stages, ["function", "calls", "cumulative ms/step", "own ms/step"])]
     with open(out / "cprofile.txt", "w") as f:
@@ -56,9 +61,41 @@ def cmd_profile(model: Any, args: argparse.Namespace, command: str) -> int:
     (out / "torch_ops.txt").write_text(table, encoding="utf-8")
     tp.export_chrome_trace(str(out / "trace.json"))
     lines += ["", "## torch ops (self CPU time, all steps)", "", "```", table, "```"]
+    _write(lines, args)
+    print(f"wrote {out / 'cprofile.txt'}, {out / 'torch_ops.txt'}, {out / 'trace.json'}")
+    return 0
+
+
+def split_table(model: Any, ids: list, args: argparse.Namespace, tree: str) -> list[str]:
+    """Markdown lines: ms per decoding step by stage (``stepsplit.STAGES``) for a plain, a Medusa (``tree``)
+    and a hybrid (``tree`` + n-gram chain) step, ``args.rounds`` interleaved rounds, greedy."""
+    import time
+
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    kinds = {"plain": dict(medusa=False), f"medusa:{tree}": dict(tree=tree), f"medusa+ngram:{tree}": dict(tree=tree, drafts="hybrid")}
+    step_split(model, ids[:1], max_new_tokens=8, clock=clock)  # warm-up
+    totals: dict[str, list] = {k: [] for k in kinds}
+    for _ in range(args.rounds):  # interleaved: each round times every kind once
+        for kind, kwargs in kinds.items():
+            totals[kind].append(step_split(model, ids, max_new_tokens=args.max_new_tokens, clock=clock, **kwargs))
+    rows = []
+    for kind, runs in totals.items():
+        steps = sum(r["steps"] for r in runs)
+        ms = {s: sum(r["ms"][s] * r["steps"] for r in runs) / steps for s in STAGES}
+        step_ms = sum(r["step_ms"] * r["steps"] for r in runs) / steps
+        tokens = sum(r["tokens"] for r in runs) / steps
+        rows.append([kind, _fmt(step_ms, 2), _fmt(tokens, 2)] + [_fmt(ms[s], 2) for s in STAGES])
+    what = "CPU ms of the decoding thread" if args.clock == "cpu" else "wall ms"
+    return [f"## {what} per decoding step, by stage ({args.rounds} interleaved rounds)", "",
+            markdown_table(rows, ["step", "ms/step", "tokens/step", *STAGES]), ""]
+
+
+def _write(lines: list[str], args: argparse.Namespace) -> int:
+    out = args.out or Path("out") / "profile"
+    out.mkdir(parents=True, exist_ok=True)
     text = "\n".join(lines) + "\n"
     (out / "profile.md").write_text(text, encoding="utf-8")
     print(text)
-    print(f"wrote {out / 'profile.md'}, {out / 'cprofile.txt'}, {out / 'torch_ops.txt'}, {out / 'trace.json'}")
+    print(f"wrote {out / 'profile.md'}")
     return 0
 
