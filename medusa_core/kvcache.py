@@ -24,19 +24,18 @@ RESERVE_STEP = 1024
 
 
 class GrowingLayer(DynamicLayer):
-    """A ``DynamicLayer`` whose ``keys`` / ``values`` ([1, H, L, Dh]) are views of replica 0 of a
-    [R, H, C, Dh] buffer.
+    """A ``DynamicLayer`` whose ``keys`` / ``values`` ([B, H, L, Dh]) are views of a [B, H, C, Dh] buffer.
 
-    ``update`` writes the new entries at positions L.. and returns the views [1, H, L + n, Dh]; when
+    ``update`` writes the new entries at positions L.. and returns the views [B, H, L + n, Dh]; when
     they do not fit, the buffer is reallocated with capacity ``reserved`` if that holds them (``reserve``:
     the tokens a reply will need, so a long prompt is not copied at every doubling and no capacity is
     wasted), else max(2·C, L + n, ``MIN_CAPACITY``), and the L entries are copied once. ``crop``
     (inherited) shortens the views; the buffer is kept.
 
-    Replicas 1..R−1 (none until ``row_keys`` asks) are scratch copies of the cache for the rows of a
-    tree pass: ``row_keys`` gives B rows each a replica that holds the shared prefix followed by that
-    row's own keys, so batch-invariant attention runs B rows as one batched call over views shaped
-    exactly like one-token decoding's (``invariant.rowwise_attention``). The returned views carry
+    Replicas (none until ``row_keys`` asks; ``release_rows`` frees them) are scratch copies of the cache,
+    in buffers of their own, for the rows of a tree pass: ``row_keys`` gives B rows each a replica that
+    holds the shared prefix followed by that row's own keys, so batch-invariant attention runs B rows as
+    one batched call over views shaped exactly like one-token decoding's (``invariant.rowwise_attention``). The returned views carry
     ``rows_cache`` (this layer) for that purpose.
     """
 
@@ -45,8 +44,9 @@ class GrowingLayer(DynamicLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         self._keys_buffer = self._values_buffer = None
-        self._capacity, self._replicas = 0, 1
-        self._replicated = 0  # entries 0.._replicated−1 of every replica equal replica 0's
+        self._capacity = 0
+        self._row_buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # replicas' keys, values [R, H, C, Dh]
+        self._replicated = 0  # entries 0.._replicated−1 of every replica equal the cache's
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         if not self.is_initialized:
@@ -55,7 +55,7 @@ class GrowingLayer(DynamicLayer):
         end = length + key_states.shape[-2]
         if end > self._capacity or self.reserved > self._capacity:
             capacity = self.reserved if self.reserved >= end else max(2 * self._capacity, end, MIN_CAPACITY)
-            self._reallocate(key_states, value_states, capacity, self._replicas)
+            self._reallocate(key_states, value_states, capacity)
         self._replicated = min(self._replicated, length)  # a crop may have cut below it; writes start at length
         batch = key_states.shape[0]
         self._keys_buffer[:batch, ..., length:end, :] = key_states
@@ -65,18 +65,21 @@ class GrowingLayer(DynamicLayer):
         self.keys.rows_cache = self.values.rows_cache = self if batch == 1 else None
         return self.keys, self.values
 
-    def _reallocate(self, key_states: torch.Tensor, value_states: torch.Tensor, capacity: int, replicas: int) -> None:
-        """New buffers [max(B, replicas), H, capacity, Dh] holding replica 0's (or the batch's) entries."""
+    def _reallocate(self, key_states: torch.Tensor, value_states: torch.Tensor, capacity: int) -> None:
+        """New buffers [B, H, capacity, Dh] holding the cache's entries; the replicas are dropped."""
         length, batch = self.get_seq_length(), key_states.shape[0]
-        rows = max(batch, replicas)
-        keys = key_states.new_empty(rows, *key_states.shape[1:-2], capacity, key_states.shape[-1])
-        values = value_states.new_empty(rows, *value_states.shape[1:-2], capacity, value_states.shape[-1])
+        keys = key_states.new_empty(batch, *key_states.shape[1:-2], capacity, key_states.shape[-1])
+        values = value_states.new_empty(batch, *value_states.shape[1:-2], capacity, value_states.shape[-1])
         if length:
-            keys[:batch, ..., :length, :] = self.keys
-            values[:batch, ..., :length, :] = self.values
-        self._keys_buffer, self._values_buffer = keys, values
-        self._capacity, self._replicas, self._replicated = capacity, replicas, 0
-        self.keys, self.values = keys[:batch, ..., :length, :], values[:batch, ..., :length, :]
+            keys[..., :length, :] = self.keys
+            values[..., :length, :] = self.values
+        self._keys_buffer, self._values_buffer, self._capacity = keys, values, capacity
+        self.keys, self.values = keys[..., :length, :], values[..., :length, :]
+        self.release_rows()
+
+    def release_rows(self) -> None:
+        """Free the replicas (``row_keys`` makes them again, prefix copied once, when a tree pass needs them)."""
+        self._row_buffers, self._replicated = None, 0
 
     def row_keys(self, start: int, paths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of B tree rows, each the shared prefix then its own entries, as one batch.
@@ -85,20 +88,22 @@ class GrowingLayer(DynamicLayer):
             start: P, the entries every row sees first (0..P−1: the cache before this pass).
             paths: [B, d] positions (≥ P, in this pass's entries) of each row's further keys, in order.
 
-        Returns (keys, values), each [B, H, P + d, Dh]: views of replicas 1..B, whose entries P..P+d−1
-        are overwritten with row b's. Replica 0 (the cache) is left as it is. Batch size 1 only.
+        Returns (keys, values), each [B, H, P + d, Dh]: views of replicas 0..B−1 (buffers [R, H, C, Dh] of
+        their own, beside the cache's), whose entries P..P+d−1 are overwritten with row b's. The cache is
+        left as it is. Batch size 1 only.
         """
         rows, depth = paths.shape
-        if rows + 1 > self._replicas:
-            self._reallocate(self.keys, self.values, self._capacity, rows + 1)
+        if self._row_buffers is None or self._row_buffers[0].shape[0] < rows:
+            shape = (rows, *self.keys.shape[1:-2], self._capacity, self.keys.shape[-1])
+            self._row_buffers, self._replicated = (self.keys.new_empty(shape), self.values.new_empty(shape)), 0
         if self._replicated < start:  # bring the replicas' prefix up to date (the entries since the last tree pass)
-            for buffer in (self._keys_buffer, self._values_buffer):
-                buffer[1:, ..., self._replicated : start, :] = buffer[:1, ..., self._replicated : start, :]
+            for buffer, cache in zip(self._row_buffers, (self.keys, self.values)):
+                buffer[..., self._replicated : start, :] = cache[..., self._replicated : start, :]  # [1, ...] broadcast
             self._replicated = start
         count = start + depth
-        for buffer, cache in ((self._keys_buffer, self.keys), (self._values_buffer, self.values)):
-            buffer[1 : rows + 1, ..., start:count, :] = cache[0][..., paths, :].transpose(0, 1)  # [H, B, d, Dh] -> [B, H, d, Dh]
-        return self._keys_buffer[1 : rows + 1, ..., :count, :], self._values_buffer[1 : rows + 1, ..., :count, :]
+        for buffer, cache in zip(self._row_buffers, (self.keys, self.values)):
+            buffer[:rows, ..., start:count, :] = cache[0][..., paths, :].transpose(0, 1)  # [H, B, d, Dh] -> [B, H, d, Dh]
+        return self._row_buffers[0][:rows, ..., :count, :], self._row_buffers[1][:rows, ..., :count, :]
 
 
 def new_cache(config: Any) -> DynamicCache:
@@ -119,6 +124,14 @@ def reserve(cache: DynamicCache, tokens: int, limit: int) -> None:
     for layer in cache.layers:
         if isinstance(layer, GrowingLayer):
             layer.reserved = room
+
+
+def release_rows(cache: DynamicCache) -> None:
+    """Free the tree rows' replicas of every ``GrowingLayer`` of ``cache`` (a kept conversation's cache between
+    turns holds only its entries)."""
+    for layer in cache.layers:
+        if isinstance(layer, GrowingLayer) and layer.is_initialized:
+            layer.release_rows()
 
 
 def compact_cache(cache: DynamicCache, start: int, nodes: list[int], appended: int) -> None:

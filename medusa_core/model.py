@@ -323,10 +323,11 @@ class MedusaModel:
         if shape_at is None:
             shape_at = tuned.min_head_probability if tuned else self.min_head_probability
         reading = dict(kept=kept, progress=progress, chunk=prefill_chunk)
-        return self._decode(
+        steps = self._decode(
             input_ids.to(self.device), max_new_tokens, full, NodeProcessors(settings), posterior_threshold, posterior_alpha,
             seed, rule, drafter, drafts if medusa else "", shape_at if drafts != "ngram" else 0.0, reading,
         )
+        return steps if kept is None else _releasing_rows(steps, kept)
 
     def _decode(
         self, input_ids, max_new_tokens, full, processors, eps, alpha, seed, rule, drafter, drafts, shape_at, reading
@@ -519,6 +520,15 @@ class MedusaModel:
             "max_context": self.max_context,
             "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
         }
+
+
+def _releasing_rows(steps: Iterator[StepRecord | ReadProgress], kept: ConversationCache) -> Iterator[StepRecord | ReadProgress]:
+    """``steps``, then (however the reply ends) the kept cache's tree-row replicas freed: between turns a
+    conversation's cache holds only its entries."""
+    try:
+        yield from steps
+    finally:
+        kept.release_rows()
 
 
 def _eos_ids(backbone: nn.Module) -> frozenset[int]:

@@ -30,7 +30,7 @@ from typing import Any, Callable, Generator, Sequence
 import torch
 from transformers import DynamicCache
 
-from .kvcache import reserve
+from .kvcache import release_rows, reserve
 
 #: Prompt tokens read per pass: the longest a Stop waits and the granularity of ``ReadProgress``.
 PREFILL_CHUNK = 256
@@ -78,13 +78,20 @@ class ConversationCache:
         """Forget the entries (and free their memory)."""
         self.token_ids, self._cache, self._owner = [], None, lambda: None
 
+    def release_rows(self) -> None:
+        """Free the scratch replicas a reply's tree passes made (``kvcache.release_rows``); the entries stay."""
+        if self._cache is not None:
+            release_rows(self._cache)
+
     @property
     def nbytes(self) -> int:
-        """Bytes of the buffers the kept entries live in (their capacity, see ``kvcache.GrowingLayer``)."""
+        """Bytes of the buffers the kept entries live in (their capacity, see ``kvcache.GrowingLayer``), with
+        any tree-row replicas still held (none between turns: ``release_rows``)."""
         if self._cache is None:
             return 0
-        return sum(x.untyped_storage().nbytes() for layer in self._cache.layers if layer.is_initialized
-                   for x in (layer.keys, layer.values))
+        layers = [layer for layer in self._cache.layers if layer.is_initialized]
+        replicas = [x for layer in layers for x in (getattr(layer, "_row_buffers", None) or ())]
+        return sum(x.untyped_storage().nbytes() for x in [*(t for layer in layers for t in (layer.keys, layer.values)), *replicas])
 
     def take(self, owner: Any, new_cache: Callable[[], DynamicCache], prompt: Sequence[int]) -> tuple[DynamicCache, int]:
         """The cache to read ``prompt`` with, cut to the entries it shares with it, and their number.
