@@ -118,8 +118,9 @@ class _RowGroup(NamedTuple):
 # and compared by identity (a tensor's == is elementwise), so a freed mask is never mistaken for a new one.
 _last_groups: list = [lambda: None, None]  # [weakref to the mask, its groups]
 
-#: Most rows in one batched call (a tree pass's cache keeps a replica per row of its largest call).
-MAX_BATCH = 8
+#: Most rows in one batched call (a tree pass's cache keeps a replica per row of its largest call: each a
+#: copy of the KV cache, 46 KB a token on the demo, so this bounds the memory they take).
+MAX_BATCH = 4
 #: Cached tokens from which a batched call reads its rows' keys from the cache's replicas; below, copies
 #: of each row's keys cost less than keeping the replicas' prefix up to date (docs/BENCH.md, issue 27).
 REPLICAS_FROM = 256
