@@ -68,7 +68,8 @@ def rowwise_attention(
     the rows in SDPA's batch dimension (its CPU kernel computes each (batch, head) item on its own, so a
     row's bits do not depend on the others'): a tree pass takes one call per tree depth. Each row's keys
     are the shared prefix then its ancestors, in cache order: views of the cache's replicas
-    (``kvcache.GrowingLayer.row_keys``) when ``key`` comes from one, else gathered copies. Batches of
+    (``kvcache.GrowingLayer.row_keys``) when ``key`` comes from one and holds at least ``REPLICAS_FROM``
+    earlier entries, else gathered copies. Batches of
     several sequences (distillation, training) and passes of more than ``MAX_ROWWISE`` rows go to
     transformers' SDPA unchanged.
     """
@@ -85,7 +86,7 @@ def rowwise_attention(
     for group in groups:
         if group.view:  # one row whose keys are 0 .. count−1: a view, as one-token decoding sees its cache
             k, v = key[:, :, : group.count], value[:, :, : group.count]
-        elif group.paths is not None and layer is not None:
+        elif group.paths is not None and layer is not None and length - n >= REPLICAS_FROM:
             k, v = layer.row_keys(length - n, group.paths)  # [B, Hkv, count, Dh] views of replicas
         else:  # [Hkv, B·count, Dh] -> [B, Hkv, count, Dh]
             shape = (key.shape[1], len(group.rows), group.count, key.shape[3])
@@ -117,8 +118,12 @@ class _RowGroup(NamedTuple):
 # and compared by identity (a tensor's == is elementwise), so a freed mask is never mistaken for a new one.
 _last_groups: list = [lambda: None, None]  # [weakref to the mask, its groups]
 
-#: Most rows in one batched call (a tree pass's cache keeps a replica per row of its largest call).
-MAX_BATCH = 8
+#: Most rows in one batched call (a tree pass's cache keeps a replica per row of its largest call: each a
+#: copy of the KV cache, 46 KB a token on the demo, so this bounds the memory they take).
+MAX_BATCH = 4
+#: Cached tokens from which a batched call reads its rows' keys from the cache's replicas; below, copies
+#: of each row's keys cost less than keeping the replicas' prefix up to date (docs/BENCH.md, issue 27).
+REPLICAS_FROM = 256
 
 
 def _row_groups(mask: torch.Tensor | None, n: int, length: int) -> list[_RowGroup]:

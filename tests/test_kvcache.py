@@ -74,14 +74,14 @@ def test_a_reserved_cache_allocates_its_room_once_and_holds_the_same_entries():
 def test_tree_rows_attend_through_the_caches_replicas_bitwise_as_one_token_decoding_does():
     """Rows of a tree pass run batched over replica views of a growing cache; each equals a one-token
     step over the cache holding exactly its prefix and ancestors, across steps that compact and crop."""
-    from medusa_core.invariant import rowwise_attention
+    from medusa_core.invariant import REPLICAS_FROM, rowwise_attention
 
     torch.manual_seed(0)
     parents = [-1, 0, 0, 0, 1, 2, 4]  # three children of the root, then a chain under the first
     n, heads, kv_heads, dim = len(parents), 6, 2, 16
     cache = new_cache(_config())
     layer, other = cache.layers
-    prompt = [torch.randn(1, kv_heads, 40, dim) for _ in range(2)]
+    prompt = [torch.randn(1, kv_heads, REPLICAS_FROM, dim) for _ in range(2)]  # long enough for the replicas
     layer.update(*prompt), other.update(*prompt)
     for step in range(3):
         start = layer.get_seq_length()

@@ -1,4 +1,4 @@
-"""Where a decoding step's wall time goes, by stage: ``python -m medusa_core.bench profile`` (its split table).
+"""Where a decoding step's time goes, by stage: ``python -m medusa_core.bench profile`` (its split table).
 
 Stages are timed with ``time.perf_counter`` around the engine's own calls while a reply is generated
 (a CPU runs them synchronously; the timers add well under a microsecond per call, so the step is not
@@ -66,7 +66,8 @@ class _Clock:
 
 @contextmanager
 def _timed_stages(model: Any, clock: _Clock) -> Iterator[None]:
-    attention = AttentionInterface._global_mapping[invariant.ATTENTION]
+    invariant.register()  # idempotent: the name exists even for a model that does not use it (its stage stays 0)
+    attention = AttentionInterface()[invariant.ATTENTION]
     with ExitStack() as stack:
         patch = lambda target, name, stage, **kw: stack.enter_context(  # noqa: E731
             mock.patch.object(target, name, clock.wrap(stage, getattr(target, name), **kw)))
