@@ -41,6 +41,9 @@ from .quant.layers import int4_lm_head
 ATTENTION = "medusa_rowwise"
 #: Largest pass (query rows) run row by row: decoding steps and trees; longer passes are prefills.
 MAX_ROWWISE = 64
+#: Keyword the engine passes through the decoder while it reads a prompt (``prefill.read_prompt``): a
+#: pass after entries already cached (a conversation's next message, a later chunk) runs as one SDPA call.
+READING = "medusa_reading"
 
 
 def rowwise_attention(
@@ -63,11 +66,15 @@ def rowwise_attention(
 
     Returns (output [1, N, H, Dh], None), as transformers' attention functions do.
     Row i's output is bitwise equal to this function's output for row i alone with only its visible
-    keys (``tests/test_invariance.py``). Batches of several sequences (distillation, training) and
-    passes of more than ``MAX_ROWWISE`` rows go to transformers' SDPA unchanged.
+    keys (``tests/test_invariance.py``). Batches of several sequences (distillation, training),
+    passes of more than ``MAX_ROWWISE`` rows, and passes of a prompt's reading (``READING`` set) after
+    cached entries go to transformers' SDPA unchanged: row by row, each of N new tokens would read the
+    whole cache (on the demo, 40 new tokens after 1,500 cached took 2.5x as long), and a prompt's
+    reading is shared by every decoding mode, so greedy Medusa stays plain greedy.
     """
     n, length = query.shape[2], key.shape[2]
-    if n > MAX_ROWWISE or query.shape[0] != 1:
+    reading_after_cache = kwargs.pop(READING, False) and length > n
+    if n > MAX_ROWWISE or query.shape[0] != 1 or reading_after_cache:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     gqa = query.shape[1] != key.shape[1]
     rows = _visible_keys(attention_mask, n, length)
