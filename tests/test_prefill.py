@@ -79,6 +79,19 @@ def test_a_prompt_read_in_chunks_agrees_with_one_pass_to_rounding_and_token_by_t
     assert torch.equal(read(model, short, 1)[0], read(model, short, MAX_ROWWISE)[0])
 
 
+def test_only_passes_after_cached_entries_take_one_batched_attention_call(model, monkeypatch):
+    import medusa_core.invariant as invariant
+
+    batched = []
+    sdpa = invariant.sdpa_attention_forward
+    monkeypatch.setattr(invariant, "sdpa_attention_forward", lambda m, q, *a, **k: batched.append(q.shape[2]) or sdpa(m, q, *a, **k))
+    read(model, ids(prompt(60, seed=3)), CHUNK)  # the first pass has nothing cached: row by row
+    assert batched == [CHUNK] * 2 * model.config.num_hidden_layers + [60 - 3 * CHUNK] * model.config.num_hidden_layers
+    batched.clear()
+    run(model, ids(prompt(30, seed=3)), prefill_chunk=60)  # one pass, then decoding steps: all row by row
+    assert batched == []
+
+
 def test_progress_comes_before_the_first_chunk_and_after_every_chunk_but_the_last_then_step_0(model):
     reply, progress, read = run(model, ids(prompt(50, seed=3)), progress=True)
     assert [(p.read, p.total, p.reused) for p in progress] == [(0, 50, 0), (16, 50, 0), (32, 50, 0), (48, 50, 0)]
