@@ -42,6 +42,9 @@ from .quant.layers import int4_lm_head
 ATTENTION = "medusa_rowwise"
 #: Largest pass (query rows) run row by row: decoding steps and trees; longer passes are prefills.
 MAX_ROWWISE = 64
+#: Keyword the engine passes through the decoder while it reads a prompt (``prefill.read_prompt``): a
+#: pass after entries already cached (a conversation's next message, a later chunk) runs as one SDPA call.
+READING = "medusa_reading"
 
 
 def rowwise_attention(
@@ -69,12 +72,15 @@ def rowwise_attention(
     row's bits do not depend on the others'): a tree pass takes one call per tree depth. Each row's keys
     are the shared prefix then its ancestors, in cache order: views of the cache's replicas
     (``kvcache.GrowingLayer.row_keys``) when ``key`` comes from one and holds at least ``REPLICAS_FROM``
-    earlier entries, else gathered copies. Batches of
-    several sequences (distillation, training) and passes of more than ``MAX_ROWWISE`` rows go to
-    transformers' SDPA unchanged.
+    earlier entries, else gathered copies. Batches of several sequences (distillation, training),
+    passes of more than ``MAX_ROWWISE`` rows, and passes of a prompt's reading (``READING`` set) after
+    cached entries go to transformers' SDPA unchanged: row by row, each of N new tokens would read the
+    whole cache (on the demo, 40 new tokens after 1,500 cached took 2.5x as long), and a prompt's
+    reading is shared by every decoding mode, so greedy Medusa stays plain greedy.
     """
     n, length = query.shape[2], key.shape[2]
-    if n > MAX_ROWWISE or query.shape[0] != 1:
+    reading_after_cache = kwargs.pop(READING, False) and length > n
+    if n > MAX_ROWWISE or query.shape[0] != 1 or reading_after_cache:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     gqa = query.shape[1] != key.shape[1]
     if n == 1 and attention_mask is None:  # one-token decoding: every key, as a view of the cache

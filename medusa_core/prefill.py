@@ -13,11 +13,12 @@ The prompt is read ``PREFILL_CHUNK`` tokens at a time, so a caller can stop betw
 progress (``ReadProgress`` records, ``MedusaModel.generate(progress=True)``).
 
 Exactness: an entry that was decoded (a reply's token, written by a tree or one-token pass) is reused
-instead of being read again with the next prompt. On the CPU every pass of at most
-``invariant.MAX_ROWWISE`` rows is batch-invariant, so with chunks that small a turn on a kept cache
-is bitwise a fresh run (``tests/test_prefill.py``). Longer chunks use batched matmuls and SDPA, whose
-results differ from one-row passes in the last bits (as a fresh run's long prefill differs from
-decoding); greedy replies on a kept cache then equal fresh ones unless two top logits are that close.
+instead of being read again with the next prompt, and a pass after cached entries runs its attention as
+one SDPA call (``invariant.READING``), as passes of more than ``invariant.MAX_ROWWISE`` rows always do.
+Batched SDPA and matmuls differ from one-row passes in the last bits, so a kept cache's entries are not
+bitwise a fresh run's; greedy replies on a kept cache equal fresh ones unless two top logits are that
+close (``tests/test_prefill.py`` on tiny models, ``tests/test_demo_model.py`` on the demo). Decoding
+steps stay batch-invariant: greedy Medusa equals plain greedy on a kept cache too.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any, Callable, Generator, Sequence
 import torch
 from transformers import DynamicCache
 
+from .invariant import ATTENTION, READING
 from .kvcache import release_rows, reserve
 
 #: Prompt tokens read per pass: the longest a Stop waits and the granularity of ``ReadProgress``.
@@ -131,6 +133,8 @@ def read_prompt(
     see ``kvcache.reserve``. Returns the last position's final-norm hidden
     state [1, H]. ``kept`` (if any) learns each chunk's tokens once their entries are written."""
     total, start = input_ids.shape[1], time.perf_counter()
+    rowwise = getattr(getattr(decoder, "config", None), "_attn_implementation", None) == ATTENTION
+    reading = {READING: True} if rowwise else {}  # only the batch-invariant attention knows this keyword
     with torch.inference_mode():
         reserve(cache, *capacity)
     read = reused
@@ -139,7 +143,7 @@ def read_prompt(
     while True:
         end = min(read + chunk, total)
         with torch.inference_mode():  # not across the yield: the mode is the consumer's thread's state
-            out = decoder(input_ids=input_ids[:, read:end], cache=cache, use_cache=True)
+            out = decoder(input_ids=input_ids[:, read:end], cache=cache, use_cache=True, **reading)
         if kept is not None:
             kept.token_ids += input_ids[0, read:end].tolist()
         read = end

@@ -1,7 +1,7 @@
 """Reading the prompt (``medusa_core.prefill``): chunked prefill, ``ReadProgress`` records, and a
-conversation's KV cache kept between turns, on tiny random models whose every pass is batch-invariant
-(``make_batch_invariant``, chunks of at most ``MAX_ROWWISE`` rows), so a kept cache must give bitwise
-what a fresh run gives."""
+conversation's KV cache kept between turns, on tiny random models with the batch-invariant decoding
+step of the CPU (``make_batch_invariant``): greedy replies on a kept cache equal fresh runs', and each
+turn reads only the tokens the cache does not hold."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from medusa_core.kvcache import RESERVE_STEP
 from medusa_core.prefill import common_prefix, read_prompt
 
 N_NEW = 12
-CHUNK = 16  # <= MAX_ROWWISE: every pass is batch-invariant on these models
+CHUNK = 16  # prompt tokens per pass
 
 
 @pytest.fixture(scope="module")
@@ -65,22 +65,31 @@ def read(model, input_ids, chunk, cache=None) -> tuple[torch.Tensor, object]:
             return done.value, cache
 
 
-def test_a_prompt_read_in_chunks_gives_bitwise_the_hidden_states_and_cache_of_one_pass(model):
-    input_ids = ids(prompt(60, seed=1))
-    whole, whole_cache = read(model, input_ids, 60)
-    for chunk in (1, 7, 16, 59):
+def test_a_prompt_read_in_chunks_agrees_with_one_pass_to_rounding_and_token_by_token_bitwise(model):
+    # Passes after cached entries take one batched SDPA call (invariant.READING): not bitwise, as
+    # passes of more than MAX_ROWWISE rows never were. One-token passes are decoding steps: bitwise.
+    input_ids = ids(prompt(3 * MAX_ROWWISE, seed=1))
+    whole, whole_cache = read(model, input_ids, input_ids.shape[1])
+    for chunk in (7, 16, MAX_ROWWISE + 1):
         hidden, cache = read(model, input_ids, chunk)
-        assert torch.equal(hidden, whole), chunk
+        torch.testing.assert_close(hidden, whole, rtol=1e-5, atol=1e-5)
         for a, b in zip(cache.layers, whole_cache.layers):
-            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values), chunk
+            torch.testing.assert_close(a.keys, b.keys, rtol=1e-5, atol=1e-5)
+    short = ids(prompt(MAX_ROWWISE, seed=2))  # read in one row-wise pass, or token by token
+    assert torch.equal(read(model, short, 1)[0], read(model, short, MAX_ROWWISE)[0])
 
 
-def test_chunks_longer_than_the_rowwise_limit_agree_with_one_pass_to_rounding_only(model):
-    # Passes of more than MAX_ROWWISE rows take batched matmuls and SDPA: not bitwise (documented).
-    input_ids = ids(prompt(3 * MAX_ROWWISE, seed=2))
-    whole, _ = read(model, input_ids, input_ids.shape[1])
-    hidden, _ = read(model, input_ids, MAX_ROWWISE + 1)
-    torch.testing.assert_close(hidden, whole, rtol=1e-5, atol=1e-5)
+def test_only_passes_after_cached_entries_take_one_batched_attention_call(model, monkeypatch):
+    import medusa_core.invariant as invariant
+
+    batched = []
+    sdpa = invariant.sdpa_attention_forward
+    monkeypatch.setattr(invariant, "sdpa_attention_forward", lambda m, q, *a, **k: batched.append(q.shape[2]) or sdpa(m, q, *a, **k))
+    read(model, ids(prompt(60, seed=3)), CHUNK)  # the first pass has nothing cached: row by row
+    assert batched == [CHUNK] * 2 * model.config.num_hidden_layers + [60 - 3 * CHUNK] * model.config.num_hidden_layers
+    batched.clear()
+    run(model, ids(prompt(30, seed=3)), prefill_chunk=60)  # one pass, then decoding steps: all row by row
+    assert batched == []
 
 
 def test_progress_comes_before_the_first_chunk_and_after_every_chunk_but_the_last_then_step_0(model):
