@@ -279,7 +279,11 @@ def tree_argument(model: MedusaModel, tree: str | None, custom_tree: str) -> str
 def medusa_notice(engine: Engine, temperature: float) -> Updates:
     """The note beside the Medusa toggle: where ``bench tune`` measured the tree tuned for the settings
     preset of ``temperature`` slower than the plain loop on this machine (``TunedSettings.slower_than_plain``),
-    it says so, so that Medusa on does not slow the reply silently; otherwise no note."""
+    it says so, so that Medusa on does not slow the reply silently; otherwise no note. The temperature
+    arrives unchecked (a number typed out of range is still being edited): one that is not a number ≥ 0
+    changes nothing."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf:
+        return {"medusa": gr.skip()}
     tuned = engine.model.tuned_for(SamplingConfig(temperature=temperature)) if engine.model is not None else None
     if tuned is None or not tuned.slower_than_plain:
         return {"medusa": gr.Checkbox(info="")}
