@@ -158,7 +158,7 @@ def test_a_new_users_session_in_headless_chromium(app_url, tmp_path):
         number = page.locator("#step-slider input[type=number]")
         number.fill("1")
         number.blur()
-        expect(tree_title).to_contain_text(re.compile(r"^step 1 · sparse_16 \+ n-gram \(\d+ nodes\)"))
+        expect(tree_title).to_contain_text(re.compile(r"^step 1 · sparse_16 \+ n-gram \(\d+ nodes?\)"))  # shaping may leave the root alone
         page.locator("#step-slider input[type=range]").focus()
         page.keyboard.press("ArrowLeft")  # step 0: the prefill, which emitted the first token
         expect(tree_title).to_contain_text(re.compile(r"^step 0 · prefill \(1 node\)"))
