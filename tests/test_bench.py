@@ -604,3 +604,19 @@ def test_profile_split_only_times_each_stage_of_plain_medusa_and_hybrid_steps_an
         assert all(split["ms"][s] > 0 for s in ("attention", "LM head"))
     assert plain["calls"]["heads"] == 1 and plain["ms"]["heads"] < tree["ms"]["heads"]  # a root-only step skips the heads
     assert list(plain["ms"]) == list(STAGES)
+
+
+def test_a_chat_preset_run_reports_the_tau_tuned_for_the_chat_preset_not_the_greedy_one(tmp_path):
+    heads = write_tiny_medusa(tmp_path / "heads")
+    (heads / "medusa_tuned.json").write_text(json.dumps({
+        "cpu/none@greedy": {"choices": [[0]], "min_head_probability": 0.11},
+        "cpu/none@chat": {"choices": [[0], [1]], "min_head_probability": 0.33},
+    }))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):", "category": "python"}\n')
+    out = tmp_path / "out"
+    assert main([
+        "--model", str(heads), "--quantization", "none", "--prompts", str(prompts), "--methods", "baseline,medusa:tuned",
+        "--preset", "chat", "--max-new-tokens", "6", "--repeats", "1", "--out", str(out), "--no-progress", "--threads", "1",
+    ]) == 0
+    assert "min_head_probability: 0.33," in (out / "summary.md").read_text()  # what the chat preset's replies use
