@@ -150,10 +150,10 @@ class MedusaHeads(nn.ModuleList):
         (``root`` as in ``forward``)."""
         if not self._draft_projections:
             return self(hidden, num_heads, root)
+        if self._shared_lm_head:
+            return self._draft_projections[0](self.states(hidden, num_heads, root))  # [k, ..., H] -> [k, ..., S]
         heads = list(self)[: num_heads or len(self)]
         inputs = self._inputs(hidden, len(heads), root)
-        if self._shared_lm_head:
-            return self._draft_projections[0](torch.stack([head(x) for head, x in zip(heads, inputs)]))
         return torch.stack([proj(head[:-1](x)) for head, x, proj in zip(heads, inputs, self._draft_projections)])
 
     @classmethod

@@ -173,6 +173,12 @@ class MedusaModel:
         """``bench tune``'s choice for the preset that serves ``config`` (``settings_preset``), None if untuned."""
         return self.tuned.get(settings_preset(config))
 
+    def shaping_threshold(self, config: SamplingConfig) -> float:
+        """τ that ``generate`` shapes trees with at ``config`` when ``DraftConfig.min_head_probability`` is None:
+        the tuned entry of its settings' preset (``tuned_for``), else ``min_head_probability``."""
+        tuned = self.tuned_for(config)
+        return tuned.min_head_probability if tuned else self.min_head_probability
+
     def tree_names(self) -> list[str]:
         """Tree names offered to users: the model's own trees first, then the presets that fit."""
         fitting = [n for n, c in TREE_PRESETS.items() if max(map(len, c)) <= self.num_heads]
@@ -321,7 +327,7 @@ class MedusaModel:
         drafter = NgramDrafter(draft_config, input_ids[0].tolist(), earlier_replies) if medusa and drafts != "heads" else None
         shape_at = draft_config.min_head_probability
         if shape_at is None:
-            shape_at = tuned.min_head_probability if tuned else self.min_head_probability
+            shape_at = self.shaping_threshold(settings)
         reading = dict(kept=kept, progress=progress, chunk=prefill_chunk)
         steps = self._decode(
             input_ids.to(self.device), max_new_tokens, full, NodeProcessors(settings), posterior_threshold, posterior_alpha,

@@ -172,13 +172,6 @@ def sampling_settings(model: Any, args: argparse.Namespace) -> tuple[SamplingCon
     return config, args.sampling or (CHAT_SAMPLING if chat else "typical")
 
 
-def tuned_tau(model: Any, config: SamplingConfig) -> float:
-    """τ the engine shapes trees with at ``config`` when none is given: the tuned entry of its settings' preset
-    (``MedusaModel.tuned_for``), else the model's own."""
-    tuned = model.tuned_for(config)
-    return tuned.min_head_probability if tuned else model.min_head_probability
-
-
 def cmd_run(model: Any, args: argparse.Namespace, command: str) -> int:
     """The benchmark: print the table, write CSV, markdown and the chart."""
     prompts = load_prompts(args.prompts, args.limit, args.categories)
@@ -196,7 +189,7 @@ def cmd_run(model: Any, args: argparse.Namespace, command: str) -> int:
                 "temperature": config.temperature, "sampling": "greedy" if config.greedy else sampling,
                 "top_k": config.top_k, "top_p": config.top_p, "min_p": config.min_p,
                 "repetition_penalty": config.repetition_penalty, "draft_tokens": drafts.max_tokens,
-                "min_path_probability": drafts.min_path_probability, "min_head_probability": tuned_tau(model, config) if drafts.min_head_probability is None else drafts.min_head_probability,
+                "min_path_probability": drafts.min_path_probability, "min_head_probability": model.shaping_threshold(config) if drafts.min_head_probability is None else drafts.min_head_probability,
                 "chain_only_from": drafts.chain_only_from}
     env = {k: v for k, v in environment(model).items() if k != "torch_threads"}  # "threads" in settings says it
     text, paths = write_report(out, runs, command=command, env=env, settings=settings, notes=notes)
