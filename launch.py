@@ -45,7 +45,7 @@ def main(argv: list[str]) -> int:
     from app.ui import build_ui
     from medusa_core import load_medusa_model
 
-    engine = Engine(f"{settings.model} ({settings.quantization} backbone, device {settings.device})")
+    engine = Engine(f"{settings.model} ({settings.quantization} backbone, device {settings.device})", settings.kept_cache_mb)
     demo = build_ui(engine, settings)
     demo.queue(default_concurrency_limit=None)
     settings.exports_dir.mkdir(parents=True, exist_ok=True)

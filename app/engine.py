@@ -15,7 +15,8 @@ from typing import Callable
 from medusa_core import ConversationCache, MedusaModel
 
 #: Conversations whose KV cache the engine keeps between turns (the most recently used ones): each
-#: holds up to the context window's entries (on the demo 46 kB per token, 0.4 GB at 8,192 tokens).
+#: within the engine's ``kept_cache_mb`` (without a limit, up to the context window's entries: on the
+#: demo 46 kB per token, 0.38 GB at 8,192 tokens).
 KEPT_CONVERSATIONS = 2
 
 
@@ -24,10 +25,13 @@ class Engine:
 
     Args:
         description: what is being loaded, e.g. ``"demo (nf4) on auto"``; shown while loading.
+        kept_cache_mb: memory in MB each kept conversation's KV cache may hold between turns
+            (``ConversationCache(max_bytes=)``); None: no limit.
     """
 
-    def __init__(self, description: str):
+    def __init__(self, description: str, kept_cache_mb: float | None = None):
         self.description = description
+        self.kept_cache_bytes = None if kept_cache_mb is None else int(kept_cache_mb * 1e6)
         self.model: MedusaModel | None = None
         self.error: str | None = None
         self.load_seconds: float | None = None
@@ -37,9 +41,9 @@ class Engine:
         self._kept_lock = threading.Lock()
 
     @classmethod
-    def of(cls, model: MedusaModel) -> "Engine":
+    def of(cls, model: MedusaModel, kept_cache_mb: float | None = None) -> "Engine":
         """An engine around an already loaded model (tests, notebooks)."""
-        engine = cls(model.name)
+        engine = cls(model.name, kept_cache_mb)
         engine.model, engine.load_seconds = model, 0.0
         engine._done.set()
         return engine
@@ -64,7 +68,7 @@ class Engine:
         """The KV cache kept for conversation ``key`` (a session id), made on first use; the least recently
         used one beyond ``KEPT_CONVERSATIONS`` is dropped (its next turn reads the whole prompt again)."""
         with self._kept_lock:
-            kept = self._kept.pop(key, None) or ConversationCache()
+            kept = self._kept.pop(key, None) or ConversationCache(self.kept_cache_bytes)
             self._kept[key] = kept
             while len(self._kept) > KEPT_CONVERSATIONS:
                 self._kept.popitem(last=False)[1].clear()

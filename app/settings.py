@@ -117,6 +117,11 @@ class AppSettings(BaseSettings):
         description="seconds between writes of a streaming reply to the browser's storage (a reload keeps it, marked stopped)")
     prefill_chunk: int = Field(256, ge=1, description="prompt tokens read per pass: Stop and Clear wait at most one pass, and "
                                                      "the status shows the reading's progress after each")
+    kept_cache_mb: float = Field(
+        160.0, ge=0.0, allow_inf_nan=False,
+        description="memory in MB (10^6 bytes) each kept conversation's KV cache may hold between turns (the app keeps the "
+                    "latest two): a longer conversation keeps its first part and reads the rest again each turn; on the "
+                    "demo a token takes 46 kB, so 160 MB keeps about 3,400 tokens")
     data_dir: Path = Field(paths.user_data_dir(), description="folder for CSV exports (under exports/)")
     verbose: bool = Field(False, description="print tracebacks and debug logs")
 

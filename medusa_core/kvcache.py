@@ -77,6 +77,15 @@ class GrowingLayer(DynamicLayer):
         self.keys, self.values = keys[..., :length, :], values[..., :length, :]
         self.release_rows()
 
+    def fit(self, length: int) -> None:
+        """Keep the first ``length`` entries (at most those held) in buffers of exactly that capacity, freeing the
+        larger ones and the replicas: what a kept conversation's cache holds between turns when over its budget."""
+        length = min(length, self.get_seq_length())
+        keys, values = self.keys[..., :length, :].clone(), self.values[..., :length, :].clone()
+        self._keys_buffer, self._values_buffer, self._capacity = keys, values, length
+        self.keys, self.values = keys, values
+        self.release_rows()
+
     def release_rows(self) -> None:
         """Free the replicas (``row_keys`` makes them again, prefix copied once, when a tree pass needs them)."""
         self._row_buffers, self._replicated = None, 0

@@ -333,7 +333,7 @@ class MedusaModel:
             input_ids.to(self.device), max_new_tokens, full, NodeProcessors(settings), posterior_threshold, posterior_alpha,
             seed, rule, drafter, drafts if medusa else "", shape_at if drafts != "ngram" else 0.0, reading,
         )
-        return steps if kept is None else _releasing_rows(steps, kept)
+        return steps if kept is None else _settling(steps, kept)
 
     def _decode(
         self, input_ids, max_new_tokens, full, processors, eps, alpha, seed, rule, drafter, drafts, shape_at, reading
@@ -528,13 +528,13 @@ class MedusaModel:
         }
 
 
-def _releasing_rows(steps: Iterator[StepRecord | ReadProgress], kept: ConversationCache) -> Iterator[StepRecord | ReadProgress]:
-    """``steps``, then (however the reply ends) the kept cache's tree-row replicas freed: between turns a
-    conversation's cache holds only its entries."""
+def _settling(steps: Iterator[StepRecord | ReadProgress], kept: ConversationCache) -> Iterator[StepRecord | ReadProgress]:
+    """``steps``, then (however the reply ends) ``kept.settle()``: between turns a conversation's cache holds
+    only its entries, within its memory budget."""
     try:
         yield from steps
     finally:
-        kept.release_rows()
+        kept.settle()
 
 
 def _eos_ids(backbone: nn.Module) -> frozenset[int]:

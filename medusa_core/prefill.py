@@ -32,7 +32,7 @@ import torch
 from transformers import DynamicCache
 
 from .invariant import ATTENTION, READING
-from .kvcache import release_rows, reserve
+from .kvcache import GrowingLayer, release_rows, reserve
 
 #: Prompt tokens read per pass: the longest a Stop waits and the granularity of ``ReadProgress``.
 PREFILL_CHUNK = 256
@@ -69,9 +69,21 @@ class ConversationCache:
     entries of the longest common prefix of ``token_ids`` and the new prompt (at most T − 1: the last
     prompt token is read again for its logits) and records every token it writes. Not thread-safe:
     one reply at a time per conversation.
+
+    Args:
+        max_bytes: memory the cache may keep between turns (None: no limit). When a reply ends with its
+            buffers over it, the cache keeps the conversation's first ``max_bytes // bytes_per_token``
+            entries in buffers of exactly that size; a later turn reads the rest of its prompt again.
+            So memory stays bounded over a long session, and conversations that fit keep every entry.
+
+    Raises:
+        ValueError: ``max_bytes`` is negative.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_bytes: int | None = None) -> None:
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError(f"max_bytes={max_bytes} is not allowed: use None (no limit) or a number of bytes ≥ 0")
+        self.max_bytes = max_bytes
         self.token_ids: list[int] = []  # the tokens whose K/V entries the cache holds, in order
         self._cache: DynamicCache | None = None
         self._owner: Callable[[], Any] = lambda: None  # weak reference to the model that wrote it
@@ -80,10 +92,23 @@ class ConversationCache:
         """Forget the entries (and free their memory)."""
         self.token_ids, self._cache, self._owner = [], None, lambda: None
 
-    def release_rows(self) -> None:
-        """Free the scratch replicas a reply's tree passes made (``kvcache.release_rows``); the entries stay."""
-        if self._cache is not None:
-            release_rows(self._cache)
+    def settle(self) -> None:
+        """End of a reply: free the scratch replicas its tree passes made (``kvcache.release_rows``) and, when
+        the buffers exceed ``max_bytes``, keep only the entries that fit (``GrowingLayer.fit``)."""
+        if self._cache is None:
+            return
+        release_rows(self._cache)
+        if self.max_bytes is None or self.nbytes <= self.max_bytes:
+            return
+        layers = [layer for layer in self._cache.layers if layer.is_initialized]
+        per_token = sum(t[..., :1, :].numel() * t.element_size() for layer in layers for t in (layer.keys, layer.values))
+        keep = min(len(self.token_ids), self.max_bytes // max(per_token, 1))
+        for layer in layers:
+            if isinstance(layer, GrowingLayer):
+                layer.fit(keep)
+            elif layer.get_seq_length() > keep:
+                layer.crop(keep)
+        self.token_ids = self.token_ids[:keep]
 
     @property
     def nbytes(self) -> int:

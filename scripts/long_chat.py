@@ -53,7 +53,7 @@ def setup(args):
 
     settings = AppSettings(model=args.model, max_new_tokens=args.max_new_tokens)
     torch.set_num_threads(settings.threads)
-    engine = Engine(settings.model)
+    engine = Engine(settings.model, settings.kept_cache_mb)
     engine.load(lambda: load_medusa_model(settings.model, quantization=settings.quantization, device=settings.device))
     controls = dataclasses.replace(handlers.Controls.from_settings(settings), **handlers.GREEDY_PRESET)
     return engine, settings, controls

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from app import handlers
-from app.engine import KEPT_CONVERSATIONS
+from app.engine import KEPT_CONVERSATIONS, Engine
 from app.handlers.generation import fit_prompt
 from app.session import Session
 from medusa_core.prefill import common_prefix
@@ -88,3 +88,21 @@ def test_clear_frees_the_conversations_cache_and_only_the_latest_conversations_k
     handlers.clear(engine, sessions[-1])
     assert kept.nbytes == 0 and engine.conversation(sessions[-1].id).token_ids == []
     assert engine.conversation(sessions[0].id).token_ids == []  # the oldest conversation's cache was dropped
+
+
+def test_each_kept_conversation_stays_within_the_memory_setting_and_still_answers_as_a_fresh_chat(engine, settings, controls):
+    config = engine.model.config
+    per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 4  # float32 K and V
+    budget = AppSettings(kept_cache_mb=40 * per_token / 1e6).kept_cache_mb
+    small = Engine.of(engine.model, kept_cache_mb=budget)
+    session = Session()
+    for message in ("def add(a, b): return a + b " * 4, "add", "and sub?"):
+        send(small, settings, session, controls, message)
+        assert small.conversation(session.id).nbytes <= budget * 1e6
+        assert len(small.conversation(session.id).token_ids) == 40
+    assert session.turns[-1].reply.text == fresh_reply(small, session, controls, len(session.turns) - 1)
+
+
+def test_the_memory_setting_refuses_a_negative_value_naming_it():
+    with pytest.raises(ValueError, match="kept_cache_mb.*-1"):
+        AppSettings.from_cli(["--kept-cache-mb", "-1"])

@@ -163,6 +163,30 @@ def test_a_kept_cache_reserves_room_in_steps_of_whole_kilotokens_up_to_the_conte
     assert kept.nbytes == 0 and kept.token_ids == []
 
 
+def test_a_kept_cache_over_its_budget_keeps_the_conversations_first_entries_that_fit_and_stays_exact(model):
+    per_token = model.config.num_hidden_layers * 2 * model.config.num_key_value_heads * model.config.head_dim * 4  # float32
+    kept, history = ConversationCache(max_bytes=100 * per_token), prompt(300, seed=16)
+    reply = run(model, ids(history), kept=kept)[0]
+    assert kept.nbytes == 100 * per_token and kept.token_ids == history[:100]  # not the 1,024-token reservation
+    history += reply[:-1] + prompt(9, seed=17)
+    again, _, read = run(model, ids(history), kept=kept)
+    assert read == len(history) - 100  # the part past the budget is read again
+    assert again == run(model, ids(history))[0]
+    assert kept.nbytes == 100 * per_token
+
+
+def test_a_kept_cache_within_its_budget_keeps_every_entry(model):
+    per_token = model.config.num_hidden_layers * 2 * model.config.num_key_value_heads * model.config.head_dim * 4
+    kept = ConversationCache(max_bytes=RESERVE_STEP * per_token)
+    run(model, ids(prompt(300, seed=18)), kept=kept)
+    assert len(kept.token_ids) > 300 and kept.nbytes == RESERVE_STEP * per_token
+
+
+def test_a_negative_kept_cache_budget_is_refused_with_what_is_allowed():
+    with pytest.raises(ValueError, match=r"max_bytes=-1 .*None \(no limit\) or a number of bytes ≥ 0"):
+        ConversationCache(max_bytes=-1)
+
+
 def test_generate_passes_the_current_cache_keyword_and_warns_nothing(model, monkeypatch):
     logged = []
     monkeypatch.setattr(logging.Logger, "warning_once", lambda self, *a, **k: logged.append(a))
