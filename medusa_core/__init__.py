@@ -8,7 +8,8 @@ Works on token ids and knows no UI. Public API:
   ``resolve_tree``, ``validate_tree``, ``dense_tree``, ``chain_tree``, ``optimal_tree``.
 - Acceptance (paper 2.3.1): ``evaluate_posterior``; exact rejection sampling over the tree (Leviathan
   et al. 2023, Chen et al. 2023): ``try_children``, ``residual_distributions``, ``node_status``, ``draw``.
-- The engine: ``MedusaModel.generate`` yields one ``StepRecord`` per decoding step; ``SAMPLING_MODES``
+- The engine: ``MedusaModel.generate`` yields one ``StepRecord`` per decoding step (the loop and a step's
+  stages: ``decoding.StepRunner``); ``SAMPLING_MODES``
   (its ``sampling=`` argument), ``DRAFT_SOURCES`` (its ``drafts=``), ``SAMPLING_RULES``, ``NODE_STATUSES``
   and ``NODE_SOURCES`` (fields of the record).
 - Reading the prompt (``prefill``): a conversation's KV cache kept between turns, ``ConversationCache``

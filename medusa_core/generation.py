@@ -207,3 +207,13 @@ def _is_int(value: Any) -> bool:
 
 def _is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def eos_ids(backbone: Any) -> frozenset[int]:
+    """EOS ids as Hugging Face ``generate`` sees them: the generation config's, else the model config's."""
+    eos = getattr(getattr(backbone, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = getattr(backbone.config, "eos_token_id", None)
+    if eos is None:
+        return frozenset()
+    return frozenset(int(i) for i in (eos if isinstance(eos, (list, tuple)) else [eos]))

@@ -18,20 +18,19 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import time
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
 from transformers import DynamicCache
 
-from .acceptance import choose_token, verify_tree
+from .decoding import StepRunner
 from .drafts import DraftConfig, NgramDrafter
-from .generation import StepRecord, check_generate_args, check_head_temperatures, step_record
-from .kvcache import compact_cache, new_cache
-from .prefill import PREFILL_CHUNK, ConversationCache, ReadProgress, read_prompt
-from .processors import CHAT_PRESET, NodeProcessors, SamplingConfig, tree_prefixes
-from .steptree import StepTree, confident_nodes, graft, prune, static_tree
+from .generation import StepRecord, check_generate_args, check_head_temperatures, eos_ids
+from .kvcache import new_cache
+from .prefill import PREFILL_CHUNK, ConversationCache, ReadProgress
+from .processors import CHAT_PRESET, NodeProcessors, SamplingConfig
+from .steptree import StepTree, static_tree
 from .trees import TREE_PRESETS, resolve_tree, validate_tree
 from .tuned import TunedSettings, settings_preset
 
@@ -88,32 +87,26 @@ class MedusaModel:
         self.quantization = quantization
         self.trees = dict(trees or {})
         self.rank_accuracy = rank_accuracy
-        self._decoder = backbone.get_decoder()
-        self._lm_head = backbone.get_output_embeddings()
         self.config = backbone.config.get_text_config(decoder=True)
         hidden = getattr(heads, "hidden_size", self.config.hidden_size)
         if hidden != self.config.hidden_size:
             raise ValueError(
                 f"Medusa heads expect hidden size {hidden}, the backbone has {self.config.hidden_size}"
             )
-        self.eos_token_ids = _eos_ids(backbone)
+        self.eos_token_ids = eos_ids(backbone)
         self.head_temperatures = check_head_temperatures(head_temperatures, heads.num_heads)
         if not 0 <= min_head_probability <= 1:
             raise ValueError(f"min_head_probability must be in [0, 1], got {min_head_probability}")
         self.min_head_probability = float(min_head_probability)
         self.tuned = dict(tuned or {})
-        self._temperatures = torch.tensor(self.head_temperatures, device=self.device)[:, None]  # [K, 1]
-        # Heads may run in a cheaper dtype than the backbone: they only propose, the backbone verifies.
-        self._head_dtype = next(heads.parameters(), backbone.get_input_embeddings().weight).dtype
-        self._draft_logits = getattr(heads, "draft_logits", heads)  # heads(hidden [..., H], num_heads) -> [k, ..., S]
         self._trees: dict[str, StepTree] = {}
-        self._pruned_trees: dict[tuple[str, int, tuple[int, ...]], StepTree] = {}
         self._default_tree = default_tree
         for tree in [*self.trees, *([default_tree] if default_tree else []), *(t.tree for t in self.tuned.values())]:
             try:
                 self.resolve_tree(tree)
             except ValueError as e:
                 raise ValueError(f"the model's tree {tree!r} does not fit: {e}") from None
+        self._steps = StepRunner(self)  # the decoding loop and the stages of a step (``medusa_core.decoding``)
 
     # ----------------------------------------------------------------------------------- properties
     @property
@@ -134,7 +127,7 @@ class MedusaModel:
     @property
     def vocab_size(self) -> int:
         """V, the tokens each head ranks (the backbone's LM-head width)."""
-        return self._lm_head.out_features
+        return self.backbone.get_output_embeddings().out_features
 
     @property
     def _draft_vocabulary(self) -> int:
@@ -329,145 +322,11 @@ class MedusaModel:
         if shape_at is None:
             shape_at = self.shaping_threshold(settings)
         reading = dict(kept=kept, progress=progress, chunk=prefill_chunk)
-        steps = self._decode(
+        steps = self._steps.run(
             input_ids.to(self.device), max_new_tokens, full, NodeProcessors(settings), posterior_threshold, posterior_alpha,
             seed, rule, drafter, drafts if medusa else "", shape_at if drafts != "ngram" else 0.0, reading,
         )
         return steps if kept is None else _settling(steps, kept)
-
-    def _decode(
-        self, input_ids, max_new_tokens, full, processors, eps, alpha, seed, rule, drafter, drafts, shape_at, reading
-    ) -> Iterator[StepRecord | ReadProgress]:
-        root_only = self._tree("baseline")
-        generator = torch.Generator(device=self.device).manual_seed(seed)
-        kept = reading["kept"]
-        cur_len = input_ids.shape[1]  # tokens in the cache; the root (last token emitted) is not yet
-        # The distinct ids of the prompt and the reply so far: what a repetition penalty looks at.
-        seen = dict.fromkeys(input_ids[0].tolist()) if processors.needs_prefix else {}
-        context = torch.tensor(list(seen), dtype=torch.long, device=self.device)  # [C] grown by each step's new ids
-        start = time.perf_counter()
-        with torch.inference_mode():
-            cache, reused = kept.take(self, self._new_cache, input_ids[0].tolist()) if kept else (self._new_cache(), 0)
-        widest = full.num_nodes if full is not None else 1
-        room = (min(cur_len + max_new_tokens, self.max_context) + widest, self.max_context + widest)  # this reply, any reply
-        hidden = yield from read_prompt(self._decoder, cache, input_ids, reused, reading["chunk"], room, kept, reading["progress"])
-        with torch.inference_mode():
-            scores = processors(self._logits(hidden), input_ids)  # [1, V]
-            root = choose_token(scores[0], rule == "greedy", generator)  # [] first token
-            first = root.item()
-        self._sync()
-        prefill_s = time.perf_counter() - start
-        # Step 0 is the prefill: its token goes out at once (time to first token = prefill time).
-        medusa = full is not None
-        limits = dict(medusa=medusa, rule=rule, max_new_tokens=max_new_tokens, drafts=drafts,
-                      eos_token_ids=self.eos_token_ids, max_context=self.max_context)
-        record = step_record(0, root_only, (0,), [first], [first], prefill_s, produced=0, cur_len=cur_len, **limits)
-        yield record
-        while record.stop_reason is None:
-            start = time.perf_counter()
-            remaining = max_new_tokens - record.total_tokens
-            tree = full if medusa and remaining > 1 and cur_len + full.num_nodes <= self.max_context else root_only
-            new_ids = [t for t in dict.fromkeys(record.token_ids) if t not in seen] if processors.needs_prefix else []
-            if new_ids:  # the context's ids before the root, root included
-                seen.update(dict.fromkeys(new_ids))
-                context = torch.cat([context, torch.tensor(new_ids, device=self.device)])
-            chain = []
-            if drafter is not None:
-                drafter.extend(record.token_ids)  # the context now ends with the root
-                if tree is full:  # room for a chain: the token limit and the context window cap it
-                    chain = drafter.propose(min(remaining - 1, self.max_context - cur_len - tree.num_nodes))
-                    if 0 < drafter.config.chain_only_from <= len(chain):  # a long copy: verify it alone
-                        tree = self._tree("ngram")
-            with torch.inference_mode():
-                tokens, log_p = self._candidates(tree, hidden, root, shape_at > 0)  # [N], [N] or None
-                if log_p is not None:  # keep the nodes whose path probability reaches shape_at (host sync)
-                    keep = confident_nodes(tree, log_p, shape_at)
-                    tree, tokens = self._pruned(tree, keep), tokens[keep] if len(keep) < tokens.shape[0] else tokens
-                if chain:  # host sync of N tokens: the chain shares the nodes that hold its tokens
-                    tree, token_ids = graft(tree, tokens.tolist(), chain)
-                    tokens = torch.tensor(token_ids, device=self.device) if tree.num_nodes > tokens.shape[0] else tokens
-                logits, hidden_all = self._tree_forward(tree, tokens, cur_len, cache)  # [N, V], [N, H]
-                prefixes = tree_prefixes(context, tokens, tree.parents, tree.depth) if processors.needs_prefix else None
-                scores = processors(logits, prefixes)  # [N, V] each node's distribution given its own prefix
-                path, length, root = verify_tree(tree, scores, tokens, rule, eps, alpha, generator)
-                host = torch.cat([length.view(1), root.view(1), path, tokens]).tolist()  # the step's one host sync (top-p: two)
-                nodes, token_list = host[2 : host[0] + 3], host[2 + path.shape[0] :]
-                compact_cache(cache, cur_len, nodes, tree.num_nodes)
-                hidden = hidden_all[nodes[-1] : nodes[-1] + 1]
-            if kept is not None:  # the entries now held: the root and the accepted candidates
-                kept.token_ids += [token_list[i] for i in nodes]
-            cur_len += len(nodes)
-            # The accepted candidates, then the token chosen after them: the next step's root.
-            new_tokens = [token_list[i] for i in nodes[1:]] + [host[1]]
-            record = step_record(record.step + 1, tree, tuple(nodes), token_list, new_tokens, time.perf_counter() - start,
-                                 produced=record.total_tokens, cur_len=cur_len, **limits)
-            yield record
-
-    # ---------------------------------------------------------------------------------- step stages
-    def _candidates(
-        self, tree: StepTree, hidden: torch.Tensor, root: torch.Tensor, with_log_p: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Tokens [N] of a static tree: the root, then each node's rank in its head's top-k (paper 2.1.1),
-        and with ``with_log_p`` each node's calibrated log probability under its head k,
-        log_softmax(logits_k / T_k) ([N], 0 at the root; T_k from ``head_temperatures``).
-
-        Heads run only at the last accepted position ``hidden`` [1, H] and only the tree's depth of them,
-        over their draft vocabulary (token ids 0..S−1, ``MedusaHeads.restrict_drafts``; the probabilities
-        are then normalised over those S tokens).
-        """
-        if tree.num_nodes == 1:
-            return root.view(1), None
-        rooted = {"root": root.view(1)} if getattr(self.heads, "root_conditioned", False) else {}  # layout "root"
-        head_logits = self._draft_logits(hidden.to(self._head_dtype), num_heads=tree.head_depth, **rooted)[:, 0]  # [D, S]
-        top = head_logits.topk(tree.topk, dim=-1)  # [D, topk]
-        tokens = torch.cat([root.view(1), top.indices.flatten()])[tree.tree_indices]
-        if not with_log_p:
-            return tokens, None
-        scaled = head_logits.float() / self._temperatures[: tree.head_depth]  # [D, V]; T_k > 0 keeps every rank
-        log_p = top.values.float() / self._temperatures[: tree.head_depth] - scaled.logsumexp(dim=-1, keepdim=True)  # [D, topk]
-        return tokens, torch.cat([log_p.new_zeros(1), log_p.flatten()])[tree.tree_indices]
-
-    def _pruned(self, tree: StepTree, keep: list[int]) -> StepTree:
-        """``steptree.prune(tree, keep)``, built once per (tree, kept nodes)."""
-        key = (tree.name, id(tree), tuple(keep))
-        if key not in self._pruned_trees:
-            if len(self._pruned_trees) > 4096:  # shapes of a few small trees: this bound is never reached in practice
-                self._pruned_trees.clear()
-            self._pruned_trees[key] = prune(tree, keep)
-        return self._pruned_trees[key]
-
-    def _tree_forward(
-        self, tree: StepTree, tokens: torch.Tensor, cur_len: int, cache: DynamicCache
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One backbone pass over all N tree tokens (paper 2.1.2); appends N entries to the cache.
-
-        Returns (logits [N, V], final-norm hidden states [N, H]).
-        """
-        n = tree.num_nodes
-        mask = None  # a single token attends to everything: the model's own causal mask is right
-        if n > 1:
-            prefix = torch.zeros(n, cur_len, dtype=tree.bias.dtype, device=tree.bias.device)
-            mask = torch.cat([prefix, tree.bias], dim=1)[None, None]  # [1, 1, N, cur_len + N]
-        out = self._decoder(
-            input_ids=tokens[None],
-            position_ids=(tree.position_ids + cur_len)[None],
-            attention_mask=mask,
-            use_cache=True,
-            cache=cache,
-        )
-        hidden = out.last_hidden_state[0]  # [N, H]
-        return self._logits(hidden), hidden
-
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Backbone logits of final-norm hidden states [..., H] -> [..., V], through the backbone's LM
-        head (on a CPU a batch-invariant one: ``medusa_core.invariant``, so a row's logits do not depend
-        on how many rows the pass has)."""
-        logits = self._lm_head(hidden)
-        # Gemma-2/3 soft-cap their logits inside the CausalLM forward (transformers 5.x); argmax is unchanged.
-        cap = getattr(self.config, "final_logit_softcapping", None)
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
 
     def _new_cache(self) -> DynamicCache:
         return new_cache(self.backbone.config)
@@ -516,7 +375,7 @@ class MedusaModel:
             "base_model": self.base_model,
             "quantization": self.quantization or "none",
             "dtype": str(self.dtype).replace("torch.", ""),
-            "head_dtype": str(self._head_dtype).replace("torch.", ""),
+            "head_dtype": str(self._steps.head_dtype).replace("torch.", ""),
             "device": str(self.device),
             "num_heads": self.num_heads,
             "head_layers": getattr(self.heads, "num_layers", None),
@@ -535,13 +394,3 @@ def _settling(steps: Iterator[StepRecord | ReadProgress], kept: ConversationCach
         yield from steps
     finally:
         kept.settle()
-
-
-def _eos_ids(backbone: nn.Module) -> frozenset[int]:
-    """EOS ids as Hugging Face ``generate`` sees them: the generation config's, else the model config's."""
-    eos = getattr(getattr(backbone, "generation_config", None), "eos_token_id", None)
-    if eos is None:
-        eos = getattr(backbone.config, "eos_token_id", None)
-    if eos is None:
-        return frozenset()
-    return frozenset(int(i) for i in (eos if isinstance(eos, (list, tuple)) else [eos]))

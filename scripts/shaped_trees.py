@@ -8,7 +8,7 @@ Figures: docs/BENCH.md, "Trees shaped by the heads' confidence".
 
     python scripts/shaped_trees.py [--prompts 8] [--threads 2] [--calibration-only]
 
-It wraps ``MedusaModel._candidates`` (and sets its temperatures to 1 for the raw table) to read each
+It wraps ``StepRunner.candidates`` (``medusa_core.decoding``) (and sets its temperatures to 1 for the raw table) to read each
 step's path probabilities: a measurement, not an API.
 """
 
@@ -37,7 +37,8 @@ CONFIGS = {
 def calibration(model, prompts, raw: bool) -> dict[int, list[float]]:
     """Predicted path probability bin (tenths) -> [nodes accepted, nodes, sum of predicted] over heads-only
     greedy replies on the whole ``optimised_8``; ``raw``: with every head's temperature at 1."""
-    candidates, temperatures = model._candidates, model._temperatures
+    steps = model._steps
+    candidates, temperatures = steps.candidates, steps.temperatures
     seen: dict[str, list[float]] = {}
 
     def with_path_probability(tree, hidden, root, with_log_p=False):
@@ -47,9 +48,9 @@ def calibration(model, prompts, raw: bool) -> dict[int, list[float]]:
         return tokens, log_p if with_log_p else None
 
     bins: dict[int, list[float]] = collections.defaultdict(lambda: [0, 0, 0.0])
-    model._candidates = with_path_probability
+    steps.candidates = with_path_probability
     if raw:
-        model._temperatures = torch.ones_like(temperatures)
+        steps.temperatures = torch.ones_like(temperatures)
     try:
         for ids in prompts:
             for record in model.generate(ids, max_new_tokens=128, tree="optimised_8", draft_config=WHOLE):
@@ -60,7 +61,7 @@ def calibration(model, prompts, raw: bool) -> dict[int, list[float]]:
                         b[1] += 1
                         b[2] += seen["p"][node]
     finally:
-        model._candidates, model._temperatures = candidates, temperatures
+        steps.candidates, steps.temperatures = candidates, temperatures
     return bins
 
 

@@ -254,16 +254,16 @@ def test_a_valid_custom_tree_is_used_for_the_reply(engine, settings, controls):
 def test_an_error_inside_generation_appears_in_the_chat_and_the_app_keeps_serving(engine, settings, controls, monkeypatch):
     session = Session()
     model = engine.model
-    real = model._tree_forward
+    real = model._steps.tree_forward
 
     def broken(*args, **kwargs):
         raise RuntimeError("out of memory (simulated)")
 
-    monkeypatch.setattr(model, "_tree_forward", broken)
+    monkeypatch.setattr(model._steps, "tree_forward", broken)
     updates = send(engine, settings, session, controls)
     assert session.turns[0].state == "error" and not session.busy
     assert "out of memory (simulated)" in reply_html(updates[-1])
-    monkeypatch.setattr(model, "_tree_forward", real)
+    monkeypatch.setattr(model._steps, "tree_forward", real)
     send(engine, settings, session, controls, "return")
     assert session.turns[1].state == "done"
 
@@ -323,7 +323,7 @@ def test_the_model_panel_shows_names_precision_device_heads_and_memory(engine):
 def test_replies_are_shaped_by_the_models_tuned_threshold_which_the_model_panel_shows(engine, settings, controls, monkeypatch):
     assert "| tree shaping | off: every node of the tree is verified (no tuned τ) |" in handlers.model_panel(engine, Session())
     monkeypatch.setattr(engine.model, "head_temperatures", (50.0,) * 4)  # hot enough that no node of random heads is 10 % sure
-    monkeypatch.setattr(engine.model, "_temperatures", torch.full((4, 1), 50.0))
+    monkeypatch.setattr(engine.model._steps, "temperatures", torch.full((4, 1), 50.0))
     monkeypatch.setattr(engine.model, "min_head_probability", 0.1)
     session = Session()
     send(engine, settings, session, dataclasses.replace(controls, tree="sparse_16", drafts="heads"))

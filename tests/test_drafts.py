@@ -298,8 +298,8 @@ def test_head_temperatures_scale_each_heads_log_probabilities_and_keep_its_ranks
     tree = plain._tree("sparse_16")
     hidden = 0.1 * torch.randn(1, backbone.config.hidden_size, generator=torch.Generator().manual_seed(0))  # [1, H]
     with torch.no_grad():
-        tokens, log_p = scaled._candidates(tree, hidden, torch.tensor(3), with_log_p=True)
-        plain_tokens, plain_log_p = plain._candidates(tree, hidden, torch.tensor(3), with_log_p=True)
+        tokens, log_p = scaled._steps.candidates(tree, hidden, torch.tensor(3), with_log_p=True)
+        plain_tokens, plain_log_p = plain._steps.candidates(tree, hidden, torch.tensor(3), with_log_p=True)
         logits = heads(hidden, num_heads=tree.head_depth)[:, 0].float()  # [D, V]
     assert torch.equal(tokens, plain_tokens)  # temperature never changes a head's ranking
     for node in range(1, tree.num_nodes):

@@ -178,14 +178,14 @@ def test_rowwise_attention_gives_each_tree_row_what_one_token_decoding_computes_
 def _accepted_logits(model, ids, monkeypatch, **kwargs) -> tuple[list[int], list[torch.Tensor]]:
     """The reply and, per reply position after the first, the logits the step's pass computed there."""
     passes = []
-    forward = model._tree_forward
+    forward = model._steps.tree_forward
 
     def spy(tree, tokens, cur_len, cache):
         logits, hidden = forward(tree, tokens, cur_len, cache)
         passes.append(logits.clone())
         return logits, hidden
 
-    monkeypatch.setattr(model, "_tree_forward", spy)
+    monkeypatch.setattr(model._steps, "tree_forward", spy)
     records = list(model.generate(ids, max_new_tokens=40, **kwargs))
     monkeypatch.undo()
     rows = [logits[n] for logits, r in zip(passes, records[1:]) for n in r.accepted_nodes]

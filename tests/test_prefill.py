@@ -57,7 +57,7 @@ def run(model, input_ids, **kwargs) -> tuple[list[int], list[ReadProgress], int]
 def read(model, input_ids, chunk, cache=None) -> tuple[torch.Tensor, object]:
     """Final hidden state [1, H] and cache after reading ``input_ids`` in chunks of ``chunk`` tokens."""
     cache = cache if cache is not None else model._new_cache()
-    reader = read_prompt(model._decoder, cache, input_ids, 0, chunk, (input_ids.shape[1],) * 2, None, False)
+    reader = read_prompt(model._steps.decoder, cache, input_ids, 0, chunk, (input_ids.shape[1],) * 2, None, False)
     while True:
         try:
             next(reader)

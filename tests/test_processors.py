@@ -23,7 +23,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-import medusa_core.model
+import medusa_core.decoding
 from medusa_core import CHAT_PRESET, MedusaModel, SamplingConfig, draw
 from medusa_core.acceptance import score_children
 from medusa_core.processors import NodeProcessors, top_slice, tree_prefixes
@@ -207,7 +207,7 @@ def test_penalising_the_context_without_the_nodes_ancestors_breaks_the_equality(
     expected = hf_greedy(backbone, 40, PENALTY)
     oracle = penalised_oracle(backbone, 40)
     context_only = lambda context, tokens, parents, depth: context.view(1, -1).expand(tokens.shape[0], -1)  # noqa: E731
-    monkeypatch.setattr(medusa_core.model, "tree_prefixes", context_only)
+    monkeypatch.setattr(medusa_core.decoding, "tree_prefixes", context_only)
     assert reply(oracle.generate(PROMPT, max_new_tokens=40, tree="mc_sim_7b_63", repetition_penalty=PENALTY)) != expected
 
 

@@ -22,7 +22,7 @@ from torch import nn
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopPLogitsWarper
 from tiny_models import random_heads, tiny_backbone
 
-import medusa_core.model
+import medusa_core.decoding
 from medusa_core import (
     NODE_STATUSES,
     DraftConfig,
@@ -299,7 +299,7 @@ def test_the_first_three_tokens_follow_plain_sampling_in_exact_mode_and_not_in_t
     blind_case = sampling == "blind"
     if blind_case:
         blind = lambda context, tokens, parents, depth: context.view(1, -1).expand(tokens.shape[0], -1)  # noqa: E731
-        monkeypatch.setattr(medusa_core.model, "tree_prefixes", blind)
+        monkeypatch.setattr(medusa_core.decoding, "tree_prefixes", blind)
         sampling = "exact"
     if medusa:
         kwargs |= dict(sampling=sampling, posterior_threshold=1e-6, posterior_alpha=1e-6)  # ε, δ: typical only

@@ -9,8 +9,8 @@ LM head's int4 pass inside the LM head) counts for the outer one only. Stages:
 
 - ``int4 linears``: the decoder's ``Int4Linear`` calls (q/k/v/o, gate/up/down; casts included);
 - ``attention``: the registered attention function (``invariant.rowwise_attention``);
-- ``LM head``: the backbone's logits (``MedusaModel._logits``, its int4 pass and float32 refinement);
-- ``heads``: the Medusa heads' proposals (``MedusaModel._candidates``, their LM-head pass included);
+- ``LM head``: the backbone's logits (``StepRunner.logits``, its int4 pass and float32 refinement);
+- ``heads``: the Medusa heads' proposals (``StepRunner.candidates``, their LM-head pass included);
 - ``sampling``: the logits processors and acceptance (``NodeProcessors``, ``verify_tree``);
 - ``KV cache``: cache writes and compaction (``GrowingLayer.update``, ``compact_cache``);
 - ``rest``: the step's wall time minus the above (norms, RoPE, residuals, masks, module calls, Python).
@@ -27,7 +27,7 @@ import torch
 from transformers import AttentionInterface
 
 from .. import invariant, kvcache
-from .. import model as model_module
+from .. import decoding
 from ..processors import NodeProcessors
 from ..quant.layers import Int4Linear
 
@@ -73,11 +73,11 @@ def _timed_stages(model: Any, clock: _Clock) -> Iterator[None]:
             mock.patch.object(target, name, clock.wrap(stage, getattr(target, name), **kw)))
         patch(Int4Linear, "forward", "int4 linears", inside_only_itself=True)
         patch(kvcache.GrowingLayer, "update", "KV cache")
-        patch(model_module, "compact_cache", "KV cache")
-        patch(model_module, "verify_tree", "sampling")
+        patch(decoding, "compact_cache", "KV cache")
+        patch(decoding, "verify_tree", "sampling")
         patch(NodeProcessors, "__call__", "sampling")
-        patch(model, "_logits", "LM head")
-        patch(model, "_candidates", "heads")
+        patch(model._steps, "logits", "LM head")
+        patch(model._steps, "candidates", "heads")
         AttentionInterface.register(invariant.ATTENTION, clock.wrap("attention", attention))
         try:
             yield

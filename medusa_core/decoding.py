@@ -1,0 +1,179 @@
+"""The decoding loop of ``MedusaModel.generate`` and the stages of one step (paper 2.1, 2.3.1).
+
+A step: candidates from the heads (2.1.1, ``StepRunner.candidates``), shaped by their calibrated path
+probabilities and optionally grafted with a prompt-lookup chain (``steptree``), one tree-attention pass
+over all of them (2.1.2, ``tree_forward``), the sampling settings applied to every node's logits given
+its own prefix (``processors``), acceptance (2.3.1, ``acceptance.verify_tree``) and the cache update
+(``kvcache.compact_cache``). Step 0 is the prompt's reading (``prefill.read_prompt``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator
+
+import torch
+from transformers import DynamicCache
+
+from .acceptance import choose_token, verify_tree
+from .generation import StepRecord, step_record
+from .kvcache import compact_cache
+from .prefill import ReadProgress, read_prompt
+from .processors import tree_prefixes
+from .steptree import StepTree, confident_nodes, graft, prune
+
+
+class StepRunner:
+    """Runs the decoding steps of a ``MedusaModel`` (``generate`` checks the arguments and calls ``run``).
+
+    Args:
+        model: the ``MedusaModel``: its backbone (decoder and LM head), heads with their temperatures
+            ``head_temperatures``, trees, stopping rules and cache.
+
+    Attributes ``decoder``, ``lm_head``, ``draft_logits`` (heads(hidden [..., H], num_heads) -> [k, ..., S]),
+    ``head_dtype`` and ``temperatures`` ([K, 1]) are the parts a step uses; ``bench.stepsplit`` times the stages.
+    """
+
+    def __init__(self, model: Any):
+        self.model = model
+        backbone, heads = model.backbone, model.heads
+        self.decoder = backbone.get_decoder()
+        self.lm_head = backbone.get_output_embeddings()
+        self.temperatures = torch.tensor(model.head_temperatures, device=model.device)[:, None]  # [K, 1]
+        # Heads may run in a cheaper dtype than the backbone: they only propose, the backbone verifies.
+        self.head_dtype = next(heads.parameters(), backbone.get_input_embeddings().weight).dtype
+        self.draft_logits = getattr(heads, "draft_logits", heads)
+        self._pruned_trees: dict[tuple[str, int, tuple[int, ...]], StepTree] = {}
+
+    def run(
+        self, input_ids, max_new_tokens, full, processors, eps, alpha, seed, rule, drafter, drafts, shape_at, reading
+    ) -> Iterator[StepRecord | ReadProgress]:
+        root_only = self.model._tree("baseline")
+        generator = torch.Generator(device=self.model.device).manual_seed(seed)
+        kept = reading["kept"]
+        cur_len = input_ids.shape[1]  # tokens in the cache; the root (last token emitted) is not yet
+        # The distinct ids of the prompt and the reply so far: what a repetition penalty looks at.
+        seen = dict.fromkeys(input_ids[0].tolist()) if processors.needs_prefix else {}
+        context = torch.tensor(list(seen), dtype=torch.long, device=self.model.device)  # [C] grown by each step's new ids
+        start = time.perf_counter()
+        with torch.inference_mode():
+            cache, reused = kept.take(self.model, self.model._new_cache, input_ids[0].tolist()) if kept else (self.model._new_cache(), 0)
+        widest = full.num_nodes if full is not None else 1
+        room = (min(cur_len + max_new_tokens, self.model.max_context) + widest, self.model.max_context + widest)  # this reply, any reply
+        hidden = yield from read_prompt(self.decoder, cache, input_ids, reused, reading["chunk"], room, kept, reading["progress"])
+        with torch.inference_mode():
+            scores = processors(self.logits(hidden), input_ids)  # [1, V]
+            root = choose_token(scores[0], rule == "greedy", generator)  # [] first token
+            first = root.item()
+        self.model._sync()
+        prefill_s = time.perf_counter() - start
+        # Step 0 is the prefill: its token goes out at once (time to first token = prefill time).
+        medusa = full is not None
+        limits = dict(medusa=medusa, rule=rule, max_new_tokens=max_new_tokens, drafts=drafts,
+                      eos_token_ids=self.model.eos_token_ids, max_context=self.model.max_context)
+        record = step_record(0, root_only, (0,), [first], [first], prefill_s, produced=0, cur_len=cur_len, **limits)
+        yield record
+        while record.stop_reason is None:
+            start = time.perf_counter()
+            remaining = max_new_tokens - record.total_tokens
+            tree = full if medusa and remaining > 1 and cur_len + full.num_nodes <= self.model.max_context else root_only
+            new_ids = [t for t in dict.fromkeys(record.token_ids) if t not in seen] if processors.needs_prefix else []
+            if new_ids:  # the context's ids before the root, root included
+                seen.update(dict.fromkeys(new_ids))
+                context = torch.cat([context, torch.tensor(new_ids, device=self.model.device)])
+            chain = []
+            if drafter is not None:
+                drafter.extend(record.token_ids)  # the context now ends with the root
+                if tree is full:  # room for a chain: the token limit and the context window cap it
+                    chain = drafter.propose(min(remaining - 1, self.model.max_context - cur_len - tree.num_nodes))
+                    if 0 < drafter.config.chain_only_from <= len(chain):  # a long copy: verify it alone
+                        tree = self.model._tree("ngram")
+            with torch.inference_mode():
+                tokens, log_p = self.candidates(tree, hidden, root, shape_at > 0)  # [N], [N] or None
+                if log_p is not None:  # keep the nodes whose path probability reaches shape_at (host sync)
+                    keep = confident_nodes(tree, log_p, shape_at)
+                    tree, tokens = self.pruned(tree, keep), tokens[keep] if len(keep) < tokens.shape[0] else tokens
+                if chain:  # host sync of N tokens: the chain shares the nodes that hold its tokens
+                    tree, token_ids = graft(tree, tokens.tolist(), chain)
+                    tokens = torch.tensor(token_ids, device=self.model.device) if tree.num_nodes > tokens.shape[0] else tokens
+                logits, hidden_all = self.tree_forward(tree, tokens, cur_len, cache)  # [N, V], [N, H]
+                prefixes = tree_prefixes(context, tokens, tree.parents, tree.depth) if processors.needs_prefix else None
+                scores = processors(logits, prefixes)  # [N, V] each node's distribution given its own prefix
+                path, length, root = verify_tree(tree, scores, tokens, rule, eps, alpha, generator)
+                host = torch.cat([length.view(1), root.view(1), path, tokens]).tolist()  # the step's one host sync (top-p: two)
+                nodes, token_list = host[2 : host[0] + 3], host[2 + path.shape[0] :]
+                compact_cache(cache, cur_len, nodes, tree.num_nodes)
+                hidden = hidden_all[nodes[-1] : nodes[-1] + 1]
+            if kept is not None:  # the entries now held: the root and the accepted candidates
+                kept.token_ids += [token_list[i] for i in nodes]
+            cur_len += len(nodes)
+            # The accepted candidates, then the token chosen after them: the next step's root.
+            new_tokens = [token_list[i] for i in nodes[1:]] + [host[1]]
+            record = step_record(record.step + 1, tree, tuple(nodes), token_list, new_tokens, time.perf_counter() - start,
+                                 produced=record.total_tokens, cur_len=cur_len, **limits)
+            yield record
+
+    def candidates(
+        self, tree: StepTree, hidden: torch.Tensor, root: torch.Tensor, with_log_p: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Tokens [N] of a static tree: the root, then each node's rank in its head's top-k (paper 2.1.1),
+        and with ``with_log_p`` each node's calibrated log probability under its head k,
+        log_softmax(logits_k / T_k) ([N], 0 at the root; T_k from ``head_temperatures``).
+
+        Heads run only at the last accepted position ``hidden`` [1, H] and only the tree's depth of them,
+        over their draft vocabulary (token ids 0..S−1, ``MedusaHeads.restrict_drafts``; the probabilities
+        are then normalised over those S tokens).
+        """
+        if tree.num_nodes == 1:
+            return root.view(1), None
+        rooted = {"root": root.view(1)} if getattr(self.model.heads, "root_conditioned", False) else {}  # layout "root"
+        head_logits = self.draft_logits(hidden.to(self.head_dtype), num_heads=tree.head_depth, **rooted)[:, 0]  # [D, S]
+        top = head_logits.topk(tree.topk, dim=-1)  # [D, topk]
+        tokens = torch.cat([root.view(1), top.indices.flatten()])[tree.tree_indices]
+        if not with_log_p:
+            return tokens, None
+        scaled = head_logits.float() / self.temperatures[: tree.head_depth]  # [D, V]; T_k > 0 keeps every rank
+        log_p = top.values.float() / self.temperatures[: tree.head_depth] - scaled.logsumexp(dim=-1, keepdim=True)  # [D, topk]
+        return tokens, torch.cat([log_p.new_zeros(1), log_p.flatten()])[tree.tree_indices]
+
+    def pruned(self, tree: StepTree, keep: list[int]) -> StepTree:
+        """``steptree.prune(tree, keep)``, built once per (tree, kept nodes)."""
+        key = (tree.name, id(tree), tuple(keep))
+        if key not in self._pruned_trees:
+            if len(self._pruned_trees) > 4096:  # shapes of a few small trees: this bound is never reached in practice
+                self._pruned_trees.clear()
+            self._pruned_trees[key] = prune(tree, keep)
+        return self._pruned_trees[key]
+
+    def tree_forward(
+        self, tree: StepTree, tokens: torch.Tensor, cur_len: int, cache: DynamicCache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One backbone pass over all N tree tokens (paper 2.1.2); appends N entries to the cache.
+
+        Returns (logits [N, V], final-norm hidden states [N, H]).
+        """
+        n = tree.num_nodes
+        mask = None  # a single token attends to everything: the model's own causal mask is right
+        if n > 1:
+            prefix = torch.zeros(n, cur_len, dtype=tree.bias.dtype, device=tree.bias.device)
+            mask = torch.cat([prefix, tree.bias], dim=1)[None, None]  # [1, 1, N, cur_len + N]
+        out = self.decoder(
+            input_ids=tokens[None],
+            position_ids=(tree.position_ids + cur_len)[None],
+            attention_mask=mask,
+            use_cache=True,
+            cache=cache,
+        )
+        hidden = out.last_hidden_state[0]  # [N, H]
+        return self.logits(hidden), hidden
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Backbone logits of final-norm hidden states [..., H] -> [..., V], through the backbone's LM
+        head (on a CPU a batch-invariant one: ``medusa_core.invariant``, so a row's logits do not depend
+        on how many rows the pass has)."""
+        logits = self.lm_head(hidden)
+        # Gemma-2/3 soft-cap their logits inside the CausalLM forward (transformers 5.x); argmax is unchanged.
+        cap = getattr(self.model.config, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
