@@ -23,6 +23,9 @@ steps stay batch-invariant: greedy Medusa equals plain greedy on a kept cache to
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import time
 import weakref
 from dataclasses import dataclass
@@ -91,15 +94,21 @@ class ConversationCache:
     def clear(self) -> None:
         """Forget the entries (and free their memory)."""
         self.token_ids, self._cache, self._owner = [], None, lambda: None
+        release_free_memory()
 
     def settle(self) -> None:
-        """End of a reply: free the scratch replicas its tree passes made (``kvcache.release_rows``) and, when
-        the buffers exceed ``max_bytes``, keep only the entries that fit (``GrowingLayer.fit``)."""
+        """End of a reply: free the scratch replicas its tree passes made (``kvcache.release_rows``), keep only
+        the entries that fit when the buffers exceed ``max_bytes`` (``GrowingLayer.fit``), and give the freed
+        memory back to the operating system (``release_free_memory``)."""
         if self._cache is None:
             return
         release_rows(self._cache)
-        if self.max_bytes is None or self.nbytes <= self.max_bytes:
-            return
+        if self.max_bytes is not None and self.nbytes > self.max_bytes:
+            self._fit()
+        release_free_memory()
+
+    def _fit(self) -> None:
+        """Keep the first entries that fit in ``max_bytes``, in buffers of exactly that size."""
         layers = [layer for layer in self._cache.layers if layer.is_initialized]
         per_token = sum(t[..., :1, :].numel() * t.element_size() for layer in layers for t in (layer.keys, layer.values))
         keep = min(len(self.token_ids), self.max_bytes // max(per_token, 1))
@@ -136,6 +145,25 @@ class ConversationCache:
                 layer.crop(-extra)
         self.token_ids = list(prompt[:reused])
         return self._cache, reused
+
+
+def release_free_memory() -> None:
+    """Hand the C heap's free pages back to the operating system (glibc's ``malloc_trim(0)``; elsewhere nothing).
+
+    A kept cache's buffers are a few MB per layer, below glibc's adaptive mmap threshold, so they live in
+    the heap; a turn's larger buffers freed between smaller ones leave holes that glibc keeps, and the
+    process's memory would grow by a conversation's size every turn. Costs well under a millisecond.
+    """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    name = ctypes.util.find_library("c")
+    library = ctypes.CDLL(name) if name else None
+    return getattr(library, "malloc_trim", None)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

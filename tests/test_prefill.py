@@ -15,7 +15,8 @@ from tiny_models import random_heads, tiny_backbone
 from medusa_core import ConversationCache, MedusaModel, ReadProgress, StepRecord
 from medusa_core.invariant import MAX_ROWWISE, make_batch_invariant
 from medusa_core.kvcache import RESERVE_STEP
-from medusa_core.prefill import common_prefix, read_prompt
+from medusa_core import prefill
+from medusa_core.prefill import common_prefix, read_prompt, release_free_memory
 
 N_NEW = 12
 CHUNK = 16  # prompt tokens per pass
@@ -180,6 +181,38 @@ def test_a_kept_cache_within_its_budget_keeps_every_entry(model):
     kept = ConversationCache(max_bytes=RESERVE_STEP * per_token)
     run(model, ids(prompt(300, seed=18)), kept=kept)
     assert len(kept.token_ids) > 300 and kept.nbytes == RESERVE_STEP * per_token
+
+
+def test_every_reply_on_a_kept_cache_and_every_clear_give_freed_memory_back(model, monkeypatch):
+    calls = []
+    monkeypatch.setattr(prefill, "release_free_memory", lambda: calls.append(1))
+    kept = ConversationCache(max_bytes=0)
+    run(model, ids(prompt(40, seed=19)), kept=kept)
+    calls.clear()
+    run(model, ids(prompt(40, seed=20)), kept=kept)  # a later turn
+    assert calls == [1] and kept.nbytes == 0
+    kept.clear()
+    assert calls == [1, 1]
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+@pytest.mark.skipif(prefill._malloc_trim() is None, reason="glibc's malloc_trim only")
+def test_buffers_freed_between_smaller_ones_go_back_to_the_system_instead_of_growing_the_process():
+    """What a kept cache over its budget does each turn: grow every layer's buffer past the last turn's, then
+    keep a smaller copy. Without giving the holes back, the process grows ~120 MB a turn here."""
+    kept = [torch.zeros(3, 3000, 64) for _ in range(40)]  # 40 layers, 2.3 MB each
+    before = None
+    for turn in range(6):
+        grown = [torch.ones(3, 4500 + 400 * turn, 64) for _ in kept]
+        kept = [g[:, :3000].clone() for g in grown]
+        del grown
+        release_free_memory()
+        before = before or rss_mb()
+    assert rss_mb() - before < 60
 
 
 def test_a_negative_kept_cache_budget_is_refused_with_what_is_allowed():
