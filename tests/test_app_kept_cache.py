@@ -106,3 +106,18 @@ def test_each_kept_conversation_stays_within_the_memory_setting_and_still_answer
 def test_the_memory_setting_refuses_a_negative_value_naming_it():
     with pytest.raises(ValueError, match="kept_cache_mb.*-1"):
         AppSettings.from_cli(["--kept-cache-mb", "-1"])
+
+
+def test_compare_shows_each_runs_prompt_reading_and_stop_ends_it_within_a_chunk(engine, settings, controls, reads):
+    session = Session()
+    send(engine, settings, session, controls, "def add(a, b): return a + b " * 6)
+    reads.clear()
+    stream = handlers.compare(engine, settings, session, controls)
+    first = next(stream)["compare_result"]
+    assert "| Medusa off (reading the prompt… 0 %) |" in first
+    second = next(stream)["compare_result"]
+    assert "| Medusa off (reading the prompt… " in second and sum(reads) == settings.prefill_chunk
+    session.stop_requested.set()
+    final = list(stream)[-1]["compare_result"]
+    assert sum(reads) == settings.prefill_chunk  # not one more pass
+    assert "Stopped before every run finished" in final and not session.busy

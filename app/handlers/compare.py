@@ -15,7 +15,7 @@ from typing import Iterator
 
 from jinja2 import TemplateError
 
-from medusa_core import StepRecord
+from medusa_core import ReadProgress, StepRecord
 
 from ..engine import Engine
 from ..session import Session
@@ -49,7 +49,8 @@ def compare(engine: Engine, settings: AppSettings, session: Session, controls: C
         ids, _ = fit_prompt(model, greedy, session.history(index), session.turns[index].user)
         config = sampling_config(greedy)
         runs = {mode: model.generate(ids, max_new_tokens=greedy.max_new_tokens, tree=tree, config=config,
-                                     medusa=drafts is not None, drafts=drafts or "heads")
+                                     medusa=drafts is not None, drafts=drafts or "heads", progress=True,
+                                     prefill_chunk=settings.prefill_chunk)
                 for mode, drafts in VARIANTS.items()}
     except (ValueError, TemplateError) as e:
         yield {"compare_result": f"⚠ {html.escape(str(e))}"}
@@ -66,6 +67,9 @@ def compare(engine: Engine, settings: AppSettings, session: Session, controls: C
             last_plot = 0.0
             with closing(record_steps(engine, session, steps, greedy, "compare", session.new_reply(), ReplyText())) as records:
                 for record in records:
+                    if isinstance(record, ReadProgress):  # a long prompt is being read: Stop ends it after this chunk
+                        yield {"compare_result": compare_table(results, running=mode, reading=record)}
+                        continue
                     done.append(record)
                     if time.monotonic() - last_plot >= settings.redraw_interval_s:
                         last_plot = time.monotonic()
@@ -81,9 +85,9 @@ def compare(engine: Engine, settings: AppSettings, session: Session, controls: C
     yield {"compare_result": compare_table(results, running=None), **live_view(engine, session, final=True), "model_panel": model_panel(engine, session)}
 
 
-def compare_table(results: dict[str, list[StepRecord]], running: str | None) -> str:
+def compare_table(results: dict[str, list[StepRecord]], running: str | None, reading: ReadProgress | None = None) -> str:
     """The Compare panel: a row per run so far (with the tokens the heads and the n-gram lookup
-    proposed); once every run ended by itself (EOS, token limit, context), each variant's speedup over
+    proposed; ``reading``: how far the running one has read its prompt); once every run ended by itself (EOS, token limit, context), each variant's speedup over
     Medusa off and whether its reply is identical. A stopped Compare draws no verdict: a partial run's
     speed and text say nothing about the whole reply."""
     lines = ["| | tokens | steps | tok/step | from heads | from n-gram | time (s) | tok/s |", "|---|---|---|---|---|---|---|---|"]
@@ -96,7 +100,7 @@ def compare_table(results: dict[str, list[StepRecord]], running: str | None) -> 
         if decode_s > 0:
             speed[mode] = decode_tokens / decode_s
         per_step = decode_tokens / len(decode) if decode else 0.0
-        suffix = " (running…)" if mode == running else ""
+        suffix = "" if mode != running else f" (reading the prompt… {reading.fraction * 100:.0f} %)" if reading else " (running…)"
         heads, ngram = sum(r.head_tokens for r in records), sum(r.ngram_tokens for r in records)
         lines.append(
             f"| {mode}{suffix} | {tokens} | {len(decode)} | {per_step:.2f} | {heads} | {ngram} | {total_s:.2f} "
