@@ -245,6 +245,7 @@ def stage_heads(args) -> None:
         accuracy_from_ranks,
         calibration,
         collect_positions,
+        head_temperatures,
         rank_accuracy,
         read_distilled,
         target_ranks,
@@ -282,7 +283,9 @@ def stage_heads(args) -> None:
     held_h, held_l, held_r = positions(held_file, held_name)  # the served backbone's replies, float32 states
     rooted = {"roots": held_r} if cfg.root_conditioned else {}
     ranks = target_ranks(heads, held_h, held_l, **rooted)
-    record = calibration(accuracy_from_ranks(ranks), budgets=(4, 8, 12, 16, 32, 64), default=16, replayed=(ranks, held_l))
+    temperatures = head_temperatures(heads, held_h, held_l, **rooted)  # calibrated path probabilities shape the trees
+    record = calibration(accuracy_from_ranks(ranks), budgets=(4, 8, 12, 16, 32, 64), default=16, replayed=(ranks, held_l),
+                         temperatures=temperatures)
     train_acc = rank_accuracy(heads, hidden[:50_000], labels[:50_000], roots=roots[:50_000] if rooted else None)
     (out / CALIBRATION_FILE).write_text(json.dumps(record, indent=1) + "\n")
     stats.update(
@@ -362,9 +365,15 @@ def _distill_figures(args) -> dict:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(backbone_folder())  # the tokenizer only: no need to load the model
+    if args.heads_data == "served":  # the distill_served files the heads read, by file name
+        files = {f.name: f for s in args.served_settings for split in ("heldout", *TRAIN_SPLITS[: args.train_rounds])
+                 if (f := served_distilled(split, args, s)).exists()}
+    else:
+        files = {split: WORK / f"distill_{split}.jsonl"
+                 for split in dict.fromkeys(("heldout", f"heldout{served_suffix(args)}", *training_replies(args)))}
     out = {}
-    for split in dict.fromkeys(("heldout", f"heldout{served_suffix(args)}", *training_replies(args))):
-        rows = read_distilled(WORK / f"distill_{split}.jsonl")
+    for split, file in files.items():
+        rows = read_distilled(file)
         ended = sum(1 for r in rows if tok.eos_token_id in r["reply_ids"])
         out[split] = {
             "replies": len(rows),
