@@ -48,6 +48,16 @@ class StepRunner:
     def run(
         self, input_ids, max_new_tokens, full, processors, eps, alpha, seed, rule, drafter, drafts, shape_at, reading
     ) -> Iterator[StepRecord | ReadProgress]:
+        """The steps of one reply, as ``MedusaModel.generate`` returns them: step 0 reads ``input_ids`` [1, T]
+        (after ``ReadProgress`` records when ``reading["progress"]`` and the prompt takes several chunks) and
+        emits its first token; then one ``StepRecord`` per step until a stop reason.
+
+        ``full``: the static tree (None: plain decoding); ``processors``: the sampling settings applied to every
+        node's logits; ``eps``, ``alpha``: ε and δ of typical acceptance (paper 2.3.1); ``rule``: "greedy",
+        "typical", "exact" or "sample"; ``seed``: the reply's generator seed; ``drafter``: the n-gram drafter
+        (None without one); ``drafts``: the draft source ("" with Medusa off); ``shape_at``: τ, the path
+        probability a head node needs (0: no shaping); ``reading``: ``{"kept", "progress", "chunk"}``.
+        """
         root_only = self.model._tree("baseline")
         generator = torch.Generator(device=self.model.device).manual_seed(seed)
         kept = reading["kept"]
