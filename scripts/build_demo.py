@@ -33,7 +33,8 @@ The backbone is Hugging Face's SmolLM2-135M-Instruct as the Q4_1 GGUF file insid
    states are cached per round). With NF4 the targets are always the served backbone's own greedy
    tokens (``collect_positions(targets="backbone")``; on bfloat16 replies they agree with the
    reply's at only ~80 % of places); ``--soft-targets`` trains on its whole
-   distribution there instead (paper 2.3.2). Calibration on the served backbone's
+   distribution there instead (paper 2.3.2); ``--warm-start`` begins from the shipped heads (a
+   root-conditioned run then starts exactly at them, its R_k at zero). Calibration on the served backbone's
    held-out replies over the whole vocabulary (paper 2.3.3), with each tree's acceleration replayed
    on them (exact for greedy decoding, ``simulated_acceleration``).
 6. ``export``        — heads, config and calibration into ``assets/demo`` (heads for the plain weights and
@@ -239,6 +240,8 @@ def stage_distill_served(args) -> None:
 
 
 def stage_heads(args) -> None:
+    from safetensors.torch import load_file
+
     from medusa_core.loading import CALIBRATION_FILE
     from medusa_core.train import (
         HeadTrainingConfig,
@@ -279,7 +282,8 @@ def stage_heads(args) -> None:
     parts = [positions(file, name, bf16=True, targets=train_targets) for file, name in train_files]
     hidden, labels, roots = (torch.cat(column) for column in zip(*parts))
     log(f"heads: {len(hidden)} training positions from {len(parts)} reply file(s) in {time.time() - t0:.0f} s")
-    heads, stats = train_heads(model, hidden, labels, out, cfg, base_model_name_or_path=BASE_MODEL_ID, roots=roots)
+    init = load_file(asset_folder(args) / "medusa_lm_head.safetensors") if args.warm_start else None  # the shipped heads
+    heads, stats = train_heads(model, hidden, labels, out, cfg, base_model_name_or_path=BASE_MODEL_ID, roots=roots, init=init)
     held_h, held_l, held_r = positions(held_file, held_name)  # the served backbone's replies, float32 states
     rooted = {"roots": held_r} if cfg.root_conditioned else {}
     ranks = target_ranks(heads, held_h, held_l, **rooted)
@@ -330,7 +334,8 @@ def heads_folder(args) -> Path:
     own = "-own" if own_replies(args) else ""
     data = f"-served-{'-'.join(args.served_settings)}" if args.heads_data == "served" else ""
     root = "-root" if args.root_conditioned else ""
-    name = f"heads-{args.num_heads}x{args.head_layers}-e{args.head_epochs:g}-lr{args.head_lr:g}{rounds}{served}{own}{soft}{data}{root}"
+    warm = "-warm" if args.warm_start else ""
+    name = f"heads-{args.num_heads}x{args.head_layers}-e{args.head_epochs:g}-lr{args.head_lr:g}{rounds}{served}{own}{soft}{data}{root}{warm}"
     return WORK / name
 
 
@@ -477,6 +482,8 @@ def main() -> None:
                    help="heads: train on the distill stage's replies, or on the distill_served files (--served-settings)")
     p.add_argument("--root-conditioned", action=argparse.BooleanOptionalAction, default=False,
                    help="heads of layout 'root': each head also reads the step's root token (medusa_core.heads)")
+    p.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=False,
+                   help="heads: start from the shipped heads of --quantization (root-conditioned: R_k from zero)")
     p.add_argument("--eval-prompts", type=int, default=20, help="held-out prompts for acceleration and exactness")
     p.add_argument("--end-prompts", type=int, default=48, help="held-out prompts for the end-of-turn figure")
     p.add_argument("--eval-tokens", type=int, default=512, help="token limit of the end-of-turn figure")

@@ -2,7 +2,8 @@
 KV cache, and memory over a long session. A documented measurement, not a test; it prints its figures.
 
     python scripts/long_chat.py ttft     # a 2,000-token message, then short questions: TTFT vs a fresh chat
-    python scripts/long_chat.py memory   # 50 turns, five of them ~5,000-token messages: RSS after turn 1 and at the end
+    python scripts/long_chat.py memory   # 50 turns, five of them ~5,000-token messages: RSS after turn 1, at the end,
+                                         # and once the conversation's kept cache is dropped
 
 Each turn goes through ``app.handlers.add_user`` and ``respond``, as the page sends it (chat template,
 context fitting, the conversation's kept cache, statistics, plots); TTFT is the stats line's: from the
@@ -107,7 +108,7 @@ def measure_memory(args) -> None:
     tokenizer = engine.model.tokenizer
     session = Session()
     long_turns = {5, 15, 25, 35, 45}
-    after_first = (0.0, 0.0)
+    after_first, first_kept_tokens = (0.0, 0.0), 0
     start = time.monotonic()
     for k in range(1, args.turns + 1):
         message = long_message(tokenizer, args.long_tokens, seed=k) if k in long_turns else f"Question {k}: what is note {k} about?"
@@ -115,12 +116,17 @@ def measure_memory(args) -> None:
         rss, anon = rss_mb()
         after_first = after_first if k > 1 else (rss, anon)
         kept = engine.conversation(session.id)
+        first_kept_tokens = first_kept_tokens if k > 1 else len(kept.token_ids)
         print(f"turn {k:>2}: RSS {rss:7.0f} MB (anonymous {anon:5.0f} MB), kept cache {kept.nbytes / 1e6:5.0f} MB ({len(kept.token_ids)} tokens), "
               f"TTFT {ttft_s(done):6.2f} s{', long message' if k in long_turns else ''}{', ' + done.note if done.note else ''}",
               flush=True)
     print(f"RSS after turn 1 {after_first[0]:.0f} MB, at the end {rss:.0f} MB ({rss / after_first[0]:.2f}x; target <= 1.2x); "
           f"anonymous {after_first[1]:.0f} MB, {anon:.0f} MB ({anon / after_first[1]:.2f}x); "
           f"{args.turns} turns in {time.monotonic() - start:.0f} s")
+    engine.forget(session.id)  # what is left when the kept cache goes: the rest of the session's growth
+    rss, anon = rss_mb()
+    print(f"after dropping the conversation's kept cache: RSS {rss:.0f} MB (anonymous {anon:.0f} MB; "
+          f"{rss / after_first[0]:.2f}x turn 1's, whose kept cache held {first_kept_tokens} tokens)")
 
 
 def main() -> None:

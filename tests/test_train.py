@@ -1,5 +1,6 @@
 """Head training, self-distillation and calibration on tiny models (paper 2.2.1, 2.3.2, 2.3.3)."""
 
+import dataclasses
 import json
 
 import pytest
@@ -436,3 +437,24 @@ def test_head_temperatures_fit_each_head_on_its_own_targets_and_skip_positions_w
     # head 0 is twice too sharp (best T 2.0), head 1 twice too flat (best T 0.5)
     assert fitted == pytest.approx([2.0, 0.5], rel=0.06)
     assert head_temperatures(Scaled(logits, (2.0, 0.5)), hidden, labels, max_positions=500)[1] == pytest.approx(0.5, rel=0.25)
+
+
+def test_a_warm_start_begins_at_the_given_heads_and_a_root_conditioned_one_keeps_them_at_step_zero(tmp_path):
+    backbone, _, rows = _distilled_rows(tmp_path, n=4)
+    hidden, labels, roots = collect_positions(backbone, rows, num_heads=2, with_roots=True)
+    plain_cfg = HeadTrainingConfig(num_heads=2, share_lm_head=True, epochs=5, batch_size=32, warmup_steps=1, lr=1e-2,
+                                   checkpoint_every=0, bf16=False)
+    plain, _ = train_heads(backbone, hidden, labels, tmp_path / "plain", plain_cfg, base_model_name_or_path="b")
+    start = {k: v.clone() for k, v in plain.state_dict().items()}
+    rooted_cfg = dataclasses.replace(plain_cfg, root_conditioned=True, lr=0.0, warmup_steps=1_000)  # no step moves them
+    rooted, _ = train_heads(backbone, hidden, labels, tmp_path / "rooted", rooted_cfg, base_model_name_or_path="b",
+                            roots=roots, init=start)
+    with torch.no_grad():
+        torch.testing.assert_close(rooted(hidden.float(), root=roots), plain(hidden.float()))
+    assert not rooted.root_weight.any()
+    wrong = {**start, "0.0.linear.weight": torch.zeros(3, 3)}
+    with pytest.raises(ValueError, match=r"'0.0.linear.weight' of shape \[3, 3\], expected"):
+        train_heads(backbone, hidden, labels, tmp_path / "bad", plain_cfg, base_model_name_or_path="b", init=wrong)
+    with pytest.raises(ValueError, match="missing '1.0.linear.bias'"):
+        train_heads(backbone, hidden, labels, tmp_path / "bad2", plain_cfg, base_model_name_or_path="b",
+                    init={k: v for k, v in start.items() if k != "1.0.linear.bias"})

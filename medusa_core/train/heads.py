@@ -113,6 +113,7 @@ def train_heads(
     base_model_name_or_path: str,
     resume: bool = True,
     roots: torch.Tensor | None = None,
+    init: dict[str, torch.Tensor] | None = None,
 ) -> tuple[MedusaHeads, dict]:
     """Train K Medusa-1 heads on precomputed positions of a frozen backbone (paper 2.2.1).
 
@@ -122,6 +123,9 @@ def train_heads(
             with ``cfg.root_conditioned``, which trains root-conditioned heads (layout "root").
         out: heads folder; checkpoints (heads + ``trainer_state.pt``) go there every
             ``cfg.checkpoint_every`` steps and training resumes from them when ``resume``.
+        init: head tensors to start from (a warm start, e.g. the shipped heads' ``medusa_lm_head.safetensors``),
+            keyed as ``MedusaHeads.state_dict()`` for ``cfg``'s K heads of L blocks; root-conditioned heads may
+            start from plain ones: their ``root_weight`` then starts at zero, so step 0 equals the plain heads.
 
     With ``cfg.vocab == "data"`` the softmax runs over the label vocabulary only (the training
     replies' tokens); the heads are the same module and are evaluated over the whole vocabulary.
@@ -131,7 +135,8 @@ def train_heads(
 
     Returns (heads, stats) with the final loss and per-head training top-1 accuracy.
     Raises ``ValueError`` for ``cfg.vocab`` other than "full", or "data" with own projections, and for
-    ``cfg.soft_targets`` with own projections, and for ``cfg.root_conditioned`` without ``roots`` [M].
+    ``cfg.soft_targets`` with own projections, for ``cfg.root_conditioned`` without ``roots`` [M], and for
+    an ``init`` whose keys or shapes are not those of ``cfg``'s heads (naming the first difference).
     """
     out = Path(out)
     if cfg.vocab not in ("full", "data") or (cfg.vocab == "data" and not cfg.share_lm_head):
@@ -150,6 +155,8 @@ def train_heads(
     else:
         heads = MedusaHeads.from_backbone(backbone, cfg.num_heads, cfg.num_layers, root_conditioned=cfg.root_conditioned)
     heads = heads.float().cpu().train()
+    if init is not None:
+        _warm_start(heads, init)
     weight = None  # [V', H] rows of the frozen LM head with vocab="data"
     if cfg.vocab == "data":
         tokens = labels[labels != -100].unique()  # [V'] the label vocabulary, sorted
@@ -212,6 +219,20 @@ def train_heads(
         "config": asdict(cfg),
     }
     return heads, stats
+
+
+def _warm_start(heads: MedusaHeads, init: dict[str, torch.Tensor]) -> None:
+    """Copy ``init`` into ``heads``; only ``root_weight`` may be missing (it keeps its zero initialisation)."""
+    expected = heads.state_dict()
+    optional = {"root_weight"}
+    missing = sorted(set(expected) - set(init) - optional)
+    extra = sorted(set(init) - set(expected))
+    wrong = [k for k in set(init) & set(expected) if tuple(init[k].shape) != tuple(expected[k].shape)]
+    if missing or extra or wrong:
+        first = (f"missing {missing[0]!r}" if missing else f"unexpected {extra[0]!r}" if extra
+                 else f"{wrong[0]!r} of shape {list(init[wrong[0]].shape)}, expected {list(expected[wrong[0]].shape)}")
+        raise ValueError(f"init does not fit {heads.num_heads} heads of this configuration: {first}")
+    heads.load_state_dict({k: v.float() for k, v in init.items()}, strict=False)
 
 
 def _checkpoint(heads, opt, step, out, base) -> None:
