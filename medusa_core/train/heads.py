@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from ..export import save_medusa_heads
 from ..heads import MedusaHeads
+from ..loading import ROOT_KEY
 
 #: Loss weight of head k is LOSS_DECAY ** k (paper 2.2.1, λ_k = 0.8^k).
 LOSS_DECAY = 0.8
@@ -224,10 +225,9 @@ def train_heads(
 def _warm_start(heads: MedusaHeads, init: dict[str, torch.Tensor]) -> None:
     """Copy ``init`` into ``heads``; only ``root_weight`` may be missing (it keeps its zero initialisation)."""
     expected = heads.state_dict()
-    optional = {"root_weight"}
-    missing = sorted(set(expected) - set(init) - optional)
+    missing = sorted(set(expected) - set(init) - {ROOT_KEY})
     extra = sorted(set(init) - set(expected))
-    wrong = [k for k in set(init) & set(expected) if tuple(init[k].shape) != tuple(expected[k].shape)]
+    wrong = sorted(k for k in set(init) & set(expected) if tuple(init[k].shape) != tuple(expected[k].shape))
     if missing or extra or wrong:
         first = (f"missing {missing[0]!r}" if missing else f"unexpected {extra[0]!r}" if extra
                  else f"{wrong[0]!r} of shape {list(init[wrong[0]].shape)}, expected {list(expected[wrong[0]].shape)}")
