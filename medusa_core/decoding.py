@@ -18,6 +18,7 @@ from transformers import DynamicCache
 from .acceptance import choose_token, verify_tree
 from .generation import StepRecord, step_record
 from .kvcache import compact_cache
+from .lean.step import LeanStep
 from .prefill import ReadProgress, read_prompt
 from .processors import tree_prefixes
 from .steptree import StepTree, confident_nodes, graft, prune
@@ -32,11 +33,14 @@ class StepRunner:
 
     Attributes ``decoder``, ``lm_head``, ``draft_logits`` (heads(hidden [..., H], num_heads) -> [k, ..., S]),
     ``head_dtype`` and ``temperatures`` ([K, 1]) are the parts a step uses; ``bench.stepsplit`` times the stages.
+    ``lean`` is the compiled decoding pass (``medusa_core.lean``) when the backbone has one, else None, with
+    ``lean_reason`` saying why; ``report`` (optional) is told when that pass is compiled (a first start).
     """
 
-    def __init__(self, model: Any):
+    def __init__(self, model: Any, report: Any = None):
         self.model = model
         backbone, heads = model.backbone, model.heads
+        self.lean, self.lean_reason = LeanStep.for_backbone(backbone, report)
         self.decoder = backbone.get_decoder()
         self.lm_head = backbone.get_output_embeddings()
         self.temperatures = torch.tensor(model.head_temperatures, device=model.device)[:, None]  # [K, 1]
@@ -167,14 +171,11 @@ class StepRunner:
         if n > 1:
             prefix = torch.zeros(n, cur_len, dtype=tree.bias.dtype, device=tree.bias.device)
             mask = torch.cat([prefix, tree.bias], dim=1)[None, None]  # [1, 1, N, cur_len + N]
-        out = self.decoder(
-            input_ids=tokens[None],
-            position_ids=(tree.position_ids + cur_len)[None],
-            attention_mask=mask,
-            use_cache=True,
-            cache=cache,
-        )
-        hidden = out.last_hidden_state[0]  # [N, H]
+        positions = tree.position_ids + cur_len
+        hidden = self.lean(tokens, positions, mask, cache) if self.lean is not None else None  # the same bits
+        if hidden is None:
+            out = self.decoder(input_ids=tokens[None], position_ids=positions[None], attention_mask=mask, use_cache=True, cache=cache)
+            hidden = out.last_hidden_state[0]  # [N, H]
         return self.logits(hidden), hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -87,7 +87,7 @@ def rowwise_attention(
         out = F.scaled_dot_product_attention(query, key, value, scale=scaling, enable_gqa=gqa)
         return out.transpose(1, 2).contiguous(), None
     layer = getattr(key, "rows_cache", None)
-    groups = _row_groups(attention_mask, n, length)
+    groups = row_groups(attention_mask, n, length)
     outs = []
     for group in groups:
         if group.view:  # one row whose keys are 0 .. count−1: a view, as one-token decoding sees its cache
@@ -132,8 +132,9 @@ MAX_BATCH = 4
 REPLICAS_FROM = 256
 
 
-def _row_groups(mask: torch.Tensor | None, n: int, length: int) -> list[_RowGroup]:
-    """The pass's query rows grouped by how many keys they see (read once per mask)."""
+def row_groups(mask: torch.Tensor | None, n: int, length: int) -> list[_RowGroup]:
+    """The query rows of a pass of ``n`` rows over ``length`` keys (the cache, then the pass's entries), grouped by
+    how many keys they see; ``mask`` as ``rowwise_attention`` takes it (None: causal). Read once per mask."""
     if mask is None:  # causal: row i sees keys 0 .. L−N+i, each a view
         return [_RowGroup([i], True, torch.tensor([i]), length - n + i + 1, True, torch.arange(length - n + i + 1), None)
                 for i in range(n)]

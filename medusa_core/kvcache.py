@@ -51,15 +51,28 @@ class GrowingLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        length, n, batch = self.get_seq_length(), key_states.shape[-2], key_states.shape[0]
+        self.room_for(n, key_states, value_states)
+        self._keys_buffer[:batch, ..., length : length + n, :] = key_states
+        self._values_buffer[:batch, ..., length : length + n, :] = value_states
+        return self.extend(n, batch)
+
+    def room_for(self, n: int, key_states: torch.Tensor | None = None, value_states: torch.Tensor | None = None):
+        """Make room for ``n`` entries after the cache's (reallocating as ``update`` does) and return the buffers
+        ([B, H, C, Dh] keys, values), for a writer that fills entries L..L+n−1 in place and then calls ``extend(n)``
+        (``medusa_core.lean``). ``key_states`` / ``value_states``: the new entries' shape and dtype (default: the
+        cache's). An initialized layer only."""
         length = self.get_seq_length()
-        end = length + key_states.shape[-2]
+        end = length + n
         if end > self._capacity or self.reserved > self._capacity:
             capacity = self.reserved if self.reserved >= end else max(2 * self._capacity, end, MIN_CAPACITY)
-            self._reallocate(key_states, value_states, capacity)
+            self._reallocate(self.keys if key_states is None else key_states, self.values if value_states is None else value_states, capacity)
         self._replicated = min(self._replicated, length)  # a crop may have cut below it; writes start at length
-        batch = key_states.shape[0]
-        self._keys_buffer[:batch, ..., length:end, :] = key_states
-        self._values_buffer[:batch, ..., length:end, :] = value_states
+        return self._keys_buffer, self._values_buffer
+
+    def extend(self, n: int, batch: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Take the ``n`` entries written after the cache's into it: the views grow to L + n; returns them."""
+        end = self.get_seq_length() + n
         self.keys = self._keys_buffer[:batch, ..., :end, :]
         self.values = self._values_buffer[:batch, ..., :end, :]
         self.keys.rows_cache = self.values.rows_cache = self if batch == 1 else None

@@ -368,7 +368,9 @@ class MedusaModel:
 
     def describe(self) -> dict[str, Any]:
         """Facts for a model panel: names, precision (backbone compute dtype, head dtype), device, heads,
-        their temperatures and the tuned tree-shaping threshold τ, context, memory (bytes)."""
+        their temperatures and the tuned tree-shaping threshold τ, context, which decoding pass runs (``step``:
+        ``"lean"``, the compiled one of ``medusa_core.lean``, or ``"transformers"``, with ``step_note`` saying why
+        not lean), memory (bytes)."""
         params = list(self.backbone.parameters()) + list(self.heads.parameters())
         return {
             "model": self.name,
@@ -383,6 +385,8 @@ class MedusaModel:
             "head_temperatures": self.head_temperatures,
             "min_head_probability": self.min_head_probability,
             "max_context": self.max_context,
+            "step": "lean" if self._steps.lean is not None else "transformers",
+            "step_note": self._steps.lean_reason,
             "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
         }
 

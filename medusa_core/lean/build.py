@@ -1,0 +1,95 @@
+"""Building and loading the lean step's C++ extension (``lean_step.cpp``) with ``torch.utils.cpp_extension``.
+
+The extension is compiled once per source and torch version (about a minute on two cores) into
+``<cache>/lean/<hash>/``, beside the converted GGUF backbones (``gguf.cache_dir``); later starts load the
+built module in well under a second. Where no C++ compiler (or ``ninja``) is found, or the build fails,
+``load_extension`` returns None with the reason, and the engine keeps transformers' forward.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Callable
+
+import torch
+
+from ..gguf import cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("lean_step.cpp")
+#: Environment variable that turns the lean step off (``0``): transformers' forward then runs every pass.
+ENV = "MEDUSA_LEAN_STEP"
+
+_lock = threading.Lock()
+_loaded: dict[str, ModuleType | str] = {}  # source hash -> module, or the reason it could not be built
+
+
+def enabled() -> bool:
+    """False when ``$MEDUSA_LEAN_STEP`` is ``0`` (or ``false``, ``off``, ``no``)."""
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def _digest() -> str:
+    return hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
+
+
+def build_folder() -> Path:
+    """``<cache>/lean/<hash of the source and the torch version>``: a new source or torch builds anew."""
+    return cache_dir().parent / "lean" / _digest()
+
+
+def is_built() -> bool:
+    """True when the extension of this source and torch is already compiled (loading it is then quick)."""
+    return any(build_folder().glob("medusa_lean*.so"))
+
+
+def load_extension(report: Callable[[str], None] | None = None) -> tuple[ModuleType | None, str]:
+    """The compiled extension, building it first if needed: ``(module, "")``, or ``(None, reason)`` when it cannot
+    be built here (no compiler, no ninja, a failed build). ``report`` gets a line before a build starts (a first
+    start: about a minute) and when it ends. Thread-safe; a result is kept for the process (one build of a
+    source per process, wherever the cache folder points later)."""
+    digest = _digest()
+    with _lock:
+        if digest not in _loaded:
+            _loaded[digest] = _build(build_folder(), report or (lambda line: None))
+        found = _loaded[digest]
+    return (found, "") if isinstance(found, ModuleType) else (None, found)
+
+
+def _build(folder: Path, report: Callable[[str], None]) -> ModuleType | str:
+    from torch.utils import cpp_extension
+
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler!r}) found: install one (Debian: apt install g++) for the lean step"
+    try:
+        import ninja  # the PyPI wheel's binary, for environments whose PATH lacks the venv's bin folder
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass
+    if shutil.which("ninja") is None:
+        return "ninja is not installed (pip install ninja): the lean step cannot be built"
+    folder.mkdir(parents=True, exist_ok=True)
+    fresh = not is_built()
+    if fresh:
+        report("Compiling the lean decoding step (first start only, about a minute)…")
+    start = time.perf_counter()
+    try:
+        module = cpp_extension.load(
+            name="medusa_lean", sources=[str(SOURCE)], build_directory=str(folder), extra_cflags=["-O2"], verbose=False
+        )
+    except (RuntimeError, OSError, ImportError) as e:  # a compiler error, a broken toolchain
+        log.warning("the lean step could not be built: %s", e)
+        return f"the lean step could not be built ({str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__})"
+    if fresh:
+        report(f"Compiled the lean decoding step in {time.perf_counter() - start:.0f} s.")
+    return module

@@ -1,0 +1,135 @@
+"""The lean decoding step: a decoding pass of a Llama-family 4-bit backbone in one C++ call (issue 27).
+
+On this project's CPU more than half of a one-token step was overhead around the int4 linears: Python
+module calls, hooks, output capture, thousands of small ops (docs/BENCH.md, "Where a step's time goes").
+``LeanStep`` runs the decoder layers of a pass of at most ``MAX_ROWWISE`` rows (a decoding step: one token
+or a tree) through ``lean_step.cpp``, which calls the same ATen operations as transformers' Llama modules
+and this project's layers, on the same shapes and in the same order, so the hidden states are the same
+bits (``tests/test_lean.py``): greedy output stays HF ``generate``'s and greedy Medusa stays plain greedy.
+The token embedding and the rotary embedding are the model's own modules (RoPE scaling included); the
+LM head and everything after it are unchanged. Prompts are read by transformers' forward as before.
+
+Supported: Llama, Mistral and Qwen2 configurations without sliding windows, SiLU MLPs, RMS norms, every
+decoder linear an ``Int4Linear`` (GGUF Q4_0 / Q4_1 backbones, ``quantization="gguf"``), on a CPU, with the
+batch-invariant attention (``invariant.ATTENTION``). Anything else keeps transformers' forward;
+``MedusaModel.describe()["step"]`` says which runs and why.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from ..invariant import ATTENTION, MAX_ROWWISE, REPLICAS_FROM, row_groups
+from ..kvcache import GrowingLayer
+from ..quant.layers import Int4Linear
+from .build import ENV, enabled, load_extension
+
+#: Model types whose decoder layer the C++ step reproduces (their modules are Llama's, op for op).
+ARCHITECTURES = ("llama", "mistral", "qwen2")
+_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
+_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def unsupported(backbone: nn.Module) -> str:
+    """Why the lean step cannot run ``backbone`` (a transformers causal LM), or "" when it can."""
+    config = backbone.config.get_text_config(decoder=True)
+    decoder = backbone.get_decoder()
+    if config.model_type not in ARCHITECTURES:
+        return f"the lean step covers {', '.join(ARCHITECTURES)} models, not {config.model_type!r}"
+    if getattr(config, "_attn_implementation", None) != ATTENTION:
+        return "the lean step needs the batch-invariant attention (a CPU backbone)"
+    if getattr(config, "hidden_act", None) != "silu":
+        return f"the lean step covers SiLU MLPs, not {getattr(config, 'hidden_act', None)!r}"
+    layer_types = getattr(config, "layer_types", None)
+    windowed = any(t != "full_attention" for t in layer_types) if layer_types else getattr(config, "sliding_window", None)
+    if windowed:
+        return "the lean step covers full attention only, not sliding windows"
+    if not all(hasattr(decoder, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return "the decoder has no embed_tokens / layers / norm / rotary_emb"
+    for i, layer in enumerate(decoder.layers):
+        for name in _LINEARS:
+            if not isinstance(layer.get_submodule(name), Int4Linear):
+                return f"layer {i}'s {name} is not a 4-bit Int4Linear (the lean step runs GGUF Q4_0 / Q4_1 backbones)"
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if any(type(n).__name__ not in _NORMS for n in norms) or {name for name, _ in layer.self_attn.named_children()} != {
+            "q_proj", "k_proj", "v_proj", "o_proj"
+        }:
+            return f"layer {i} is not a plain Llama-family layer"
+    if type(decoder.norm).__name__ not in _NORMS:
+        return "the final norm is not an RMS norm"
+    return ""
+
+
+class LeanStep:
+    """Runs a decoding pass of a supported backbone (``unsupported``) through the compiled decoder.
+
+    Build it with ``for_backbone``. ``__call__(tokens [N], positions [N], mask, cache)`` returns the final-norm
+    hidden states [N, H] of the pass, or None when this pass is not one it runs (more than ``MAX_ROWWISE``
+    rows, a cache it cannot write, a branching tree over a cache long enough for ``rowwise_attention`` to
+    read rows from replicas); the caller then runs transformers' forward. Either way the N entries end up in
+    the cache, with the same bits.
+    """
+
+    def __init__(self, backbone: nn.Module, module: Any):
+        config = backbone.config.get_text_config(decoder=True)
+        self.decoder = decoder = backbone.get_decoder()
+        layers, eps = [], []
+        for layer in decoder.layers:
+            tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            for name in _LINEARS:
+                linear = layer.get_submodule(name)
+                tensors += [linear.packed, linear.scale_zero, linear.bias if linear.bias is not None else torch.empty(0)]
+            layers.append([t.detach() for t in tensors])
+            eps.append(float(layer.input_layernorm.variance_epsilon))
+            if layer.post_attention_layernorm.variance_epsilon != layer.input_layernorm.variance_epsilon:
+                raise ValueError("the lean step assumes one epsilon per layer for both norms")
+        first = decoder.layers[0]
+        out_features = [first.get_submodule(name).out_features for name in _LINEARS]
+        attention = first.self_attn
+        self._decoder = module.LeanDecoder(
+            layers, eps, out_features, decoder.norm.weight.detach(), float(decoder.norm.variance_epsilon),
+            config.num_attention_heads, config.num_key_value_heads, attention.head_dim, float(attention.scaling),
+        )
+
+    @classmethod
+    def for_backbone(cls, backbone: nn.Module, report: Callable[[str], None] | None = None) -> tuple["LeanStep | None", str]:
+        """``(LeanStep, "")`` for a supported backbone (compiling the extension on first use, with ``report`` told),
+        else ``(None, why)``: the backbone is not supported, ``$MEDUSA_LEAN_STEP`` is 0, or the extension cannot be
+        built here."""
+        why = unsupported(backbone)
+        if why:
+            return None, why
+        if not enabled():
+            return None, f"the lean step is turned off (${ENV}=0)"
+        module, why = load_extension(report)
+        return (cls(backbone, module), "") if module is not None else (None, why)
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache: DynamicCache) -> torch.Tensor | None:
+        """Hidden states [N, H] of ``tokens`` [N] at ``positions`` [N] after the cache's entries, ``mask`` as
+        ``StepRunner.tree_forward`` gives the decoder ([1, 1, N, L + N] or None for one token); or None (see class)."""
+        n = tokens.shape[0]
+        layers = cache.layers
+        if n > MAX_ROWWISE or not all(type(layer) is GrowingLayer and layer.is_initialized for layer in layers):
+            return None
+        if len(layers) != len(self.decoder.layers) or layers[0].keys.shape[0] != 1:
+            return None
+        length = layers[0].get_seq_length()
+        groups = row_groups(mask, n, length + n) if mask is not None else []
+        if length >= REPLICAS_FROM and any(not g.view for g in groups):
+            return None  # rowwise_attention reads such rows from replicas: transformers' pass does this better
+        buffers = [layer.room_for(n) for layer in layers]
+        hidden = self.decoder.embed_tokens(tokens[None])  # [1, N, H]
+        cos, sin = self.decoder.rotary_emb(hidden, positions[None])  # [1, N, Dh] each
+        ints = [[g.rows[0], g.rows[-1] + 1, int(g.span), g.count, int(g.view)] for g in groups]
+        out = self._decoder.forward(
+            hidden, cos, sin, [b[0] for b in buffers], [b[1] for b in buffers], length, ints,
+            [g.index for g in groups], [g.keys for g in groups],
+        )
+        for layer in layers:
+            layer.extend(n)
+        return out[0]

@@ -1,0 +1,130 @@
+"""The lean decoding step (``medusa_core.lean``): the same bits as transformers' forward, or no lean step at all."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from medusa_core import MedusaModel
+from medusa_core.invariant import make_batch_invariant
+from medusa_core.kvcache import new_cache
+from medusa_core.lean import build
+from medusa_core.lean.step import LeanStep, unsupported
+from medusa_core.quant.layers import Int4Linear
+from medusa_core.steptree import static_tree
+from tests.tiny_models import random_heads, tiny_backbone
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def int4_backbone(arch: str, **overrides):
+    """A tiny ``arch`` model whose decoder linears are ``Int4Linear`` (biases kept), batch-invariant as loading makes it."""
+    model = tiny_backbone(arch, **overrides)
+    for name, module in list(model.model.named_modules()):
+        if name.rsplit(".", 1)[-1] in LINEARS:
+            bias = None if module.bias is None else module.bias.detach()
+            model.model.set_submodule(name, Int4Linear.quantize(module.weight.detach(), bias))
+    return make_batch_invariant(model, quantized=True)
+
+
+@pytest.fixture(scope="module")
+def extension():
+    module, why = build.load_extension()
+    if module is None:
+        pytest.skip(f"no lean step on this machine: {why}")  # the README's install gives CI a compiler
+    return module
+
+
+def _prefill(model, ids):
+    cache = new_cache(model.config)
+    with torch.inference_mode():
+        model.model(input_ids=ids, cache=cache, use_cache=True)
+    return cache
+
+
+def _tree_mask(tree, cur_len):
+    prefix = torch.zeros(tree.num_nodes, cur_len, dtype=tree.bias.dtype)
+    return torch.cat([prefix, tree.bias], dim=1)[None, None]
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_the_lean_pass_gives_the_hidden_states_and_cache_entries_of_transformers_forward_bit_for_bit(extension, arch):
+    model = int4_backbone(arch)
+    if arch == "qwen2":
+        assert model.model.layers[0].self_attn.q_proj.bias is not None  # biases go through the lean step too
+    lean, why = LeanStep.for_backbone(model)
+    assert lean is not None, why
+    ids = torch.tensor([[5, 17, 40, 33, 3, 60, 7]])
+    ours, theirs = _prefill(model, ids), _prefill(model, ids)
+    # one token; a chain (every row a view of the cache); a branching tree (rows gathered, rows out of order)
+    trees = [None, static_tree("chain", [[0], [0, 0]], torch.float32, "cpu"),
+             static_tree("branchy", [[0], [1], [2], [0, 0], [1, 0], [0, 1], [0, 0, 0]], torch.float32, "cpu")]
+    length = ids.shape[1]
+    for step, tree in enumerate(trees * 2):
+        n = 1 if tree is None else tree.num_nodes
+        tokens = torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(step))
+        positions = torch.arange(n) + length if tree is None else tree.position_ids + length
+        mask = None if tree is None else _tree_mask(tree, length)
+        with torch.inference_mode():
+            got = lean(tokens, positions, mask, ours)
+            want = model.model(input_ids=tokens[None], position_ids=positions[None], attention_mask=mask,
+                               cache=theirs, use_cache=True).last_hidden_state[0]
+        assert got is not None and torch.equal(got, want), (arch, step)
+        for a, b in zip(ours.layers, theirs.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        if tree is not None:  # keep the root and its first child, as a step's cache update does
+            ours.crop(2 - n), theirs.crop(2 - n)
+        length = ours.get_seq_length()
+
+
+def test_greedy_medusa_with_the_lean_step_repeats_transformers_forward_token_for_token(extension):
+    backbone = int4_backbone("llama")
+    model = MedusaModel(backbone, random_heads(backbone))
+    assert model._steps.lean is not None and model.describe()["step"] == "lean"
+    ids = torch.tensor([[5, 17, 40, 33, 3]])
+    runs = {}
+    for lean in (model._steps.lean, None):
+        model._steps.lean = lean
+        for medusa in (False, True):
+            records = list(model.generate(ids, max_new_tokens=40, temperature=0, medusa=medusa, tree="sparse_16"))
+            runs[lean is not None, medusa] = [t for r in records for t in r.token_ids]
+    assert len(set(map(tuple, runs.values()))) == 1, runs
+
+
+def test_a_lean_step_declines_a_branching_tree_over_a_cache_long_enough_for_replicas(extension, monkeypatch):
+    from medusa_core.lean import step as step_mod
+
+    model = int4_backbone("llama")
+    lean, _ = LeanStep.for_backbone(model)
+    cache = _prefill(model, torch.tensor([[5, 17, 40, 33]]))
+    monkeypatch.setattr(step_mod, "REPLICAS_FROM", 4)
+    tree = static_tree("branchy", [[0], [1], [0, 0]], torch.float32, "cpu")
+    with torch.inference_mode():
+        assert lean(torch.tensor([1, 2, 3, 4]), tree.position_ids + 4, _tree_mask(tree, 4), cache) is None
+        chain = static_tree("chain", [[0], [0, 0]], torch.float32, "cpu")  # views only: still lean
+        assert lean(torch.tensor([1, 2, 3]), chain.position_ids + 4, _tree_mask(chain, 4), cache) is not None
+    assert cache.get_seq_length() == 7  # the declined pass wrote nothing
+
+
+@pytest.mark.parametrize(
+    ("arch", "overrides", "reason"),
+    [("gemma", {}, "not 'gemma'"), ("llama", {"hidden_act": "gelu"}, "SiLU"),
+     ("mistral", {"sliding_window": 64}, "sliding windows")],
+)
+def test_backbones_the_lean_step_does_not_cover_say_why(arch, overrides, reason):
+    assert reason in unsupported(int4_backbone(arch, **overrides))
+
+
+def test_a_float_backbone_keeps_transformers_forward_and_says_so():
+    backbone = make_batch_invariant(tiny_backbone("llama"), quantized=False)
+    model = MedusaModel(backbone, random_heads(backbone))
+    assert model._steps.lean is None and "Int4Linear" in model._steps.lean_reason
+    assert model.describe()["step"] == "transformers"
+
+
+def test_the_lean_step_can_be_turned_off_and_a_missing_compiler_is_a_reason_not_an_error(monkeypatch, tmp_path):
+    monkeypatch.setenv(build.ENV, "0")
+    lean, why = LeanStep.for_backbone(int4_backbone("llama"))
+    assert lean is None and build.ENV in why
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    assert "no C++ compiler" in build._build(tmp_path / "lean", print)
