@@ -80,7 +80,8 @@ def main(argv: list[str]) -> int:
     try:
         engine.load(
             lambda: load_medusa_model(
-                settings.model, base_model=settings.base_model, quantization=settings.quantization, device=settings.device
+                settings.model, base_model=settings.base_model, quantization=settings.quantization, device=settings.device,
+                report=lambda line: print(f"medusa-chat: {line}", flush=True),
             )
         )
     except Exception as e:  # noqa: BLE001 - one clear line instead of a traceback wall

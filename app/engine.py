@@ -13,6 +13,7 @@ from collections import OrderedDict
 from typing import Callable
 
 from medusa_core import ConversationCache, MedusaModel
+from medusa_core.lean import build as lean_build
 
 #: Conversations whose KV cache the engine keeps between turns (the most recently used ones): each
 #: within the engine's ``kept_cache_mb`` (without a limit, up to the context window's entries: on the
@@ -100,5 +101,6 @@ class Engine:
         if self.error is not None:
             return f"Loading {self.description} failed: {self.error}"
         if self.model is None:
-            return f"Loading {self.description}… {time.monotonic() - self._started:.0f} s"
+            compiling = " (compiling the lean decoding step: first start only, about a minute)" if lean_build.building() else ""
+            return f"Loading {self.description}… {time.monotonic() - self._started:.0f} s{compiling}"
         return f"{self.model.name} ready (loaded in {self.load_seconds:.1f} s)"

@@ -10,7 +10,7 @@ its own prefix (``processors``), acceptance (2.3.1, ``acceptance.verify_tree``) 
 from __future__ import annotations
 
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from transformers import DynamicCache
@@ -37,7 +37,7 @@ class StepRunner:
     ``lean_reason`` saying why; ``report`` (optional) is told when that pass is compiled (a first start).
     """
 
-    def __init__(self, model: Any, report: Any = None):
+    def __init__(self, model: Any, report: Callable[[str], None] | None = None):
         self.model = model
         backbone, heads = model.backbone, model.heads
         self.lean, self.lean_reason = LeanStep.for_backbone(backbone, report)

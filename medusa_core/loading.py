@@ -20,7 +20,7 @@ import logging
 import pickle
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors import SafetensorError
@@ -71,6 +71,7 @@ def load_medusa_model(
     head_dtype: torch.dtype | str | None = None,
     draft_vocabulary: int | str | None = "auto",
     trust_remote_code: bool = False,
+    report: Callable[[str], None] | None = None,
 ) -> MedusaModel:
     """Load a backbone with its Medusa heads (any of the three layouts) into a ``MedusaModel``.
 
@@ -95,6 +96,8 @@ def load_medusa_model(
             unchanged); ``"auto"`` (default): ``heads.DRAFT_VOCABULARY`` on a CPU when V is larger and
             the heads' projection can be sliced, else all V; None: all V.
         trust_remote_code: passed to transformers; off unless the caller asks.
+        report: told, one line at a time, of slow first-start work: compiling the lean decoding step
+            (``medusa_core.lean``, about a minute once per install).
 
     Heads learn the hidden states of the backbone they were trained on, and a 4-bit backbone's differ
     from the plain one's (on the demo, NF4's greedy tokens agree with the plain weights' at ~80 % of
@@ -191,6 +194,7 @@ def load_medusa_model(
         tuned={p: TunedSettings(p, names[p], _tuned_threshold(tuned_file, key, entry), measured_at,
                                 entry.get("measured_speedup"), entry.get("device_name"))
                for p, (key, entry, measured_at) in entries.items() if names[p] in trees},
+        report=report,
     )
     model.backbone_file = base if str(base).lower().endswith(".gguf") else None  # what llama.cpp can read (bench)
     return model

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -57,6 +57,7 @@ class MedusaModel:
             ``generate``'s ``draft_config`` leaves it unset (``bench tune``'s choice; 0 = every node).
         tuned: ``bench tune``'s choices per settings preset (``medusa_core.tuned``): a reply's settings
             take their preset's tree when ``generate(tree=None)`` and its τ when ``draft_config`` leaves it unset.
+        report: told of slow first-start work (compiling the lean decoding step, ``medusa_core.lean``).
 
     Raises ``ValueError`` when the heads do not match the backbone's hidden size, when one of
     ``trees`` or ``default_tree`` does not fit the model (see ``resolve_tree``), when
@@ -78,6 +79,7 @@ class MedusaModel:
         head_temperatures: Sequence[float] | None = None,
         min_head_probability: float = 0.0,
         tuned: Mapping[str, TunedSettings] | None = None,
+        report: Callable[[str], None] | None = None,
     ):
         self.backbone = backbone.eval()
         self.heads = heads.eval()
@@ -106,7 +108,7 @@ class MedusaModel:
                 self.resolve_tree(tree)
             except ValueError as e:
                 raise ValueError(f"the model's tree {tree!r} does not fit: {e}") from None
-        self._steps = StepRunner(self)  # the decoding loop and the stages of a step (``medusa_core.decoding``)
+        self._steps = StepRunner(self, report)  # the decoding loop and the stages of a step (``medusa_core.decoding``)
 
     # ----------------------------------------------------------------------------------- properties
     @property

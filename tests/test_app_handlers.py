@@ -315,7 +315,8 @@ def test_tree_choices_put_the_models_own_trees_first_and_the_published_63_node_t
 
 def test_the_model_panel_shows_names_precision_device_heads_and_memory(engine):
     panel = handlers.model_panel(engine, Session())
-    for needle in ("base model", "not quantized", "float32", "cpu", "| Medusa heads | 4", "sparse_16 (the model's default)", "MiB"):
+    for needle in ("base model", "not quantized", "float32", "cpu", "| Medusa heads | 4", "sparse_16 (the model's default)", "MiB",
+                   "| decoding pass | transformers' forward (layer 0's self_attn.q_proj is not a 4-bit Int4Linear"):
         assert needle in panel
     assert f"heads {str(engine.model.heads[0][0].linear.weight.dtype).removeprefix('torch.')}" in panel
 

@@ -122,6 +122,15 @@ def test_a_float_backbone_keeps_transformers_forward_and_says_so():
     assert model.describe()["step"] == "transformers"
 
 
+def test_the_loading_status_says_when_the_lean_step_is_being_compiled(monkeypatch):
+    from app.engine import Engine
+
+    engine = Engine("demo (gguf) on cpu")
+    assert "compiling" not in engine.status()
+    monkeypatch.setattr(build._building, "is_set", lambda: True)
+    assert "compiling the lean decoding step" in engine.status()
+
+
 def test_the_lean_step_can_be_turned_off_and_a_missing_compiler_is_a_reason_not_an_error(monkeypatch, tmp_path):
     monkeypatch.setenv(build.ENV, "0")
     lean, why = LeanStep.for_backbone(int4_backbone("llama"))

@@ -176,6 +176,8 @@ def model_panel(engine: Engine, session: Session | None = None) -> str:
         ("base model", f"`{d['base_model']}`"),
         ("precision", f"backbone {backbone}, computing in {d['dtype']}; heads {d['head_dtype']}"),
         ("device", d["device"]),
+        ("decoding pass", "lean: compiled, the same bits as transformers' forward" if d["step"] == "lean"
+         else f"transformers' forward ({html.escape(d['step_note'], quote=False)})"),
         ("Medusa heads", f"{d['num_heads']} ({d['head_layers']} residual block{'s' if d['head_layers'] != 1 else ''} each)"),
         ("context window", f"{d['max_context']} tokens"),
         ("tree in use", f"{in_use} (latest reply)" if in_use else f"{d['default_tree']} (the model's default)"),

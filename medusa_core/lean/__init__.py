@@ -1,0 +1,6 @@
+"""The lean decoding step: a Llama-family 4-bit decoding pass in one compiled call (``step.LeanStep``),
+built once per install from ``lean_step.cpp`` (``build``). Same bits as transformers' forward."""
+
+from .step import LeanStep, unsupported
+
+__all__ = ["LeanStep", "unsupported"]

@@ -29,6 +29,7 @@ SOURCE = Path(__file__).with_name("lean_step.cpp")
 ENV = "MEDUSA_LEAN_STEP"
 
 _lock = threading.Lock()
+_building = threading.Event()
 _loaded: dict[str, ModuleType | str] = {}  # source hash -> module, or the reason it could not be built
 
 
@@ -44,6 +45,11 @@ def _digest() -> str:
 def build_folder() -> Path:
     """``<cache>/lean/<hash of the source and the torch version>``: a new source or torch builds anew."""
     return cache_dir().parent / "lean" / _digest()
+
+
+def building() -> bool:
+    """True while the extension is being compiled (a first start): a loading page can say so."""
+    return _building.is_set()
 
 
 def is_built() -> bool:
@@ -83,6 +89,7 @@ def _build(folder: Path, report: Callable[[str], None]) -> ModuleType | str:
     if fresh:
         report("Compiling the lean decoding step (first start only, about a minute)…")
     start = time.perf_counter()
+    _building.set()
     try:
         module = cpp_extension.load(
             name="medusa_lean", sources=[str(SOURCE)], build_directory=str(folder), extra_cflags=["-O2"], verbose=False
@@ -90,6 +97,8 @@ def _build(folder: Path, report: Callable[[str], None]) -> ModuleType | str:
     except (RuntimeError, OSError, ImportError) as e:  # a compiler error, a broken toolchain
         log.warning("the lean step could not be built: %s", e)
         return f"the lean step could not be built ({str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__})"
+    finally:
+        _building.clear()
     if fresh:
         report(f"Compiled the lean decoding step in {time.perf_counter() - start:.0f} s.")
     return module
