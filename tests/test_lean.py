@@ -47,13 +47,20 @@ def _tree_mask(tree, cur_len):
     return torch.cat([prefix, tree.bias], dim=1)[None, None]
 
 
+#: 128 wide with 4 heads of 32: q, k and v fill whole tiles of the packed layout, so the step fuses them (the demo's
+#: case); the default 64-wide model's k and v (32 rows) do not, so they run one by one.
+WIDE = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+
+
+@pytest.mark.parametrize("shape", [{}, WIDE], ids=["narrow", "wide"])
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
-def test_the_lean_pass_gives_the_hidden_states_and_cache_entries_of_transformers_forward_bit_for_bit(extension, arch):
-    model = int4_backbone(arch)
+def test_the_lean_pass_gives_the_hidden_states_and_cache_entries_of_transformers_forward_bit_for_bit(extension, arch, shape):
+    model = int4_backbone(arch, **shape)
     if arch == "qwen2":
         assert model.model.layers[0].self_attn.q_proj.bias is not None  # biases go through the lean step too
     lean, why = LeanStep.for_backbone(model)
     assert lean is not None, why
+    assert lean.fused == ((2, 2) if shape else (0, 2))
     ids = torch.tensor([[5, 17, 40, 33, 3, 60, 7]])
     ours, theirs = _prefill(model, ids), _prefill(model, ids)
     # one token; a chain (every row a view of the cache); a branching tree (rows gathered, rows out of order)

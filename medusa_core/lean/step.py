@@ -96,6 +96,12 @@ class LeanStep:
             config.num_attention_heads, config.num_key_value_heads, attention.head_dim, float(attention.scaling),
         )
 
+    @property
+    def fused(self) -> tuple[int, int]:
+        """Layers whose q/k/v, and whose gate/up, run as one int4 product (``lean_step.cpp`` ``fuse``)."""
+        qkv, gate_up = self._decoder.fused()
+        return qkv, gate_up
+
     @classmethod
     def for_backbone(cls, backbone: nn.Module, report: Callable[[str], None] | None = None) -> tuple["LeanStep | None", str]:
         """``(LeanStep, "")`` for a supported backbone (compiling the extension on first use, with ``report`` told),
