@@ -9,6 +9,7 @@ its own prefix (``processors``), acceptance (2.3.1, ``acceptance.verify_tree``) 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Callable, Iterator
 
@@ -126,6 +127,15 @@ class StepRunner:
             record = step_record(record.step + 1, tree, tuple(nodes), token_list, new_tokens, time.perf_counter() - start,
                                  produced=record.total_tokens, cur_len=cur_len, **limits)
             yield record
+
+    @contextlib.contextmanager
+    def transformers_pass(self) -> Iterator[None]:
+        """Within the block every pass runs transformers' forward, not the lean one (before/after figures)."""
+        lean, self.lean = self.lean, None
+        try:
+            yield
+        finally:
+            self.lean = lean
 
     def candidates(
         self, tree: StepTree, hidden: torch.Tensor, root: torch.Tensor, with_log_p: bool = False

@@ -144,3 +144,23 @@ def test_the_lean_step_can_be_turned_off_and_a_missing_compiler_is_a_reason_not_
     assert lean is None and build.ENV in why
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     assert "no C++ compiler" in build._build(tmp_path / "lean", print)
+
+
+def test_bench_methods_ending_in_at_transformers_run_without_the_lean_pass_and_give_the_same_replies(extension):
+    from medusa_core.bench.methods import build_methods
+    from medusa_core.bench.run import run_once
+
+    backbone = int4_backbone("llama")
+    model = MedusaModel(backbone, random_heads(backbone))
+    methods = build_methods(model, ["baseline", "baseline@transformers", "medusa:chain_2@transformers"], [])
+    assert [(m.name, m.lean) for m in methods] == [
+        ("baseline", True), ("baseline@transformers", False), ("medusa:chain_2@transformers", False)]
+    with pytest.raises(ValueError, match="baseline and Medusa methods"):
+        build_methods(model, ["hf@transformers"], [])
+    passes = []
+    lean = model._steps.lean
+    model._steps.lean = lambda *args: passes.append(len(args[0])) or lean(*args)
+    runs = [run_once(model, m, torch.tensor([[5, 17, 40, 33]]), max_new_tokens=12) for m in methods]
+    assert passes == [1] * 11  # the lean pass ran the first reply's steps only
+    assert runs[0].output == runs[1].output == runs[2].output
+    assert model._steps.lean is not None  # given back after the @transformers replies

@@ -4,6 +4,7 @@ engine's n-gram drafts alone or beside the heads (``generate(drafts=...)``, issu
 from __future__ import annotations
 
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -13,6 +14,8 @@ from . import llama_cpp
 METHOD_KINDS = ("hf", "hf_pld", "llama_cpp", "baseline", "medusa")
 #: Method names that run this engine's n-gram drafts: alone (kind ``medusa``, no heads) or beside each tree.
 DRAFT_METHODS = ("ngram", "medusa+ngram")
+#: Suffix of a ``baseline`` or Medusa method name that runs it with transformers' forward, not the lean pass.
+TRANSFORMERS_PASS = "@transformers"
 #: Small trees benchmarked when the model ships none of its own.
 DEFAULT_TREES = ("chain_4", "sparse_8", "sparse_16", "sparse_32")
 
@@ -28,6 +31,8 @@ class Method:
         choices: the Medusa tree's paths (kind ``medusa`` only; empty for ``ngram``).
         drafts: ``generate(drafts=...)`` of kind ``medusa``: ``heads``, ``ngram`` or ``hybrid``.
         source: the GGUF file llama.cpp decodes (kind ``llama_cpp`` only).
+        lean: kinds ``baseline`` and ``medusa``: False runs transformers' forward instead of the compiled
+            decoding pass (``medusa_core.lean``): a name ending in ``TRANSFORMERS_PASS``, for before/after figures.
     """
 
     name: str
@@ -35,6 +40,7 @@ class Method:
     choices: tuple[tuple[int, ...], ...] = ()
     source: str = ""  # kind llama_cpp: the GGUF file
     drafts: str = "heads"
+    lean: bool = True
 
     @property
     def tree_nodes(self) -> int:
@@ -46,9 +52,16 @@ class Method:
 def build_methods(model: Any, methods: Sequence[str], trees: Sequence[str]) -> list[Method]:
     """Methods from names: ``hf``, ``hf_pld``, ``baseline``, ``medusa`` (one per tree in ``trees``),
     ``medusa:<tree>``, ``ngram`` (n-gram drafts only), ``medusa+ngram`` (the hybrid, one per tree) or
-    ``medusa+ngram:<tree>``. Raises ``ValueError`` for an unknown method or a tree the model cannot run."""
+    ``medusa+ngram:<tree>``; ``baseline`` and the Medusa names may end in ``TRANSFORMERS_PASS`` (transformers'
+    forward instead of the lean pass). Raises ``ValueError`` for an unknown method or a tree the model cannot run."""
     out: list[Method] = []
-    for name in methods:
+    for full_name in methods:
+        name = full_name.removesuffix(TRANSFORMERS_PASS)
+        if name != full_name:
+            if name == "baseline" or name.split(":", 1)[0] in ("medusa", "medusa+ngram", "ngram"):
+                out += [dataclasses.replace(m, name=m.name + TRANSFORMERS_PASS, lean=False) for m in build_methods(model, [name], trees)]
+                continue
+            raise ValueError(f"{TRANSFORMERS_PASS} applies to baseline and Medusa methods, not {name!r}")
         if name in ("hf", "hf_pld", "baseline"):
             out.append(Method(name, name))
         elif name == "llama_cpp":

@@ -12,6 +12,7 @@ from typing import Any
 
 from .prompts import encode_prompt, load_prompts
 from .report import _fmt, markdown_table
+from .methods import TRANSFORMERS_PASS
 from .stepsplit import STAGES, step_split
 
 
@@ -68,16 +69,22 @@ def cmd_profile(model: Any, args: argparse.Namespace, command: str) -> int:
 
 def split_table(model: Any, ids: list, args: argparse.Namespace, tree: str) -> list[str]:
     """Markdown lines: ms per decoding step by stage (``stepsplit.STAGES``) for a plain, a Medusa (``tree``)
-    and a hybrid (``tree`` + n-gram chain) step, ``args.rounds`` interleaved rounds, greedy."""
+    and a hybrid (``tree`` + n-gram chain) step, ``args.rounds`` interleaved rounds, greedy; with the lean pass
+    (``medusa_core.lean``) also the plain and Medusa steps through transformers' forward (``@transformers``), whose
+    split shows the int4 linears, attention and cache writes that the lean pass does in one call."""
+    import contextlib
     import time
 
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     kinds = {"plain": dict(medusa=False), f"medusa:{tree}": dict(tree=tree), f"medusa+ngram:{tree}": dict(tree=tree, drafts="hybrid")}
+    if model._steps.lean is not None:
+        kinds |= {f"plain{TRANSFORMERS_PASS}": dict(medusa=False), f"medusa:{tree}{TRANSFORMERS_PASS}": dict(tree=tree)}
     step_split(model, ids[:1], max_new_tokens=8, clock=clock)  # warm-up
     totals: dict[str, list] = {k: [] for k in kinds}
     for _ in range(args.rounds):  # interleaved: each round times every kind once
         for kind, kwargs in kinds.items():
-            totals[kind].append(step_split(model, ids, max_new_tokens=args.max_new_tokens, clock=clock, **kwargs))
+            with model._steps.transformers_pass() if kind.endswith(TRANSFORMERS_PASS) else contextlib.nullcontext():
+                totals[kind].append(step_split(model, ids, max_new_tokens=args.max_new_tokens, clock=clock, **kwargs))
     rows = []
     for kind, runs in totals.items():
         steps = sum(r["steps"] for r in runs)

@@ -8,6 +8,7 @@ rotated, and each ``Run`` records its thread count, so the accounting keeps one 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -178,13 +179,14 @@ def run_once(
     start = time.perf_counter()
     records = []
     first_at = None
-    for record in model.generate(
-        input_ids, max_new_tokens=max_new_tokens, medusa=method.kind == "medusa",
-        tree=[list(p) for p in method.choices] if method.choices else None, drafts=method.drafts,
-        config=config, sampling=sampling, seed=seed, draft_config=draft_config,
-    ):
-        first_at = first_at or time.perf_counter()
-        records.append(record)
+    with contextlib.nullcontext() if method.lean else model._steps.transformers_pass():  # "...@transformers"
+        for record in model.generate(
+            input_ids, max_new_tokens=max_new_tokens, medusa=method.kind == "medusa",
+            tree=[list(p) for p in method.choices] if method.choices else None, drafts=method.drafts,
+            config=config, sampling=sampling, seed=seed, draft_config=draft_config,
+        ):
+            first_at = first_at or time.perf_counter()
+            records.append(record)
     end = time.perf_counter()
     output = tuple(t for r in records for t in r.token_ids)
     return Run(

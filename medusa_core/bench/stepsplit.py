@@ -13,6 +13,8 @@ LM head's int4 pass inside the LM head) counts for the outer one only. Stages:
 - ``heads``: the Medusa heads' proposals (``StepRunner.candidates``, their LM-head pass included);
 - ``sampling``: the logits processors and acceptance (``NodeProcessors``, ``verify_tree``);
 - ``KV cache``: cache writes and compaction (``GrowingLayer.update``, ``compact_cache``);
+- ``lean pass``: the compiled decoder pass (``medusa_core.lean``: its int4 linears, attention and cache
+  writes in one call, which the three stages above then do not see);
 - ``rest``: the step's wall time minus the above (norms, RoPE, residuals, masks, module calls, Python).
 """
 
@@ -32,7 +34,7 @@ from ..processors import NodeProcessors
 from ..quant.layers import Int4Linear
 
 #: Stages of a step, in table order (``rest`` is what none of them covers).
-STAGES = ("int4 linears", "attention", "LM head", "heads", "sampling", "KV cache", "rest")
+STAGES = ("int4 linears", "attention", "LM head", "heads", "sampling", "KV cache", "lean pass", "rest")
 
 
 class _Clock:
@@ -78,6 +80,8 @@ def _timed_stages(model: Any, clock: _Clock) -> Iterator[None]:
         patch(NodeProcessors, "__call__", "sampling")
         patch(model._steps, "logits", "LM head")
         patch(model._steps, "candidates", "heads")
+        if model._steps.lean is not None:
+            patch(model._steps, "lean", "lean pass")
         AttentionInterface.register(invariant.ATTENTION, clock.wrap("attention", attention))
         try:
             yield
