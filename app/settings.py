@@ -105,9 +105,10 @@ class AppSettings(BaseSettings):
                              "sampling distribution) or typical acceptance (paper 2.3.1)"
     )
     tree: str | None = Field(None, description="initial tree name; default: the model's own default tree")
-    drafts: Literal["hybrid", "heads", "ngram"] = Field(
-        "hybrid", description="initial source of each step's candidates: hybrid (the heads' tree plus a chain copied from the "
-                              "conversation by prompt lookup), heads (the paper's Medusa) or ngram (prompt lookup only)"
+    drafts: Literal["heads", "hybrid", "ngram"] = Field(
+        "heads", description="initial source of each step's candidates: heads (the paper's Medusa; the fastest on the demo at both "
+                             "presets, docs/BENCH.md), hybrid (the heads' tree plus a chain copied from the conversation by prompt "
+                             "lookup) or ngram (prompt lookup only)"
     )
     # ---- live view and files
     redraw_interval_s: float = Field(0.25, ge=0.0, allow_inf_nan=False, description="seconds between redraws of the plots while a reply streams")

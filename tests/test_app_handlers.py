@@ -674,11 +674,12 @@ def test_while_loading_the_page_shows_a_progress_bar_against_the_last_load_time(
     assert "of about 20 s (the last load)" in later and "<progress" in later
 
 
-def test_replies_use_hybrid_drafts_by_default_and_the_drafts_control_reaches_the_engine(engine, settings, controls):
-    assert Controls.from_settings(settings).drafts == "hybrid" and controls.drafts == "hybrid"
+def test_replies_use_the_heads_drafts_by_default_and_the_drafts_control_reaches_the_engine(engine, settings, controls):
+    assert Controls.from_settings(settings).drafts == "heads" and controls.drafts == "heads"
+    assert handlers.controls.DRAFT_CHOICES[0][1] == "heads"  # the default first
     session = Session()
     send(engine, settings, session, controls)
-    assert {r.drafts for r in session.reply_rows(0)} == {"hybrid"}
+    assert {r.drafts for r in session.reply_rows(0)} == {"heads"}
     send(engine, settings, session, dataclasses.replace(controls, drafts="ngram"), "return")
     assert {r.drafts for r in session.reply_rows(1)} == {"ngram"}
     assert "from n-gram" in session.turns[1].stats
@@ -687,6 +688,7 @@ def test_replies_use_hybrid_drafts_by_default_and_the_drafts_control_reaches_the
 
 
 def test_regenerate_copies_from_the_reply_it_replaces_and_repeats_it_greedily(engine, settings, controls):
+    controls = dataclasses.replace(controls, drafts="hybrid")
     session = Session()
     send(engine, settings, session, controls)
     first = session.reply_rows(0)
@@ -707,6 +709,7 @@ def test_the_transcript_message_count_counts_each_user_message_and_each_reply(en
 
 
 def test_the_stats_line_names_the_tree_asked_for_even_when_a_step_verified_the_n_gram_chain_alone(engine, settings, controls):
+    controls = dataclasses.replace(controls, drafts="hybrid")
     session = Session()
     send(engine, settings, session, controls, "def add")
     turn = session.turns[0]
