@@ -680,6 +680,7 @@ def test_replies_use_the_heads_drafts_by_default_and_the_drafts_control_reaches_
     session = Session()
     send(engine, settings, session, controls)
     assert {r.drafts for r in session.reply_rows(0)} == {"heads"}
+    assert " from heads · " in session.turns[0].stats and "n-gram" not in session.turns[0].stats
     send(engine, settings, session, dataclasses.replace(controls, drafts="ngram"), "return")
     assert {r.drafts for r in session.reply_rows(1)} == {"ngram"}
     assert "from n-gram" in session.turns[1].stats

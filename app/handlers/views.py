@@ -95,7 +95,8 @@ def turn_stats(session: Session, turn: Turn) -> str:
         drafts = rows[0].drafts
         tree = "n-gram drafts" if drafts == "ngram" else f"tree {turn.tree}" + (" + n-gram" if drafts == "hybrid" else "")
         heads, ngram = sum(r.head_tokens for r in rows), sum(r.ngram_tokens for r in rows)
-        parts += [tree, f"{heads} from heads, {ngram} from n-gram"]
+        sources = {"heads": f"{heads} from heads", "ngram": f"{ngram} from n-gram"}
+        parts += [tree, sources.get(drafts, f"{heads} from heads, {ngram} from n-gram")]  # hybrid: both
     else:
         parts.append("Medusa off")
     parts.append(settings_label(rows[-1]))
