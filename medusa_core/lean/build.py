@@ -92,7 +92,7 @@ def _build(folder: Path, report: Callable[[str], None]) -> ModuleType | str:
     _building.set()
     try:
         module = cpp_extension.load(
-            name="medusa_lean", sources=[str(SOURCE)], build_directory=str(folder), extra_cflags=["-O2"], verbose=False
+            name="medusa_lean", sources=[str(SOURCE)], build_directory=str(folder), extra_cflags=["-O2", "-ffp-contract=off"], verbose=False
         )
     except (RuntimeError, OSError, ImportError) as e:  # a compiler error, a broken toolchain
         log.warning("the lean step could not be built: %s", e)

@@ -1,13 +1,18 @@
 // The lean decoding step (medusa_core/lean): the decoder layers of a Llama-family model with int4 linears,
 // for the short passes of decoding (one token, or a tree's few rows), in one call from Python.
 //
-// Every tensor operation below is the ATen operation that transformers' Llama modules and this project's
-// layers (quant/layers.py Int4Linear, invariant.py rowwise_attention, kvcache.py GrowingLayer) call, on the
-// same shapes, in the same order, so the results are the same bits; only the Python between them is gone.
-// tests/test_lean.py compares the two paths bit for bit.
+// Every value is computed as transformers' Llama modules and this project's layers (quant/layers.py Int4Linear,
+// invariant.py rowwise_attention, kvcache.py GrowingLayer) compute it, so the results are the same bits
+// (tests/test_lean.py compares the two paths bit for bit). Reductions, products, attention and SiLU are the same
+// ATen calls on the same shapes. Chains of elementwise operations (RMSNorm after its mean, RoPE, casts, residual
+// adds, the cache writes) are one loop each instead of one ATen kernel per operation: every step of such a chain
+// is a single IEEE operation (a product, a sum, a negation, 1/√x, a cast rounded to nearest-even), rounded where
+// ATen rounds it, in the same order, and the file is built with -ffp-contract=off so that no product and sum
+// fuse into one rounding.
 
 #include <torch/extension.h>
 
+#include <cmath>
 #include <vector>
 
 namespace {
@@ -32,19 +37,79 @@ Tensor int4_linear(const Tensor& x, const Int4& w) {
   return w.bias ? out + w.bias->to(out.scalar_type()) : out;
 }
 
+// The int4-pack product alone: x [M, K] bfloat16 -> [M, N] bfloat16 (the bias and the cast back are the caller's).
+Tensor int4_mm(const Tensor& x, const Int4& w) {
+  return at::_weight_int4pack_mm_for_cpu(x, w.packed, kGroupSize, w.scale_zero);
+}
+
+// A bfloat16 matrix [M, ≥ offset + width] read as float32, with a float32 bias [width] added (Int4Linear's
+// `.to(float32)` then `+ bias`): element (r, j) of the columns offset .. offset + width − 1.
+struct Columns {
+  const c10::BFloat16* data;
+  int64_t row_stride;
+  const float* bias;  // nullptr: none
+  float operator()(int64_t r, int64_t j) const {
+    float x = static_cast<float>(data[r * row_stride + j]);
+    return bias ? x + bias[j] : x;
+  }
+};
+
+Columns columns(const Tensor& m, int64_t offset, const c10::optional<Tensor>& bias, int64_t bias_offset) {
+  TORCH_CHECK(m.scalar_type() == at::kBFloat16 && m.stride(1) == 1, "columns: a bfloat16 matrix with unit column stride");
+  return Columns{m.data_ptr<c10::BFloat16>() + offset, m.stride(0), bias ? bias->data_ptr<float>() + bias_offset : nullptr};
+}
+
+// LlamaRMSNorm.forward, then Int4Linear's cast: bf16(w · (h · 1/√(mean(h²) + eps))) as [N, H] bfloat16. The
+// mean is ATen's (its summation order); 1/√ is what at::rsqrt computes (1 / sqrt, both correctly rounded).
+Tensor norm_bf16(const Tensor& hidden, const Tensor& weight, double eps) {
+  const int64_t n = hidden.size(1), width = hidden.size(2);
+  Tensor variance = hidden.pow(2).mean(-1, true);  // [1, N, 1]
+  Tensor out = at::empty({n, width}, hidden.options().dtype(at::kBFloat16));
+  const float* h = hidden.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  const float* var = variance.data_ptr<float>();
+  auto* o = out.data_ptr<c10::BFloat16>();
+  const float e = static_cast<float>(eps);  // ATen adds a Python float to a float32 tensor in float32
+  for (int64_t r = 0; r < n; ++r) {
+    const float inv = 1.0f / std::sqrt(var[r] + e);
+    for (int64_t i = 0; i < width; ++i) {
+      const float y = h[r * width + i] * inv;
+      o[r * width + i] = c10::BFloat16(w[i] * y);
+    }
+  }
+  return out;
+}
+
+// apply_rotary_pos_emb on one row's head: out = x·cos + rotate_half(x)·sin, rotate_half(x) = (−x₂, x₁).
+template <typename Write>
+void rope_head(const Columns& src, int64_t r, int64_t base, int64_t dh, const float* cos, const float* sin, Write write) {
+  const int64_t half = dh / 2;
+  for (int64_t d = 0; d < dh; ++d) {
+    const float x = src(r, base + d);
+    const float rotated = d < half ? -src(r, base + d + half) : src(r, base + d - half);
+    const float a = x * cos[d];
+    const float b = rotated * sin[d];
+    write(d, a + b);
+  }
+}
+
+// float(a) + b over [N, H]: the residual add after a product (Int4Linear's cast and bias, then `residual + out`).
+Tensor residual_add(const Tensor& residual, const Columns& out) {
+  const int64_t n = residual.size(1), width = residual.size(2);
+  Tensor sum = at::empty_like(residual);
+  const float* h = residual.data_ptr<float>();
+  float* s = sum.data_ptr<float>();
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t i = 0; i < width; ++i) s[r * width + i] = h[r * width + i] + out(r, i);
+  return sum;
+}
+
 // LlamaRMSNorm.forward.
 Tensor rms_norm(const Tensor& h, const Tensor& weight, double eps) {
   Tensor x = h.to(at::kFloat);
   Tensor variance = x.pow(2).mean(-1, true);
   x = x * at::rsqrt(variance + eps);
   return weight * x.to(h.scalar_type());
-}
-
-// rotate_half / apply_rotary_pos_emb of modeling_llama (cos, sin already unsqueezed to [1, 1, N, Dh]).
-Tensor rotary(const Tensor& x, const Tensor& cos, const Tensor& sin) {
-  int64_t half = x.size(-1) / 2;
-  Tensor rotated = at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
-  return (x * cos) + (rotated * sin);
 }
 
 // Several int4 linears of the same input as one: their packed rows and scales side by side. The int4-pack kernel
@@ -133,45 +198,84 @@ class LeanDecoder {
     for (size_t g = 0; g < groups.size(); ++g) {
       in_order = in_order && groups[g].span && (g == 0 || groups[g - 1].last == groups[g].first);
     }
-    Tensor cos = cos_in.unsqueeze(1), sin = sin_in.unsqueeze(1);  // [1, 1, N, Dh]
+    TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.is_contiguous(), "hidden states: contiguous float32");
+    const Tensor cos = cos_in.to(at::kFloat).contiguous(), sin = sin_in.to(at::kFloat).contiguous();  // [1, N, Dh]
+    const float* cos_p = cos.data_ptr<float>();
+    const float* sin_p = sin.data_ptr<float>();
     const bool gqa = num_heads_ != num_kv_heads_;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& w = layers_[i];
-      Tensor residual = hidden;
-      Tensor x = rms_norm(hidden, w.input_norm, w.eps);
-      // LlamaAttention.forward
-      Tensor q, k, v;
+      Tensor x = norm_bf16(hidden, w.input_norm, w.eps);  // [N, H]
+      // LlamaAttention.forward: q, k, v (one product or three), RoPE, the cache's new entries
+      Columns q, k, v;
+      Tensor qkv, q_out, k_out, v_out;  // keep the products alive while their columns are read
       if (w.qkv) {
-        Tensor qkv = int4_linear(x, *w.qkv);
-        q = qkv.narrow(-1, 0, w.q.out_features);
-        k = qkv.narrow(-1, w.q.out_features, w.k.out_features);
-        v = qkv.narrow(-1, w.q.out_features + w.k.out_features, w.v.out_features);
+        qkv = int4_mm(x, *w.qkv);
+        const int64_t nq = w.q.out_features, nk = w.k.out_features;
+        q = columns(qkv, 0, w.qkv->bias, 0), k = columns(qkv, nq, w.qkv->bias, nq), v = columns(qkv, nq + nk, w.qkv->bias, nq + nk);
       } else {
-        q = int4_linear(x, w.q), k = int4_linear(x, w.k), v = int4_linear(x, w.v);
+        q_out = int4_mm(x, w.q), k_out = int4_mm(x, w.k), v_out = int4_mm(x, w.v);
+        q = columns(q_out, 0, w.q.bias, 0), k = columns(k_out, 0, w.k.bias, 0), v = columns(v_out, 0, w.v.bias, 0);
       }
-      q = q.view({1, n, -1, head_dim_}).transpose(1, 2);
-      k = k.view({1, n, -1, head_dim_}).transpose(1, 2);
-      v = v.view({1, n, -1, head_dim_}).transpose(1, 2);
-      q = rotary(q, cos, sin);
-      k = rotary(k, cos, sin);
-      // GrowingLayer.update: the new entries written in place, the cache read through views
-      key_buffers[i].slice(2, length, length + n).copy_(k);
-      value_buffers[i].slice(2, length, length + n).copy_(v);
-      Tensor keys = key_buffers[i].slice(2, 0, length + n), values = value_buffers[i].slice(2, 0, length + n);
-      Tensor attn = attention(q, keys, values, groups, in_order, gqa);  // [1, N, Hq, Dh]
-      attn = attn.reshape({1, n, -1}).contiguous();
-      hidden = residual + int4_linear(attn, w.o);
-      // LlamaMLP.forward
-      residual = hidden;
-      x = rms_norm(hidden, w.post_norm, w.eps);
-      Tensor act;
+      Tensor query = at::empty({1, n, num_heads_, head_dim_}, hidden.options());  // as RoPE's output is laid out
+      float* qp = query.data_ptr<float>();
+      // GrowingLayer.update: the new entries written in place at length.., the cache read through views
+      const Tensor& kb = key_buffers[i];
+      const Tensor& vb = value_buffers[i];
+      TORCH_CHECK(kb.scalar_type() == at::kFloat && vb.scalar_type() == at::kFloat, "the cache holds float32 entries");
+      float* kp = kb.data_ptr<float>();
+      float* vp = vb.data_ptr<float>();
+      const int64_t hs = kb.stride(1), ps = kb.stride(2), vhs = vb.stride(1), vps = vb.stride(2);
+      for (int64_t r = 0; r < n; ++r) {
+        const float* c = cos_p + r * head_dim_;
+        const float* s = sin_p + r * head_dim_;
+        for (int64_t h = 0; h < num_heads_; ++h) {
+          float* dst = qp + (r * num_heads_ + h) * head_dim_;
+          rope_head(q, r, h * head_dim_, head_dim_, c, s, [dst](int64_t d, float value) { dst[d] = value; });
+        }
+        for (int64_t h = 0; h < num_kv_heads_; ++h) {
+          float* kd = kp + h * hs + (length + r) * ps;
+          float* vd = vp + h * vhs + (length + r) * vps;
+          rope_head(k, r, h * head_dim_, head_dim_, c, s, [kd](int64_t d, float value) { kd[d] = value; });
+          for (int64_t d = 0; d < head_dim_; ++d) vd[d] = v(r, h * head_dim_ + d);
+        }
+      }
+      Tensor keys = kb.slice(2, 0, length + n), values = vb.slice(2, 0, length + n);
+      Tensor attn = attention(query.transpose(1, 2), keys, values, groups, in_order, gqa);  // [1, N, Hq, Dh], any strides
+      Tensor a = at::empty({n, num_heads_ * head_dim_}, hidden.options().dtype(at::kBFloat16));  // o_proj's cast
+      auto* ap = a.data_ptr<c10::BFloat16>();
+      const float* at_p = attn.data_ptr<float>();
+      for (int64_t r = 0; r < n; ++r)
+        for (int64_t h = 0; h < num_heads_; ++h)
+          for (int64_t d = 0; d < head_dim_; ++d)
+            ap[(r * num_heads_ + h) * head_dim_ + d] =
+                c10::BFloat16(at_p[r * attn.stride(1) + h * attn.stride(2) + d * attn.stride(3)]);
+      Tensor o = int4_mm(a, w.o);
+      hidden = residual_add(hidden, columns(o, 0, w.o.bias, 0));
+      // LlamaMLP.forward: down(silu(gate(x)) * up(x))
+      x = norm_bf16(hidden, w.post_norm, w.eps);
+      const int64_t inter = w.gate.out_features;
+      Tensor gate, up_out;
+      Columns up;
       if (w.gate_up) {
-        Tensor gate_up = int4_linear(x, *w.gate_up);
-        act = at::silu(gate_up.narrow(-1, 0, w.gate.out_features)) * gate_up.narrow(-1, w.gate.out_features, w.up.out_features);
+        up_out = int4_mm(x, *w.gate_up);
+        gate = up_out.narrow(1, 0, inter).to(at::kFloat);  // a contiguous [N, I], as gate_proj's output is
+        if (w.gate_up->bias) gate = gate + w.gate_up->bias->narrow(0, 0, inter);
+        up = columns(up_out, inter, w.gate_up->bias, inter);
       } else {
-        act = at::silu(int4_linear(x, w.gate)) * int4_linear(x, w.up);
+        gate = int4_mm(x, w.gate).to(at::kFloat);
+        if (w.gate.bias) gate = gate + *w.gate.bias;
+        up_out = int4_mm(x, w.up);
+        up = columns(up_out, 0, w.up.bias, 0);
       }
-      hidden = residual + int4_linear(act, w.down);
+      Tensor silu = at::silu(gate);  // ATen's (vectorised exp): the one elementwise op not written out here
+      Tensor act = at::empty({n, inter}, hidden.options().dtype(at::kBFloat16));  // down_proj's cast
+      const float* sp = silu.data_ptr<float>();
+      auto* actp = act.data_ptr<c10::BFloat16>();
+      for (int64_t r = 0; r < n; ++r)
+        for (int64_t j = 0; j < inter; ++j) actp[r * inter + j] = c10::BFloat16(sp[r * inter + j] * up(r, j));
+      Tensor down = int4_mm(act, w.down);
+      hidden = residual_add(hidden, columns(down, 0, w.down.bias, 0));
     }
     return rms_norm(hidden, final_norm_, final_eps_);
   }
@@ -191,7 +295,7 @@ class LeanDecoder {
     if (groups.empty()) {  // one-token decoding: every key, as a view of the cache
       TORCH_CHECK(n == 1, "a pass of ", n, " rows needs its row groups");
       Tensor out = at::scaled_dot_product_attention(query, key, value, {}, 0.0, false, scaling_, gqa);
-      return out.transpose(1, 2).contiguous();
+      return out.transpose(1, 2);
     }
     std::vector<Tensor> outs;
     for (const Group& g : groups) {

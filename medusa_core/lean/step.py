@@ -62,6 +62,10 @@ def unsupported(backbone: nn.Module) -> str:
             return f"layer {i} is not a plain Llama-family layer"
     if type(decoder.norm).__name__ not in _NORMS:
         return "the final norm is not an RMS norm"
+    norms = [decoder.norm] + [n for layer in decoder.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    embedded = getattr(decoder.embed_tokens, "out_dtype", decoder.embed_tokens.weight.dtype)  # BF16Embedding: float32 out
+    if any(n.weight.dtype != torch.float32 for n in norms) or embedded != torch.float32:
+        return "the lean step computes in float32 (the CPU's compute dtype), not in this model's dtype"
     return ""
 
 
