@@ -1,0 +1,67 @@
+"""What an extra tree row costs this engine: one verification pass of n tree tokens vs one token (issue 27).
+
+Runs ``StepRunner.tree_forward`` (the backbone's pass and the LM head, what a Medusa step verifies with) on the
+demo for a chain of n tokens after a 200-token context, removes the n entries again, and prints the median
+wall time per pass with the lean step and with transformers' forward, interleaved (the heads' proposal,
+sampling and the cache update are not in it: ``python -m medusa_core.bench profile --split-only`` has them).
+
+    python scripts/step_rows.py --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 8])
+    p.add_argument("--repeats", type=int, default=40)
+    p.add_argument("--context", type=int, default=200)
+    args = p.parse_args()
+    import torch
+
+    from medusa_core import load_medusa_model
+    from medusa_core.steptree import static_tree
+
+    torch.set_num_threads(args.threads)
+    model = load_medusa_model("demo")
+    runner = model._steps
+    cache = model._new_cache()
+    with torch.inference_mode():
+        runner.decoder(input_ids=torch.arange(1000, 1000 + args.context)[None], cache=cache, use_cache=True)
+    trees = {n: static_tree(f"chain_{n - 1}", [[0] * d for d in range(1, n)], model.dtype, model.device) for n in args.rows}
+    passes = {"lean": runner.lean, "transformers": None}
+    times: dict[tuple[str, int], list[float]] = {(k, n): [] for k in passes for n in args.rows}
+    with torch.inference_mode():
+        for repeat in range(args.repeats + 3):  # 3 warm-up rounds
+            for kind, lean in passes.items():
+                runner.lean = lean
+                for n, tree in trees.items():
+                    tokens = torch.arange(500, 500 + n)
+                    start = time.perf_counter()
+                    runner.tree_forward(tree, tokens, args.context, cache)
+                    spent = time.perf_counter() - start
+                    cache.crop(-n)
+                    if repeat >= 3:
+                        times[kind, n].append(spent)
+    runner.lean = passes["lean"]
+    print(f"median wall ms per verification pass after {args.context} tokens ({args.threads} threads, {args.repeats} interleaved rounds)")
+    print("rows  " + "  ".join(f"{k:>22s}" for k in passes))
+    for n in args.rows:
+        cells = []
+        for kind in passes:
+            ms, one = (1e3 * statistics.median(times[kind, m]) for m in (n, args.rows[0]))
+            cells.append(f"{ms:7.2f} ms ({(ms - one) / one / max(n - 1, 1):.3f}/row)" if n > 1 else f"{ms:7.2f} ms            ")
+        print(f"{n:4d}  " + "  ".join(f"{c:>22s}" for c in cells))
+
+
+if __name__ == "__main__":
+    main()
