@@ -3,9 +3,11 @@
 On this project's CPU more than half of a one-token step was overhead around the int4 linears: Python
 module calls, hooks, output capture, thousands of small ops (docs/BENCH.md, "Where a step's time goes").
 ``LeanStep`` runs the decoder layers of a pass of at most ``MAX_ROWWISE`` rows (a decoding step: one token
-or a tree) through ``lean_step.cpp``, which calls the same ATen operations as transformers' Llama modules
-and this project's layers, on the same shapes and in the same order, so the hidden states are the same
-bits (``tests/test_lean.py``): greedy output stays HF ``generate``'s and greedy Medusa stays plain greedy.
+or a tree) through ``lean_step.cpp``, which computes every value as transformers' Llama modules and this
+project's layers do: the same ATen calls for reductions, products, attention and SiLU, and chains of
+elementwise operations as loops of the same IEEE operations in the same order. The hidden states are the
+same bits (``tests/test_lean.py``): greedy output stays HF ``generate``'s and greedy Medusa stays plain greedy.
+On the demo a plain step takes 7.1 ms instead of 15.6 ms (docs/BENCH.md, "The lean step").
 The token embedding and the rotary embedding are the model's own modules (RoPE scaling included); the
 LM head and everything after it are unchanged. Prompts are read by transformers' forward as before.
 
