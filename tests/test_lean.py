@@ -49,7 +49,7 @@ def _tree_mask(tree, cur_len):
 
 #: 128 wide with 4 heads of 32: q, k and v fill whole tiles of the packed layout, so the step fuses them (the demo's
 #: case); the default 64-wide model's k and v (32 rows) do not, so they run one by one.
-WIDE = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+WIDE = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}
 
 
 @pytest.mark.parametrize("shape", [{}, WIDE], ids=["narrow", "wide"])

@@ -3,10 +3,10 @@ engine's n-gram drafts alone or beside the heads (``generate(drafts=...)``, issu
 
 from __future__ import annotations
 
-
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from . import llama_cpp
 

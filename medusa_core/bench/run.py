@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -20,7 +21,6 @@ from ..processors import SamplingConfig
 from . import llama_cpp
 from .methods import Method
 from .prompts import Prompt, encode_prompt
-
 
 LOOP_NGRAM = 6  # a reply "loops" when some LOOP_NGRAM-token sequence occurs ...
 LOOP_TIMES = 4  # ... at least this many times (issue 21's measure of degenerate replies)

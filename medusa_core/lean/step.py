@@ -19,7 +19,8 @@ batch-invariant attention (``invariant.ATTENTION``). Anything else keeps transfo
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -109,7 +110,7 @@ class LeanStep:
         return qkv, gate_up
 
     @classmethod
-    def for_backbone(cls, backbone: nn.Module, report: Callable[[str], None] | None = None) -> tuple["LeanStep | None", str]:
+    def for_backbone(cls, backbone: nn.Module, report: Callable[[str], None] | None = None) -> tuple[LeanStep | None, str]:
         """``(LeanStep, "")`` for a supported backbone (compiling the extension on first use, with ``report`` told),
         else ``(None, why)``: the backbone is not supported, ``$MEDUSA_LEAN_STEP`` is 0, or the extension cannot be
         built here."""
