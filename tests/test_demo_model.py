@@ -53,6 +53,19 @@ def test_the_demo_loads_a_4bit_smollm2_backbone_and_answers_the_capital_of_franc
     assert "Paris" in demo.tokenizer.decode(tokens, skip_special_tokens=True)
 
 
+def test_the_demo_decodes_with_the_lean_step_where_it_can_be_built_and_gives_transformers_replies(demo):
+    from medusa_core.lean import build
+
+    module, why = build.load_extension()
+    assert demo.describe()["step"] == ("lean" if module is not None else "transformers"), why
+    assert demo._steps.lean is None or demo._steps.lean.fused == (30, 30)  # q/k/v and gate/up fused in every layer
+    ids = _ids(demo, PROMPTS[0])
+    lean = [t for r in demo.generate(ids, max_new_tokens=24, temperature=0) for t in r.token_ids]
+    with demo._steps.transformers_pass():
+        reference = [t for r in demo.generate(ids, max_new_tokens=24, temperature=0) for t in r.token_ids]
+    assert lean == reference
+
+
 def test_greedy_medusa_on_the_demo_equals_plain_greedy_and_accepts_several_tokens_per_step(demo):
     tokens = steps = 0
     for text in PROMPTS:
