@@ -332,6 +332,11 @@ def test_replies_are_shaped_by_the_models_tuned_threshold_which_the_model_panel_
     panel = handlers.model_panel(engine, session)
     assert "| tree shaping | τ = 0.1: a head node is verified when its calibrated path probability reaches it" in panel
     assert "head temperatures 50, 50, 50, 50" in panel
+    from medusa_core.tuned import TunedSettings
+
+    tuned = {"greedy": TunedSettings("greedy", "sparse_16", 0.4, "greedy"), "chat": TunedSettings("chat", "sparse_16", 0.46, "chat")}
+    monkeypatch.setattr(engine.model, "tuned", tuned)  # a reply takes its settings' τ: the panel gives each
+    assert "| tree shaping | τ = 0.4 at greedy, τ = 0.46 at the chat defaults: a head node" in handlers.model_panel(engine, Session())
 
 
 def test_the_model_panel_names_the_tree_of_the_latest_reply(engine, settings, controls):

@@ -182,7 +182,7 @@ def model_panel(engine: Engine, session: Session | None = None) -> str:
         ("Medusa heads", f"{d['num_heads']} ({d['head_layers']} residual block{'s' if d['head_layers'] != 1 else ''} each)"),
         ("context window", f"{d['max_context']} tokens"),
         ("tree in use", f"{in_use} (latest reply)" if in_use else f"{d['default_tree']} (the model's default)"),
-        ("tree shaping", _shaping(d)),
+        ("tree shaping", _shaping(d, model.tuned)),
         ("chat template", "the tokenizer's" if getattr(model.tokenizer, "chat_template", None) else "Vicuna v1.1 (the tokenizer has none)"),
         ("default system prompt", html.escape(template_system_prompt(model.tokenizer) or "none (the template writes none)")),
         ("weights", f"{d['parameter_bytes'] / 2**20:.1f} MiB"),
@@ -193,11 +193,16 @@ def model_panel(engine: Engine, session: Session | None = None) -> str:
     return f"| {k0} | {v0} |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rest)
 
 
-def _shaping(d: dict) -> str:
-    """The model's tuned tree shaping (``MedusaModel.min_head_probability``, ``head_temperatures``) in words."""
-    if not d["min_head_probability"]:
+def _shaping(d: dict, tuned: dict) -> str:
+    """The model's tuned tree shaping in words: τ per settings preset where ``bench tune`` measured one
+    (``MedusaModel.tuned``: a reply uses its settings' τ), else ``MedusaModel.min_head_probability``; and the heads'
+    temperatures."""
+    per_preset = {p: t.min_head_probability for p, t in tuned.items() if t.min_head_probability}
+    if not per_preset and not d["min_head_probability"]:
         return "off: every node of the tree is verified (no tuned τ)"
-    return (f"τ = {d['min_head_probability']:g}: a head node is verified when its calibrated path probability reaches it "
+    tau = (", ".join(f"τ = {v:g} at {'greedy' if p == 'greedy' else 'the chat defaults'}" for p, v in per_preset.items())
+           if per_preset else f"τ = {d['min_head_probability']:g}")
+    return (f"{tau}: a head node is verified when its calibrated path probability reaches it "
             f"(`bench tune`; head temperatures {', '.join(f'{t:g}' for t in d['head_temperatures'])})")
 
 
