@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .methods import TRANSFORMERS_PASS
 from .prompts import encode_prompt, load_prompts
 from .report import _fmt, markdown_table
-from .methods import TRANSFORMERS_PASS
 from .stepsplit import STAGES, step_split
 
 

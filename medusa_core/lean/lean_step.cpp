@@ -27,17 +27,7 @@ struct Int4 {
   int64_t out_features;
 };
 
-// Int4Linear.forward: x rounded to bfloat16, the int4-pack kernel, back to x's dtype, then the bias.
-Tensor int4_linear(const Tensor& x, const Int4& w) {
-  auto shape = x.sizes().vec();
-  Tensor flat = x.reshape({-1, x.size(-1)}).to(at::kBFloat16);
-  Tensor out = at::_weight_int4pack_mm_for_cpu(flat, w.packed, kGroupSize, w.scale_zero);
-  shape.back() = w.out_features;
-  out = out.to(x.scalar_type()).reshape(shape);
-  return w.bias ? out + w.bias->to(out.scalar_type()) : out;
-}
-
-// The int4-pack product alone: x [M, K] bfloat16 -> [M, N] bfloat16 (the bias and the cast back are the caller's).
+// Int4Linear.forward's product alone: x [M, K] bfloat16 -> [M, N] bfloat16 (the bias and the cast back are the caller's).
 Tensor int4_mm(const Tensor& x, const Int4& w) {
   return at::_weight_int4pack_mm_for_cpu(x, w.packed, kGroupSize, w.scale_zero);
 }
@@ -129,10 +119,10 @@ c10::optional<Int4> fuse(const std::vector<const Int4*>& parts) {
   }
   Int4 fused{at::cat(packed, 0), at::cat(scale_zero, 1),
              bias.empty() ? c10::nullopt : c10::optional<Tensor>(at::cat(bias, 0)), out};
-  Tensor probe = at::randn({3, parts[0]->packed.size(1) * 2});  // K = 2 × the packed bytes per row
+  Tensor probe = at::randn({3, parts[0]->packed.size(1) * 2}).to(at::kBFloat16);  // K = 2 × the packed bytes per row
   std::vector<Tensor> separate;
-  for (const Int4* p : parts) separate.push_back(int4_linear(probe, *p));
-  if (!at::equal(int4_linear(probe, fused), at::cat(separate, -1))) return c10::nullopt;
+  for (const Int4* p : parts) separate.push_back(int4_mm(probe, *p));
+  if (!at::equal(int4_mm(probe, fused), at::cat(separate, -1))) return c10::nullopt;
   return fused;
 }
 
