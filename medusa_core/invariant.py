@@ -16,17 +16,24 @@ the few ops that are not, and test 1-row against N-row results bit for bit):
   computed over exactly the keys it may see, in cache order, as a query of length 1: the same
   computation, on the same values, that one-token decoding makes at that position (keys 0..p), so the
   result is the same bits. Rows with as many keys go as one call, in SDPA's batch dimension. Passes of more than ``MAX_ROWWISE`` rows (a long prompt's prefill, shared by every
-  decoding mode) use transformers' SDPA as they are.
+  decoding mode) use transformers' SDPA as they are. Where the lean step's C++ extension is built
+  (``medusa_core.lean``), ``kernel_attention`` runs every row of a pass in one call per layer instead
+  (``row_attention`` in ``lean_step.cpp``: one work item per row and KV head over the row's own keys, read
+  in place from the cache, every sum in a fixed order), about twice as fast as SDPA on one row, and the same
+  bits for a row whatever the other rows are (``tests/test_invariance.py``).
 - the LM head: ``int4_lm_head`` for a 4-bit backbone (a 4-bit first pass, the top logits refined in
   float32), ``RowwiseLinear`` for a float32 one.
 
 It is registered with transformers' public ``AttentionInterface`` / ``AttentionMaskInterface`` under
-``ATTENTION`` and selected with ``model.set_attn_implementation``; no modelling code is copied.
+``ATTENTION`` (SDPA rows) and ``ATTENTION_KERNEL`` (the compiled rows), and selected per model with
+``model.set_attn_implementation``, so a model keeps one attention for its life; no modelling code is copied.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
+from types import ModuleType
 from typing import NamedTuple
 
 import torch
@@ -38,8 +45,12 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .quant.layers import int4_lm_head
 
-#: Name of the attention implementation (``config._attn_implementation``).
+#: Name of the attention implementation whose rows run as SDPA calls (``config._attn_implementation``).
 ATTENTION = "medusa_rowwise"
+#: Name of the one whose rows run through the compiled ``row_attention`` (``kernel_attention``).
+ATTENTION_KERNEL = "medusa_rowwise_kernel"
+#: Both batch-invariant attentions.
+ROWWISE = (ATTENTION, ATTENTION_KERNEL)
 #: Largest pass (query rows) run row by row: decoding steps and trees; longer passes are prefills.
 MAX_ROWWISE = 64
 #: Keyword the engine passes through the decoder while it reads a prompt (``prefill.read_prompt``): a
@@ -106,6 +117,69 @@ def rowwise_attention(
         return rows.view(1, n, query.shape[1], query.shape[3]), None  # rows in order (a tree listed by depth)
     order = torch.cat([g.index for g in groups])
     return rows.new_empty(rows.shape).index_copy_(0, order, rows).view(1, n, query.shape[1], query.shape[3]), None
+
+
+# The compiled extension whose ``row_attention`` ``kernel_attention`` calls (set by ``make_batch_invariant``).
+_kernel: list[ModuleType] = []
+
+
+def kernel_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """``rowwise_attention`` with every row of a pass in one compiled call (``lean_step.cpp`` ``row_attention``).
+
+    Args and returns as ``rowwise_attention``. Each query row is computed over exactly its visible keys
+    (``row_keys``), read in place from the cache in cache order, as one work item per (row, KV head) whose every
+    sum runs in a fixed order: row i's output is the same bits whatever the other rows are, and within ~2e-7
+    of SDPA's. The passes ``rowwise_attention`` hands to SDPA (batches, more than ``MAX_ROWWISE`` rows, a
+    prompt's reading of several tokens after cached entries, where SDPA's matrix products are faster) go to SDPA
+    here too; a prompt read token by token stays here, as decoding.
+    Raises ``RuntimeError`` when no kernel was loaded (``make_batch_invariant`` selects this one only then).
+    """
+    n, length = query.shape[2], key.shape[2]
+    reading_after_cache = kwargs.pop(READING, False) and length > n > 1
+    if n > MAX_ROWWISE or query.shape[0] != 1 or reading_after_cache:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if not _kernel:
+        raise RuntimeError(f"{ATTENTION_KERNEL!r} needs the lean step's compiled extension (make_batch_invariant loads it)")
+    rows = row_keys(attention_mask, n, length)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = _kernel[0].row_attention(query[0].transpose(0, 1), key[0], value[0], rows.prefix, rows.offsets, rows.extras, scale)
+    return out[None], None  # [1, N, H, Dh]
+
+
+class RowKeys(NamedTuple):
+    """The keys each query row of a pass sees: positions 0 .. prefix[i]−1, then ``extras[offsets[i]:offsets[i+1]]``
+    (ascending, each at least prefix[i]): the form ``row_attention`` reads."""
+
+    prefix: list[int]  # [N]
+    offsets: list[int]  # [N + 1]
+    extras: torch.Tensor  # [Σ extras] int64
+
+
+_last_keys: list = [lambda: None, None]  # [weakref to the mask, its RowKeys], as _last_groups
+
+
+def row_keys(mask: torch.Tensor | None, n: int, length: int) -> RowKeys:
+    """``RowKeys`` of a pass of ``n`` rows over ``length`` keys; ``mask`` as ``rowwise_attention`` takes it
+    (None: causal, row i sees keys 0 .. L−N+i). Read once per mask."""
+    if mask is None:
+        return RowKeys([length - n + i + 1 for i in range(n)], [0] * (n + 1), torch.empty(0, dtype=torch.long))
+    if _last_keys[0]() is not mask:
+        visible = mask[0, 0, -n:]
+        visible = visible if visible.dtype == torch.bool else visible > torch.finfo(visible.dtype).min / 2  # [N, L]
+        prefix = visible.cumprod(dim=-1).sum(dim=-1)  # [N] leading run of visible keys
+        beyond = visible & (torch.arange(length) >= prefix[:, None])  # [N, L] the rest
+        offsets = [0] + beyond.sum(dim=-1).cumsum(0).tolist()
+        _last_keys[:] = [weakref.ref(mask), RowKeys(prefix.tolist(), offsets, beyond.nonzero()[:, 1].contiguous())]
+    return _last_keys[1]
 
 
 class _RowGroup(NamedTuple):
@@ -189,22 +263,39 @@ class RowwiseLinear(nn.Linear):
 
 
 def register() -> None:
-    """Make ``ATTENTION`` known to transformers (idempotent): ``rowwise_attention`` and SDPA's mask format."""
-    AttentionInterface.register(ATTENTION, rowwise_attention)
-    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+    """Make ``ATTENTION`` and ``ATTENTION_KERNEL`` known to transformers (idempotent): ``rowwise_attention`` and
+    ``kernel_attention``, with SDPA's mask format."""
+    for name, function in ((ATTENTION, rowwise_attention), (ATTENTION_KERNEL, kernel_attention)):
+        AttentionInterface.register(name, function)
+        AttentionMaskInterface.register(name, sdpa_mask)
 
 
-def make_batch_invariant(model: nn.Module, *, quantized: bool) -> nn.Module:
+def load_kernel(report: Callable[[str], None] | None = None) -> tuple[bool, str]:
+    """Load the compiled ``row_attention`` (``medusa_core.lean``, compiling it on a first start with ``report``
+    told): ``(True, "")``, or ``(False, why)`` when ``$MEDUSA_LEAN_STEP`` is 0 or it cannot be built here."""
+    from .lean.build import ENV, enabled, load_extension  # the lean package imports this module
+
+    if not enabled():
+        return False, f"the lean step is turned off (${ENV}=0)"
+    module, why = load_extension(report)
+    if module is None:
+        return False, why
+    _kernel[:] = [module]
+    return True, ""
+
+
+def make_batch_invariant(model: nn.Module, *, quantized: bool, report: Callable[[str], None] | None = None) -> nn.Module:
     """Make a CPU causal LM's decoding step batch-invariant, in place; returns the model.
 
-    Selects ``rowwise_attention``. Float ``nn.Linear`` layers become ``RowwiseLinear`` (same
+    Selects ``kernel_attention`` where the compiled row attention loads (``load_kernel``: ``report`` is told of a
+    first-start compile), else ``rowwise_attention``. Float ``nn.Linear`` layers become ``RowwiseLinear`` (same
     weights) when the decoder's linears are float too (``quantized=False``); with a 4-bit decoder
     (``Int4Linear``, bitsandbytes NF4: batch-invariant kernels already) a float LM head is replaced by
     ``int4_lm_head``: a 4-bit first pass whose top logits each row refines in float32 (a tied
     input embedding keeps its own weights).
     """
     register()
-    model.set_attn_implementation(ATTENTION)
+    model.set_attn_implementation(ATTENTION_KERNEL if load_kernel(report)[0] else ATTENTION)
     head = model.get_output_embeddings()
     if quantized:
         if type(head) is nn.Linear:

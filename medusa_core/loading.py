@@ -147,7 +147,7 @@ def load_medusa_model(
                                     f"expected {' or '.join(HEAD_FILES)} in {folder} or {variant}")
     else:
         state, source, heads_folder = _read_full_checkpoint_heads(folder), f"{folder} (medusa_head.* tensors)", folder
-    backbone = load_backbone(base, quantization, dtype, dev, trust_remote_code)
+    backbone = load_backbone(base, quantization, dtype, dev, trust_remote_code, report=report)
     heads = heads_from_state_dict(state, backbone, source=source)
     if isinstance(head_dtype, str):
         head_dtype = getattr(torch, head_dtype)
@@ -434,6 +434,7 @@ def load_backbone(
     device: torch.device | str = "cpu",
     trust_remote_code: bool = False,
     batch_invariant: bool = True,
+    report: Callable[[str], None] | None = None,
 ):
     """A frozen Hugging Face causal LM in eval mode in the precision ``quantization`` (see
     ``load_medusa_model``; ``"auto"`` is resolved here with ``resolve_quantization``).
@@ -443,7 +444,8 @@ def load_backbone(
     them at load; a folder or Hub id loads through ``from_pretrained`` (bitsandbytes for ``"nf4"`` and
     ``"int8"``). On a CPU the model's decoding step is then made batch-invariant (``make_batch_invariant``)
     unless ``batch_invariant=False`` (batched distillation and training, which need no exactness: a
-    float32 backbone's linears would multiply row by row).
+    float32 backbone's linears would multiply row by row); ``report`` is told when that compiles the row
+    attention (a first start).
 
     Raises ``MedusaCheckpointError`` when transformers cannot load ``base``, or for a precision the
     backbone cannot have (``"gguf"`` for a model that is not a GGUF file or on a GPU; ``"int8"`` for GGUF).
@@ -470,7 +472,7 @@ def load_backbone(
         except (OSError, ValueError) as e:
             raise MedusaCheckpointError(f"could not load the backbone {base!r}: {e}") from e
     if device.type == "cpu" and batch_invariant:
-        make_batch_invariant(model, quantized=quantization is not None)
+        make_batch_invariant(model, quantized=quantization is not None, report=report)
     return model.eval().requires_grad_(False)
 
 

@@ -34,7 +34,7 @@ from typing import Any, Callable, Generator, Sequence
 import torch
 from transformers import DynamicCache
 
-from .invariant import ATTENTION, READING
+from .invariant import READING, ROWWISE
 from .kvcache import GrowingLayer, release_rows, reserve
 
 #: Prompt tokens read per pass: the longest a Stop waits and the granularity of ``ReadProgress``.
@@ -186,7 +186,7 @@ def read_prompt(
     see ``kvcache.reserve``. Returns the last position's final-norm hidden
     state [1, H]. ``kept`` (if any) learns each chunk's tokens once their entries are written."""
     total, start = input_ids.shape[1], time.perf_counter()
-    rowwise = getattr(getattr(decoder, "config", None), "_attn_implementation", None) == ATTENTION
+    rowwise = getattr(getattr(decoder, "config", None), "_attn_implementation", None) in ROWWISE
     reading = {READING: True} if rowwise else {}  # only the batch-invariant attention knows this keyword
     with torch.inference_mode():
         reserve(cache, *capacity)

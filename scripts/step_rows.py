@@ -2,7 +2,8 @@
 
 Runs ``StepRunner.tree_forward`` (the backbone's pass and the LM head, what a Medusa step verifies with) on the
 demo for a chain of n tokens after a 200-token context, removes the n entries again, and prints the median
-wall time per pass with the lean step and with transformers' forward, interleaved (the heads' proposal,
+wall time per pass with the lean step (attention by the compiled row kernel, and by SDPA calls per row group) and
+with transformers' forward, interleaved (the heads' proposal,
 sampling and the cache update are not in it: ``python -m medusa_core.bench profile --split-only`` has them).
 
     python scripts/step_rows.py --threads 2
@@ -29,6 +30,9 @@ def main() -> None:
     import torch
 
     from medusa_core import load_medusa_model
+    from medusa_core.invariant import ATTENTION, ATTENTION_KERNEL
+    from medusa_core.lean import LeanStep
+    from medusa_core.lean.build import load_extension
     from medusa_core.steptree import static_tree
 
     torch.set_num_threads(args.threads)
@@ -38,12 +42,19 @@ def main() -> None:
     with torch.inference_mode():
         runner.decoder(input_ids=torch.arange(1000, 1000 + args.context)[None], cache=cache, use_cache=True)
     trees = {n: static_tree(f"chain_{n - 1}", [[0] * d for d in range(1, n)], model.dtype, model.device) for n in args.rows}
-    passes = {"lean": runner.lean, "transformers": None}
+    backbone = model.backbone
+    attention = backbone.config._attn_implementation
+    passes = {"lean": (runner.lean, attention), "transformers": (None, attention)}
+    if attention == ATTENTION_KERNEL:  # the same lean step with SDPA rows, for comparison
+        backbone.set_attn_implementation(ATTENTION)
+        passes["lean, SDPA rows"] = (LeanStep(backbone, load_extension()[0]), ATTENTION)
+        backbone.set_attn_implementation(attention)
     times: dict[tuple[str, int], list[float]] = {(k, n): [] for k in passes for n in args.rows}
     with torch.inference_mode():
         for repeat in range(args.repeats + 3):  # 3 warm-up rounds
-            for kind, lean in passes.items():
+            for kind, (lean, implementation) in passes.items():
                 runner.lean = lean
+                backbone.set_attn_implementation(implementation)
                 for n, tree in trees.items():
                     tokens = torch.arange(500, 500 + n)
                     start = time.perf_counter()
@@ -52,7 +63,8 @@ def main() -> None:
                     cache.crop(-n)
                     if repeat >= 3:
                         times[kind, n].append(spent)
-    runner.lean = passes["lean"]
+    runner.lean = passes["lean"][0]
+    backbone.set_attn_implementation(attention)
     print(f"median wall ms per verification pass after {args.context} tokens ({args.threads} threads, {args.repeats} interleaved rounds)")
     print("rows  " + "  ".join(f"{k:>22s}" for k in passes))
     for n in args.rows:

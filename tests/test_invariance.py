@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType, dequantize, quantize
 
 from medusa_core import load_medusa_model
-from medusa_core.invariant import RowwiseLinear, rowwise_attention
+from medusa_core.invariant import ATTENTION_KERNEL, RowwiseLinear, kernel_attention, load_kernel, rowwise_attention
 from medusa_core.quant.gguf_blocks import int4_groups
 from medusa_core.quant.layers import LM_HEAD_REFINE, BF16Linear, Int4Linear, int4_lm_head
 
@@ -173,6 +173,36 @@ def test_rowwise_attention_gives_each_tree_row_what_one_token_decoding_computes_
         # one-token decoding at this node's position: its ancestors' K/V are the cache, in order
         alone, _ = rowwise_attention(module, q[:, :, i : i + 1], k[:, :, keys], v[:, :, keys], None, scaling=0.25)
         assert torch.equal(out[:, i], alone[:, 0]), i
+
+
+@pytest.fixture(scope="module")
+def row_kernel():
+    loaded, why = load_kernel()
+    if not loaded:
+        pytest.skip(f"no compiled row attention here: {why}")  # the README's install gives CI a compiler
+
+
+@pytest.mark.parametrize(("additive", "dim", "prefix"), [(True, 16, 37), (False, 64, 37), (True, 128, 1030)])
+def test_the_row_kernel_gives_each_tree_row_what_one_token_decoding_computes_over_its_own_keys(row_kernel, additive, dim, prefix):
+    torch.manual_seed(1)
+    parents = [-1, 0, 0, 1, 2, 0, 3, 3, 6]  # siblings interleaved with descendants
+    n, heads, kv_heads = len(parents), 9, 3
+    module = torch.nn.Module()
+    q = torch.randn(1, heads, n, dim)
+    k, v = torch.randn(1, kv_heads, prefix + n, dim), torch.randn(1, kv_heads, prefix + n, dim)
+    mask = _tree_mask(parents, prefix, additive)
+    out, _ = kernel_attention(module, q, k, v, mask, scaling=dim**-0.5)  # [1, N, H, Dh]
+    for i in range(n):
+        keys = mask[0, 0, i].nonzero()[:, 0] if not additive else (mask[0, 0, i] == 0).nonzero()[:, 0]
+        # one-token decoding at this node's position: its ancestors' K/V are the cache, in order
+        alone, _ = kernel_attention(module, q[:, :, i : i + 1], k[:, :, keys], v[:, :, keys], None, scaling=dim**-0.5)
+        assert torch.equal(out[:, i], alone[:, 0]), i
+        sdpa = F.scaled_dot_product_attention(q[:, :, i : i + 1], k[:, :, keys], v[:, :, keys], scale=dim**-0.5, enable_gqa=True)
+        torch.testing.assert_close(alone[:, 0], sdpa[:, :, 0], rtol=0, atol=2e-6)
+
+
+def test_the_demo_computes_its_decoding_rows_with_the_row_kernel_where_it_is_built(row_kernel, demo):
+    assert demo.backbone.config._attn_implementation == ATTENTION_KERNEL
 
 
 def _accepted_logits(model, ids, monkeypatch, **kwargs) -> tuple[list[int], list[torch.Tensor]]:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from medusa_core import MedusaModel
-from medusa_core.invariant import make_batch_invariant
+from medusa_core.invariant import ATTENTION, ATTENTION_KERNEL, make_batch_invariant
 from medusa_core.kvcache import new_cache
 from medusa_core.lean import build
 from medusa_core.lean.step import LeanStep, unsupported
@@ -17,14 +17,18 @@ from tests.tiny_models import random_heads, tiny_backbone
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def int4_backbone(arch: str, **overrides):
-    """A tiny ``arch`` model whose decoder linears are ``Int4Linear`` (biases kept), batch-invariant as loading makes it."""
+def int4_backbone(arch: str, attention: str | None = None, **overrides):
+    """A tiny ``arch`` model whose decoder linears are ``Int4Linear`` (biases kept), batch-invariant as loading makes it;
+    ``attention``: one of ``invariant.ROWWISE`` instead of the one loading picks (the compiled rows where built)."""
     model = tiny_backbone(arch, **overrides)
     for name, module in list(model.model.named_modules()):
         if name.rsplit(".", 1)[-1] in LINEARS:
             bias = None if module.bias is None else module.bias.detach()
             model.model.set_submodule(name, Int4Linear.quantize(module.weight.detach(), bias))
-    return make_batch_invariant(model, quantized=True)
+    model = make_batch_invariant(model, quantized=True)
+    if attention is not None:
+        model.set_attn_implementation(attention)
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -52,14 +56,16 @@ def _tree_mask(tree, cur_len):
 WIDE = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}
 
 
+@pytest.mark.parametrize("attention", [ATTENTION_KERNEL, ATTENTION], ids=["row-kernel", "sdpa-rows"])
 @pytest.mark.parametrize("shape", [{}, WIDE], ids=["narrow", "wide"])
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
-def test_the_lean_pass_gives_the_hidden_states_and_cache_entries_of_transformers_forward_bit_for_bit(extension, arch, shape):
-    model = int4_backbone(arch, **shape)
+def test_the_lean_pass_gives_the_hidden_states_and_cache_entries_of_transformers_forward_bit_for_bit(extension, arch, shape, attention):
+    model = int4_backbone(arch, attention, **shape)
     if arch == "qwen2":
         assert model.model.layers[0].self_attn.q_proj.bias is not None  # biases go through the lean step too
     lean, why = LeanStep.for_backbone(model)
     assert lean is not None, why
+    assert lean.row_kernel == (attention == ATTENTION_KERNEL)
     assert lean.fused == ((2, 2) if shape else (0, 2))
     ids = torch.tensor([[5, 17, 40, 33, 3, 60, 7]])
     ours, theirs = _prefill(model, ids), _prefill(model, ids)
@@ -98,10 +104,10 @@ def test_greedy_medusa_with_the_lean_step_repeats_transformers_forward_token_for
     assert len(set(map(tuple, runs.values()))) == 1, runs
 
 
-def test_a_lean_step_declines_a_branching_tree_over_a_cache_long_enough_for_replicas(extension, monkeypatch):
+def test_with_sdpa_rows_a_lean_step_declines_a_branching_tree_over_a_cache_long_enough_for_replicas(extension, monkeypatch):
     from medusa_core.lean import step as step_mod
 
-    model = int4_backbone("llama")
+    model = int4_backbone("llama", ATTENTION)
     lean, _ = LeanStep.for_backbone(model)
     cache = _prefill(model, torch.tensor([[5, 17, 40, 33]]))
     monkeypatch.setattr(step_mod, "REPLICAS_FROM", 4)
@@ -111,6 +117,23 @@ def test_a_lean_step_declines_a_branching_tree_over_a_cache_long_enough_for_repl
         chain = static_tree("chain", [[0], [0, 0]], torch.float32, "cpu")  # views only: still lean
         assert lean(torch.tensor([1, 2, 3]), chain.position_ids + 4, _tree_mask(chain, 4), cache) is not None
     assert cache.get_seq_length() == 7  # the declined pass wrote nothing
+
+
+def test_with_the_row_kernel_a_lean_step_runs_a_branching_tree_over_a_long_cache(extension, monkeypatch):
+    from medusa_core.lean import step as step_mod
+
+    model = int4_backbone("llama", ATTENTION_KERNEL)
+    lean, _ = LeanStep.for_backbone(model)
+    monkeypatch.setattr(step_mod, "REPLICAS_FROM", 4)
+    ids = torch.tensor([[5, 17, 40, 33]])
+    ours, theirs = _prefill(model, ids), _prefill(model, ids)
+    tree = static_tree("branchy", [[0], [1], [0, 0]], torch.float32, "cpu")
+    tokens, positions, mask = torch.tensor([1, 2, 3, 4]), tree.position_ids + 4, _tree_mask(tree, 4)
+    with torch.inference_mode():
+        got = lean(tokens, positions, mask, ours)
+        want = model.model(input_ids=tokens[None], position_ids=positions[None], attention_mask=mask, cache=theirs,
+                           use_cache=True).last_hidden_state[0]
+    assert got is not None and torch.equal(got, want)
 
 
 @pytest.mark.parametrize(
@@ -164,3 +187,8 @@ def test_bench_methods_ending_in_at_transformers_run_without_the_lean_pass_and_g
     assert passes == [1] * 11  # the lean pass ran the first reply's steps only
     assert runs[0].output == runs[1].output == runs[2].output
     assert model._steps.lean is not None  # given back after the @transformers replies
+
+
+def test_with_the_lean_step_turned_off_decoding_rows_run_as_sdpa_calls(monkeypatch):
+    monkeypatch.setenv(build.ENV, "0")
+    assert make_batch_invariant(tiny_backbone("llama"), quantized=False).config._attn_implementation == ATTENTION

@@ -68,8 +68,8 @@ class _Clock:
 
 @contextmanager
 def _timed_stages(model: Any, clock: _Clock) -> Iterator[None]:
-    invariant.register()  # idempotent: the name exists even for a model that does not use it (its stage stays 0)
-    attention = AttentionInterface()[invariant.ATTENTION]
+    invariant.register()  # idempotent: the names exist even for a model that does not use them (the stage stays 0)
+    attentions = {name: AttentionInterface()[name] for name in invariant.ROWWISE}
     with ExitStack() as stack:
         patch = lambda target, name, stage, **kw: stack.enter_context(  # noqa: E731
             mock.patch.object(target, name, clock.wrap(stage, getattr(target, name), **kw)))
@@ -82,11 +82,13 @@ def _timed_stages(model: Any, clock: _Clock) -> Iterator[None]:
         patch(model._steps, "candidates", "heads")
         if model._steps.lean is not None:
             patch(model._steps, "lean", "lean pass")
-        AttentionInterface.register(invariant.ATTENTION, clock.wrap("attention", attention))
+        for name, attention in attentions.items():
+            AttentionInterface.register(name, clock.wrap("attention", attention))
         try:
             yield
         finally:
-            AttentionInterface.register(invariant.ATTENTION, attention)
+            for name, attention in attentions.items():
+                AttentionInterface.register(name, attention)
 
 
 def step_split(

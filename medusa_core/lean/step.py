@@ -13,7 +13,8 @@ LM head and everything after it are unchanged. Prompts are read by transformers'
 
 Supported: Llama, Mistral and Qwen2 configurations without sliding windows, SiLU MLPs, RMS norms, every
 decoder linear an ``Int4Linear`` (GGUF Q4_0 / Q4_1 backbones, ``quantization="gguf"``), on a CPU, with the
-batch-invariant attention (``invariant.ATTENTION``). Anything else keeps transformers' forward;
+batch-invariant attention (``invariant.ROWWISE``: the step computes attention as the model's does, by
+the compiled row kernel or by SDPA calls). Anything else keeps transformers' forward;
 ``MedusaModel.describe()["step"]`` says which runs and why.
 """
 
@@ -26,7 +27,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from ..invariant import ATTENTION, MAX_ROWWISE, REPLICAS_FROM, row_groups
+from ..invariant import ATTENTION_KERNEL, MAX_ROWWISE, REPLICAS_FROM, ROWWISE, row_groups, row_keys
 from ..kvcache import GrowingLayer
 from ..quant.layers import Int4Linear
 from .build import ENV, enabled, load_extension
@@ -44,7 +45,7 @@ def unsupported(backbone: nn.Module) -> str:
     decoder = backbone.get_decoder()
     if config.model_type not in ARCHITECTURES:
         return f"the lean step covers {', '.join(ARCHITECTURES)} models, not {config.model_type!r}"
-    if getattr(config, "_attn_implementation", None) != ATTENTION:
+    if getattr(config, "_attn_implementation", None) not in ROWWISE:
         return "the lean step needs the batch-invariant attention (a CPU backbone)"
     if getattr(config, "hidden_act", None) != "silu":
         return f"the lean step covers SiLU MLPs, not {getattr(config, 'hidden_act', None)!r}"
@@ -77,8 +78,8 @@ class LeanStep:
 
     Build it with ``for_backbone``. ``__call__(tokens [N], positions [N], mask, cache)`` returns the final-norm
     hidden states [N, H] of the pass, or None when this pass is not one it runs (more than ``MAX_ROWWISE``
-    rows, a cache it cannot write, a branching tree over a cache long enough for ``rowwise_attention`` to
-    read rows from replicas); the caller then runs transformers' forward. Either way the N entries end up in
+    rows, a cache it cannot write, or, with SDPA rows, a branching tree over a cache long enough for
+    ``rowwise_attention`` to read rows from replicas); the caller then runs transformers' forward. Either way the N entries end up in
     the cache, with the same bits.
     """
 
@@ -98,9 +99,11 @@ class LeanStep:
         first = decoder.layers[0]
         out_features = [first.get_submodule(name).out_features for name in _LINEARS]
         attention = first.self_attn
+        self.row_kernel = config._attn_implementation == ATTENTION_KERNEL  # attention as the model computes it
         self._decoder = module.LeanDecoder(
             layers, eps, out_features, decoder.norm.weight.detach(), float(decoder.norm.variance_epsilon),
             config.num_attention_heads, config.num_key_value_heads, attention.head_dim, float(attention.scaling),
+            self.row_kernel,
         )
 
     @property
@@ -132,9 +135,12 @@ class LeanStep:
         if len(layers) != len(self.decoder.layers) or layers[0].keys.shape[0] != 1:
             return None
         length = layers[0].get_seq_length()
-        groups = row_groups(mask, n, length + n) if mask is not None else []
-        if length >= REPLICAS_FROM and any(not g.view for g in groups):
-            return None  # rowwise_attention reads such rows from replicas: transformers' pass does this better
+        if self.row_kernel:
+            groups, rows = [], row_keys(mask, n, length + n)
+        else:
+            groups, rows = (row_groups(mask, n, length + n) if mask is not None else []), None
+            if length >= REPLICAS_FROM and any(not g.view for g in groups):
+                return None  # rowwise_attention reads such rows from replicas: transformers' pass does this better
         buffers = [layer.room_for(n) for layer in layers]
         hidden = self.decoder.embed_tokens(tokens[None])  # [1, N, H]
         cos, sin = self.decoder.rotary_emb(hidden, positions[None])  # [1, N, Dh] each
@@ -142,6 +148,7 @@ class LeanStep:
         out = self._decoder.forward(
             hidden, cos, sin, [b[0] for b in buffers], [b[1] for b in buffers], length, ints,
             [g.index for g in groups], [g.keys for g in groups],
+            *((rows.prefix, rows.offsets, rows.extras) if rows else ([], [], torch.empty(0, dtype=torch.long))),
         )
         for layer in layers:
             layer.extend(n)
