@@ -145,15 +145,17 @@ class StepRunner:
         log_softmax(logits_k / T_k) ([N], 0 at the root; T_k from ``head_temperatures``).
 
         Heads run only at the last accepted position ``hidden`` [1, H] and only the tree's depth of them,
-        over their draft vocabulary (token ids 0..S−1, ``MedusaHeads.restrict_drafts``; the probabilities
-        are then normalised over those S tokens).
+        over their draft vocabulary (S token ids, ``MedusaHeads.restrict_drafts``; the probabilities are then
+        normalised over those S tokens).
         """
         if tree.num_nodes == 1:
             return root.view(1), None
         rooted = {"root": root.view(1)} if getattr(self.model.heads, "root_conditioned", False) else {}  # layout "root"
         head_logits = self.draft_logits(hidden.to(self.head_dtype), num_heads=tree.head_depth, **rooted)[:, 0]  # [D, S]
         top = head_logits.topk(tree.topk, dim=-1)  # [D, topk]
-        tokens = torch.cat([root.view(1), top.indices.flatten()])[tree.tree_indices]
+        draft_ids = getattr(self.model.heads, "draft_ids", None)  # a frequency-ranked draft vocabulary's token ids
+        ranked = top.indices.flatten() if draft_ids is None else draft_ids[top.indices.flatten()]
+        tokens = torch.cat([root.view(1), ranked])[tree.tree_indices]
         if not with_log_p:
             return tokens, None
         scaled = head_logits.float() / self.temperatures[: tree.head_depth]  # [D, V]; T_k > 0 keeps every rank

@@ -17,9 +17,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-#: Token ids the heads score when drafting on a CPU (``MedusaHeads.restrict_drafts``): the first third
-#: of a 49,152-token vocabulary, which covers 92 % of the demo's training prompts' tokens.
+#: Token ids the heads score when drafting on a CPU without a frequency ranking (``MedusaHeads.restrict_drafts``):
+#: the first third of a 49,152-token vocabulary, 94.7 % of the tokens of the demo's held-out served chat replies.
 DRAFT_VOCABULARY = 16384
+#: Token ids they score when the heads come with a frequency ranking (``DRAFT_RANKING_FILE``): the most frequent
+#: 8,192 of the demo's training replies cover 95.2 % of the same held-out tokens, at half the projection's cost.
+RANKED_DRAFT_VOCABULARY = 8192
+#: File beside a head checkpoint that ranks token ids by their frequency in the replies the heads trained on
+#: (``{"ranked_ids": [...], "source": ...}``, most frequent first; ``medusa_core.train.ranking``).
+DRAFT_RANKING_FILE = "draft_ranking.json"
 
 
 class ResBlock(nn.Module):
@@ -76,6 +82,7 @@ class MedusaHeads(nn.ModuleList):
         if root_embedding is not None:  # a parameter, not a module: len(self) stays K
             self.root_weight = nn.Parameter(torch.zeros(num_heads, hidden_size, hidden_size))  # [K, H, H]
         self._draft_projections: tuple[nn.Module, ...] = ()  # restrict_drafts: one per head, or one shared
+        self._draft_ids: tuple[torch.Tensor, ...] = ()  # restrict_drafts with a ranking: the draft ids [S]
 
     @property
     def num_heads(self) -> int:
@@ -108,46 +115,63 @@ class MedusaHeads(nn.ModuleList):
 
     @property
     def draft_vocabulary(self) -> int:
-        """Token ids 0..S−1 that ``draft_logits`` scores (S = V unless ``restrict_drafts`` cut it)."""
+        """How many token ids ``draft_logits`` scores (S = V unless ``restrict_drafts`` cut it)."""
         return self._draft_projections[0].out_features if self._draft_projections else self.vocab_size
 
-    def restrict_drafts(self, size: int) -> None:
-        """Make ``draft_logits`` score only token ids 0..size−1: a frequency-ranked vocabulary subset for
-        drafting (FR-Spec, Zhao et al. 2025, "FR-Spec: Accelerating large-vocabulary language models via
-        frequency-ranked speculative sampling"). A BPE vocabulary lists its tokens in merge order, the
-        order of their frequency in the tokenizer's training data, so the first ids are the frequent ones.
-        Drafts only need each head's top few tokens, and the backbone still verifies over the whole
-        vocabulary, so outputs are unchanged; a token past S is never proposed (measured in
+    @property
+    def draft_ids(self) -> torch.Tensor | None:
+        """The token ids [S] that ``draft_logits``' S columns stand for, or None when they are ids 0..S−1."""
+        return self._draft_ids[0] if self._draft_ids else None
+
+    def restrict_drafts(self, size: int, ranking: torch.Tensor | None = None) -> None:
+        """Make ``draft_logits`` score only S token ids: a frequency-ranked vocabulary subset for drafting (FR-Spec,
+        Zhao et al. 2025, "FR-Spec: Accelerating large-vocabulary language models via frequency-ranked speculative
+        sampling"). With ``ranking`` (token ids [R] int64, most frequent first, as ``DRAFT_RANKING_FILE`` holds)
+        they are its first min(size, R) ids; without, ids 0..size−1 (a BPE vocabulary lists its tokens roughly
+        in frequency order). Drafts only need each head's top few tokens, and the backbone still verifies over the
+        whole vocabulary, so outputs are unchanged; a token outside the subset is never proposed (measured in
         docs/BENCH.md). ``forward`` (training, calibration) keeps the whole vocabulary.
 
-        The projections are views of the heads' own (or the shared LM head's) first S rows; a shared
-        LM head with a 4-bit first pass (``quant.layers.int4_lm_head``) gets a 4-bit copy of its first S
-        rows (the same codes) without the float32 refinement of the top logits: ranks are all drafts use.
-        Raises ``ValueError`` unless 0 < size <= V, or for an LM head whose rows cannot be sliced
-        (bitsandbytes 4-bit).
+        The projections are the heads' own (or the shared LM head's) rows of those ids: views for 0..S−1, copies
+        for a ranking; a shared LM head with a 4-bit first pass (``quant.layers.int4_lm_head``) gets a 4-bit copy
+        of those rows (the same codes) without the float32 refinement of the top logits: ranks are all drafts use.
+        Raises ``ValueError`` unless 0 < size <= V, for a ranking with ids outside 0..V−1 or repeated, or for an LM
+        head whose rows cannot be taken (bitsandbytes 4-bit).
         """
         from .quant.layers import BF16Linear, Int4Linear
 
         if not 0 < size <= self.vocab_size:
             raise ValueError(f"a draft vocabulary must have 1..{self.vocab_size} tokens, got {size}")
+        ids = None
+        if ranking is not None:
+            ids = torch.as_tensor(ranking, dtype=torch.long)[:size]
+            if ids.dim() != 1 or not len(ids) or int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size or len(ids.unique()) != len(ids):
+                raise ValueError(f"a draft ranking must list distinct token ids in 0..{self.vocab_size - 1}")
+            size = len(ids)
+
+        def rows(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            return t[:size] if ids is None else t.index_select(0, ids.to(t.device))
+
         projections = [self._shared_lm_head[0]] if self._shared_lm_head else [head[-1] for head in self]
         restricted = []
         for layer in projections:
             if isinstance(layer, BF16Linear) and isinstance(layer.coarse, Int4Linear):
-                bias = None if layer.bias is None else layer.bias[:size]
-                restricted.append(Int4Linear.quantize(layer.weight[:size], bias))
+                restricted.append(Int4Linear.quantize(rows(layer.weight), rows(layer.bias)))
             elif type(layer) in (nn.Linear, BF16Linear):
                 part = type(layer)(layer.in_features, size, bias=layer.bias is not None, device="meta")
-                part.weight = nn.Parameter(layer.weight[:size], requires_grad=False)  # a view: no copy
-                part.bias = None if layer.bias is None else nn.Parameter(layer.bias[:size], requires_grad=False)
+                part.weight = nn.Parameter(rows(layer.weight), requires_grad=False)  # 0..S−1: a view, no copy
+                part.bias = None if layer.bias is None else nn.Parameter(rows(layer.bias), requires_grad=False)
                 restricted.append(part)
             else:
                 raise ValueError(f"cannot restrict the drafts of a {type(layer).__name__} projection: its rows are not sliceable")
         self._draft_projections = tuple(restricted)
+        self._draft_ids = () if ids is None else (ids.to(projections[0].weight.device),)
 
     def draft_logits(self, hidden: torch.Tensor, num_heads: int | None = None, root: torch.Tensor | None = None) -> torch.Tensor:
-        """``forward``'s logits over the draft vocabulary: hidden [..., H] -> [k, ..., S] for token ids 0..S−1
-        (``root`` as in ``forward``)."""
+        """``forward``'s logits over the draft vocabulary: hidden [..., H] -> [k, ..., S], column j for token id
+        ``draft_ids[j]`` (j itself when ``draft_ids`` is None); ``root`` as in ``forward``."""
         if not self._draft_projections:
             return self(hidden, num_heads, root)
         if self._shared_lm_head:

@@ -18,9 +18,9 @@ the few ops that are not, and test 1-row against N-row results bit for bit):
   result is the same bits. Rows with as many keys go as one call, in SDPA's batch dimension. Passes of more than ``MAX_ROWWISE`` rows (a long prompt's prefill, shared by every
   decoding mode) use transformers' SDPA as they are. Where the lean step's C++ extension is built
   (``medusa_core.lean``), ``kernel_attention`` runs every row of a pass in one call per layer instead
-  (``row_attention`` in ``lean_step.cpp``: one work item per row and KV head over the row's own keys, read
-  in place from the cache, every sum in a fixed order), about twice as fast as SDPA on one row, and the same
-  bits for a row whatever the other rows are (``tests/test_invariance.py``).
+  for decoding passes (``row_attention`` in ``lean_step.cpp``: one work item per row and query head over the
+  row's own keys, read in place from the cache, every sum in a fixed order), faster than SDPA on one row, and
+  the same bits for a row whatever the other rows are (``tests/test_invariance.py``); prompts are read as before.
 - the LM head: ``int4_lm_head`` for a 4-bit backbone (a 4-bit first pass, the top logits refined in
   float32), ``RowwiseLinear`` for a float32 one.
 
@@ -133,20 +133,21 @@ def kernel_attention(
     scaling: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """``rowwise_attention`` with every row of a pass in one compiled call (``lean_step.cpp`` ``row_attention``).
+    """``rowwise_attention`` with every row of a decoding pass in one compiled call (``lean_step.cpp`` ``row_attention``).
 
-    Args and returns as ``rowwise_attention``. Each query row is computed over exactly its visible keys
-    (``row_keys``), read in place from the cache in cache order, as one work item per (row, KV head) whose every
-    sum runs in a fixed order: row i's output is the same bits whatever the other rows are, and within ~2e-7
-    of SDPA's. The passes ``rowwise_attention`` hands to SDPA (batches, more than ``MAX_ROWWISE`` rows, a
-    prompt's reading of several tokens after cached entries, where SDPA's matrix products are faster) go to SDPA
-    here too; a prompt read token by token stays here, as decoding.
+    Args and returns as ``rowwise_attention``. Each query row of a decoding pass (one token, or a tree's rows,
+    after cached entries) is computed over exactly its visible keys (``row_keys``), read in place from the cache
+    in cache order, as one work item per (row, query head) whose every sum runs in a fixed order: row i's output
+    is the same bits whatever the other rows are, and as close to the exact result as SDPA's (on the demo both
+    within 2.7e-6 of float64). A prompt's reading (a model's first pass, or ``READING`` set), batches and passes
+    of more than ``MAX_ROWWISE`` rows go to ``rowwise_attention`` unchanged: a prompt is read exactly as before
+    the kernel existed, shared by every decoding mode and by HF ``generate`` (docs/BENCH.md, "The row kernel").
     Raises ``RuntimeError`` when no kernel was loaded (``make_batch_invariant`` selects this one only then).
     """
     n, length = query.shape[2], key.shape[2]
-    reading_after_cache = kwargs.pop(READING, False) and length > n > 1
-    if n > MAX_ROWWISE or query.shape[0] != 1 or reading_after_cache:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    reading = kwargs.pop(READING, False)
+    if reading or length == n or n > MAX_ROWWISE or query.shape[0] != 1:
+        return rowwise_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs, **{READING: reading})
     if not _kernel:
         raise RuntimeError(f"{ATTENTION_KERNEL!r} needs the lean step's compiled extension (make_batch_invariant loads it)")
     rows = row_keys(attention_mask, n, length)

@@ -30,7 +30,7 @@ from torch import nn
 from .errors import MedusaCheckpointError
 from .generation import check_head_temperatures
 from .gguf import demo_gguf_file, gguf_model_folder
-from .heads import DRAFT_VOCABULARY, MedusaHeads
+from .heads import DRAFT_RANKING_FILE, DRAFT_VOCABULARY, RANKED_DRAFT_VOCABULARY, MedusaHeads
 from .invariant import make_batch_invariant
 from .model import MedusaModel
 from .quant.gguf_backbone import load_gguf_backbone
@@ -91,10 +91,12 @@ def load_medusa_model(
             another dtype than ``dtype`` get a copy of the LM head in it (on the demo: 5 ms instead of
             40 ms per step for three heads, since float32 matmuls of 2–5 rows by the 49,152 × 576 LM
             head are slow on this CPU; docs/BENCH.md).
-        draft_vocabulary: S, the heads draft only among token ids 0..S−1 (``MedusaHeads.restrict_drafts``,
-            FR-Spec: the most frequent tokens; the backbone still verifies over all V, so outputs are
-            unchanged); ``"auto"`` (default): ``heads.DRAFT_VOCABULARY`` on a CPU when V is larger and
-            the heads' projection can be sliced, else all V; None: all V.
+        draft_vocabulary: S, the heads draft only among S token ids (``MedusaHeads.restrict_drafts``, FR-Spec:
+            the most frequent tokens; the backbone still verifies over all V, so outputs are unchanged): the
+            first S of the heads' frequency ranking (``heads.DRAFT_RANKING_FILE`` beside the head file), else ids
+            0..S−1; ``"auto"`` (default): on a CPU, ``heads.RANKED_DRAFT_VOCABULARY`` with a ranking, else
+            ``heads.DRAFT_VOCABULARY``, when V is larger and the heads' projection can be sliced, else all V;
+            None: all V.
         trust_remote_code: passed to transformers; off unless the caller asks.
         report: told, one line at a time, of slow first-start work: compiling the lean decoding step
             (``medusa_core.lean``, about a minute once per install).
@@ -157,12 +159,15 @@ def load_medusa_model(
     heads = heads.to(device=dev, dtype=head_dtype)
     if heads.shares_lm_head and head_dtype != backbone.get_output_embeddings().weight.dtype:
         heads.own_lm_head_copy(head_dtype)
+    ranking_file = heads_folder / DRAFT_RANKING_FILE
+    ranking = _read_ranking(ranking_file, heads.vocab_size) if ranking_file.exists() else None
     auto = draft_vocabulary == "auto"
     if auto:
-        draft_vocabulary = DRAFT_VOCABULARY if dev.type == "cpu" and heads.vocab_size > DRAFT_VOCABULARY else None
+        size = DRAFT_VOCABULARY if ranking is None else RANKED_DRAFT_VOCABULARY
+        draft_vocabulary = size if dev.type == "cpu" and heads.vocab_size > size else None
     if draft_vocabulary is not None:
         try:
-            heads.restrict_drafts(int(draft_vocabulary))
+            heads.restrict_drafts(int(draft_vocabulary), ranking)
         except ValueError as e:
             if not auto:  # "auto" keeps the whole vocabulary for a projection that cannot be sliced
                 raise MedusaCheckpointError(f"draft_vocabulary={draft_vocabulary!r}: {e}") from None
@@ -366,6 +371,16 @@ def _read_json(path: Path) -> dict[str, Any]:
         kind = {list: "list", str: "string", bool: "boolean", type(None): "null"}.get(type(data), "number")
         raise MedusaCheckpointError(f"{path} holds a JSON {kind}, expected an object ({{...}})")
     return data
+
+
+def _read_ranking(path: Path, vocab_size: int) -> torch.Tensor:
+    """The token ids [R] of a ``DRAFT_RANKING_FILE``, most frequent first. Raises ``MedusaCheckpointError`` unless
+    the file is ``{"ranked_ids": [...]}`` with distinct ids in 0..vocab_size−1."""
+    ids = _read_json(path).get("ranked_ids")
+    valid = isinstance(ids, list) and ids and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for i in ids)
+    if not valid or len(set(ids)) != len(ids):
+        raise MedusaCheckpointError(f"{path}: 'ranked_ids' must be a non-empty list of distinct token ids in 0..{vocab_size - 1}")
+    return torch.tensor(ids, dtype=torch.long)
 
 
 def _read_head_file(path: Path) -> dict[str, torch.Tensor]:

@@ -37,6 +37,8 @@ The backbone is Hugging Face's SmolLM2-135M-Instruct as the Q4_1 GGUF file insid
    root-conditioned run then starts exactly at them, its R_k at zero). Calibration on the served backbone's
    held-out replies over the whole vocabulary (paper 2.3.3), with each tree's acceleration replayed
    on them (exact for greedy decoding, ``simulated_acceleration``).
+   ``ranking``       — (not in the default run) the draft vocabulary's frequency ranking from the training
+   splits' ``distill_served`` replies (``medusa_core.train.ranking``): ``draft_ranking.json`` beside the heads.
 6. ``export``        — heads, config and calibration into ``assets/demo`` (heads for the plain weights and
    the default gguf backbone) or ``assets/demo/backbone-nf4`` (``--quantization nf4``: heads for the NF4
    backbone, which ``load_medusa_model`` picks for that precision); figures in ``build_figures.json``.
@@ -364,6 +366,21 @@ def stage_export(args) -> None:
     log(f"export: {target}; {size / 1e6:.1f} MB in {ASSET}")
 
 
+def stage_ranking(args) -> None:
+    """The draft vocabulary's frequency ranking (``medusa_core.train.ranking``) from the served replies of every
+    training split and ``--served-settings`` (the held-out split left out), into ``asset_folder``."""
+    from medusa_core.train import read_distilled
+    from medusa_core.train.ranking import rank_tokens, write_ranking
+
+    files = [f for s in args.served_settings for split in TRAIN_SPLITS if (f := served_distilled(split, args, s)).exists()]
+    if not files:
+        raise SystemExit(f"ranking: no served replies of {args.quantization} in {DISTILLED} (run distill_served first)")
+    replies = [row["reply_ids"] for f in files for row in read_distilled(f)]
+    ranked = rank_tokens(replies)
+    source = f"{len(replies):,} served replies ({', '.join(f.name for f in files)})"
+    log(f"ranking: {len(ranked):,} distinct tokens of {source} -> {write_ranking(asset_folder(args), ranked, source)}")
+
+
 def _distill_figures(args) -> dict:
     from medusa_core.train import read_distilled
 
@@ -452,6 +469,7 @@ STAGES = {
     "distill": stage_distill,
     "distill_served": stage_distill_served,
     "heads": stage_heads,
+    "ranking": stage_ranking,
     "export": stage_export,
     "evaluate": stage_evaluate,
 }
@@ -459,7 +477,7 @@ STAGES = {
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--stages", nargs="+", choices=list(STAGES), default=[s for s in STAGES if s != "distill_served"])
+    p.add_argument("--stages", nargs="+", choices=list(STAGES), default=[s for s in STAGES if s not in ("distill_served", "ranking")])
     p.add_argument("--distill-dtype", choices=list(DTYPES), default="bfloat16")
     p.add_argument("--distill-batch", type=int, default=64)
     p.add_argument("--max-reply-tokens", type=int, default=128, help="distilled reply length limit")

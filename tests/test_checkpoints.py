@@ -29,6 +29,7 @@ from medusa_core import (
     load_medusa_model,
     save_medusa_heads,
 )
+from medusa_core.heads import DRAFT_RANKING_FILE
 from medusa_core.quant.layers import LM_HEAD_REFINE
 
 HEADS = 4
@@ -495,3 +496,26 @@ def test_head_temperatures_of_the_wrong_length_raise_a_checkpoint_error_naming_t
     (tmp_path / "medusa_calibration.json").write_text("{}")
     with pytest.raises(MedusaCheckpointError, match=re.escape(f"{tmp_path / 'medusa_tuned.json'} ['cpu/none']: min_head_probability must be in [0, 1], got -1")):
         load(tmp_path)
+
+
+def test_a_draft_ranking_beside_the_heads_makes_them_draft_its_first_ids_and_greedy_stays_plain_greedy(base, tmp_path):
+    folder, backbone = base
+    save_medusa_heads(random_heads(backbone, HEADS), tmp_path, base_model_name_or_path=str(folder))
+    ranking = list(range(VOCAB - 1, -1, -3))  # every third id, from the top: not 0..S−1
+    (tmp_path / DRAFT_RANKING_FILE).write_text(json.dumps({"ranked_ids": ranking}))
+    model = load(tmp_path, draft_vocabulary=12)
+    assert model.heads.draft_ids.tolist() == ranking[:12]
+    ids = torch.tensor([[5, 9, 17, 3, 44]])
+    want = backbone.generate(ids, max_new_tokens=24, do_sample=False)[0, 5:].tolist()
+    records = list(model.generate(ids, max_new_tokens=24, tree="mc_sim_7b_63"))
+    assert [t for r in records for t in r.token_ids] == want
+    assert {t for r in records[1:] for t in r.node_token_ids[1:]} <= set(ranking[:12])  # the heads propose ranked ids only
+
+
+@pytest.mark.parametrize("ranked", [[1, 2, VOCAB], [3, 3, 4], "1,2,3", []], ids=["out-of-range", "repeated", "not-a-list", "empty"])
+def test_a_bad_draft_ranking_raises_a_checkpoint_error_naming_the_file(ranked, base, tmp_path):
+    folder, backbone = base
+    save_medusa_heads(random_heads(backbone, HEADS), tmp_path, base_model_name_or_path=str(folder))
+    (tmp_path / DRAFT_RANKING_FILE).write_text(json.dumps({"ranked_ids": ranked}))
+    with pytest.raises(MedusaCheckpointError, match=re.escape(DRAFT_RANKING_FILE)):
+        load(tmp_path, draft_vocabulary=12)

@@ -69,6 +69,12 @@ def test_heads_restricted_to_a_draft_vocabulary_propose_only_its_ids_and_greedy_
     assert heads.draft_vocabulary == vocab // 2
     with pytest.raises(ValueError, match="draft vocabulary"):
         heads.restrict_drafts(vocab + 1)
+    ranking = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))
+    heads.restrict_drafts(vocab // 3, ranking)  # FR-Spec: the most frequent ids, in any order
+    assert torch.equal(heads.draft_ids, ranking[: vocab // 3])
+    assert torch.equal(heads.draft_logits(hidden, 2), whole[..., ranking[: vocab // 3]])
+    with pytest.raises(ValueError, match="distinct token ids"):
+        heads.restrict_drafts(4, torch.tensor([1, 1, 2, 3]))
 
 
 def test_oracle_heads_accept_the_whole_chain_at_every_step_and_random_heads_almost_nothing(

@@ -458,3 +458,15 @@ def test_a_warm_start_begins_at_the_given_heads_and_a_root_conditioned_one_keeps
     with pytest.raises(ValueError, match="missing '1.0.linear.bias'"):
         train_heads(backbone, hidden, labels, tmp_path / "bad2", plain_cfg, base_model_name_or_path="b",
                     init={k: v for k, v in start.items() if k != "1.0.linear.bias"})
+
+
+def test_a_draft_ranking_lists_reply_tokens_most_frequent_first_and_is_read_back_by_loading(tmp_path):
+    from medusa_core.heads import DRAFT_RANKING_FILE
+    from medusa_core.train.ranking import rank_tokens, write_ranking
+
+    ranked = rank_tokens([[7, 3, 7, 9], [3, 7], [12]])
+    assert ranked == [7, 3, 9, 12]  # 7 thrice, 3 twice, then the ties by id
+    path = write_ranking(tmp_path, ranked, "three replies")
+    assert path.name == DRAFT_RANKING_FILE and json.loads(path.read_text())["ranked_ids"] == ranked
+    with pytest.raises(ValueError, match="no reply tokens"):
+        rank_tokens([[], []])
