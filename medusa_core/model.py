@@ -27,6 +27,7 @@ from transformers import DynamicCache
 from .decoding import StepRunner
 from .drafts import DraftConfig, NgramDrafter
 from .generation import StepRecord, check_generate_args, check_head_temperatures, eos_ids
+from .invariant import ATTENTION, ATTENTION_KERNEL
 from .kvcache import new_cache
 from .prefill import PREFILL_CHUNK, ConversationCache, ReadProgress
 from .processors import CHAT_PRESET, NodeProcessors, SamplingConfig
@@ -372,8 +373,11 @@ class MedusaModel:
         """Facts for a model panel: names, precision (backbone compute dtype, head dtype), device, heads,
         their temperatures and the tuned tree-shaping threshold τ, context, which decoding pass runs (``step``:
         ``"lean"``, the compiled one of ``medusa_core.lean``, or ``"transformers"``, with ``step_note`` saying why
-        not lean), memory (bytes)."""
+        not lean), how decoding rows attend (``attention``: ``"row kernel"``, ``"SDPA rows"`` or the model's own
+        implementation's name), the draft vocabulary (``draft_vocabulary`` S, ``draft_ranked``: the heads' frequency
+        ranking, else ids 0..S−1), memory (bytes)."""
         params = list(self.backbone.parameters()) + list(self.heads.parameters())
+        attention = getattr(self.backbone.config, "_attn_implementation", None)
         return {
             "model": self.name,
             "base_model": self.base_model,
@@ -389,6 +393,9 @@ class MedusaModel:
             "max_context": self.max_context,
             "step": "lean" if self._steps.lean is not None else "transformers",
             "step_note": self._steps.lean_reason,
+            "attention": {ATTENTION_KERNEL: "row kernel", ATTENTION: "SDPA rows"}.get(attention, attention),
+            "draft_vocabulary": self._draft_vocabulary,
+            "draft_ranked": getattr(self.heads, "draft_ids", None) is not None,
             "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
         }
 

@@ -26,6 +26,7 @@ from app.settings import AppSettings
 from app.stats import CSV_COLUMNS, summarize, summary_markdown
 from app.ui import build_ui
 from medusa_core import CHAT_PRESET, TunedSettings
+from medusa_core.invariant import ATTENTION_KERNEL
 from medusa_core.processors import CHAT_SAMPLING
 
 
@@ -319,6 +320,9 @@ def test_the_model_panel_shows_names_precision_device_heads_and_memory(engine):
                    "| decoding pass | transformers' forward (layer 0's self_attn.q_proj is not a 4-bit Int4Linear"):
         assert needle in panel
     assert f"heads {str(engine.model.heads[0][0].linear.weight.dtype).removeprefix('torch.')}" in panel
+    kernel = engine.model.backbone.config._attn_implementation == ATTENTION_KERNEL
+    assert ("attention of decoding rows: the compiled row kernel" if kernel else "attention of decoding rows: SDPA, one call per row group") in panel
+    assert f"drafting among all {engine.model.vocab_size:,} tokens" in panel  # a vocabulary this small is not cut
 
 
 def test_replies_are_shaped_by_the_models_tuned_threshold_which_the_model_panel_shows(engine, settings, controls, monkeypatch):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from medusa_core import DEMO_MODEL_DIR, load_medusa_model
+from medusa_core.heads import DRAFT_RANKING_FILE, RANKED_DRAFT_VOCABULARY
 
 PROMPTS = [
     "What is the capital of France?",
@@ -35,6 +36,14 @@ def test_the_demo_ships_version_2_heads_calibration_and_its_prompt_set_within_40
     assert config["version"] == "2" and config["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     size = sum(f.stat().st_size for f in DEMO_MODEL_DIR.rglob("*") if f.is_file())
     assert size <= 40 * 2**20
+
+
+def test_the_demo_heads_draft_among_the_most_frequent_tokens_of_their_training_replies(demo):
+    ranking = json.loads((DEMO_MODEL_DIR / DRAFT_RANKING_FILE).read_text())["ranked_ids"]
+    d = demo.describe()
+    assert d["draft_ranked"] and d["draft_vocabulary"] == RANKED_DRAFT_VOCABULARY
+    assert demo.heads.draft_ids.tolist() == ranking[:RANKED_DRAFT_VOCABULARY]
+    assert ranking[0] != 0  # frequency order, not id order
 
 
 def test_the_demo_loads_a_4bit_smollm2_backbone_and_answers_the_capital_of_france(demo):

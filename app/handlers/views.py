@@ -177,9 +177,10 @@ def model_panel(engine: Engine, session: Session | None = None) -> str:
         ("base model", f"`{d['base_model']}`"),
         ("precision", f"backbone {backbone}, computing in {d['dtype']}; heads {d['head_dtype']}"),
         ("device", d["device"]),
-        ("decoding pass", "lean: compiled, the same bits as transformers' forward" if d["step"] == "lean"
-         else f"transformers' forward ({html.escape(d['step_note'], quote=False)})"),
-        ("Medusa heads", f"{d['num_heads']} ({d['head_layers']} residual block{'s' if d['head_layers'] != 1 else ''} each)"),
+        ("decoding pass", ("lean: compiled, the same bits as transformers' forward" if d["step"] == "lean"
+                           else f"transformers' forward ({html.escape(d['step_note'], quote=False)})") + _attention(d)),
+        ("Medusa heads", f"{d['num_heads']} ({d['head_layers']} residual block{'s' if d['head_layers'] != 1 else ''} each); "
+                         + _drafting(d, model.vocab_size)),
         ("context window", f"{d['max_context']} tokens"),
         ("tree in use", f"{in_use} (latest reply)" if in_use else f"{d['default_tree']} (the model's default)"),
         ("tree shaping", _shaping(d, model.tuned)),
@@ -191,6 +192,21 @@ def model_panel(engine: Engine, session: Session | None = None) -> str:
     ]
     (k0, v0), *rest = rows
     return f"| {k0} | {v0} |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rest)
+
+
+def _attention(d: dict) -> str:
+    """How decoding rows attend, as a clause of the decoding pass row (``MedusaModel.describe()["attention"]``)."""
+    kinds = {"row kernel": "the compiled row kernel", "SDPA rows": "SDPA, one call per row group"}
+    return f"; attention of decoding rows: {kinds.get(d['attention'], html.escape(str(d['attention']), quote=False))}"
+
+
+def _drafting(d: dict, vocab_size: int) -> str:
+    """The heads' draft vocabulary in words (FR-Spec: ``MedusaHeads.restrict_drafts``)."""
+    size = d["draft_vocabulary"]
+    if size >= vocab_size:
+        return f"drafting among all {vocab_size:,} tokens"
+    which = "most frequent in their training replies" if d["draft_ranked"] else "first token ids"
+    return f"drafting among the {size:,} {which} (of {vocab_size:,})"
 
 
 def _shaping(d: dict, tuned: dict) -> str:
