@@ -197,6 +197,9 @@ def test_cli_distill_heads_and_vllm_export_run_end_to_end(tmp_path):
     assert "optimised_32" in record["trees"] and record["simulated_acceleration"]["optimised_32"] >= 1
     assert len(record["head_temperatures"]) == 2 and min(record["head_temperatures"]) > 0
     assert json.loads((tmp_path / "vllm" / "config.json").read_text())["model_type"] == "medusa"
+    replies = [t for line in (tmp_path / "d.jsonl").read_text().splitlines() for t in json.loads(line)["reply_ids"]]
+    ranking = json.loads((tmp_path / "h" / "draft_ranking.json").read_text())["ranked_ids"]  # beside the heads
+    assert set(ranking) == set(replies) and replies.count(ranking[0]) == max(map(replies.count, replies))
     assert folder.exists()
 
 

@@ -4,7 +4,8 @@ Command line (``python -m medusa_core.train --help``):
 
     # 1. the backbone's own greedy replies to seed prompts (JSONL chats/prompts or a .txt of prompts)
     python -m medusa_core.train distill --model BASE --prompts prompts.jsonl --out distilled.jsonl
-    # 2. K heads on the frozen backbone, loss Σ_k 0.8^k · CE(head k, token t+k+2) over reply tokens
+    # 2. K heads on the frozen backbone, loss Σ_k 0.8^k · CE(head k, token t+k+2) over reply tokens; beside them
+    #    the replies' tokens by frequency (draft_ranking.json: the heads draft among the most frequent, FR-Spec)
     python -m medusa_core.train heads --model BASE --data distilled.jsonl --out HEADS_DIR [--export vllm DIR]
     # 3. per-head rank accuracies on held-out replies, optimised trees for several node budgets,
     #    each tree's acceleration replayed on those replies (exact for greedy decoding) and each
@@ -33,6 +34,7 @@ from .calibrate import accuracy_from_ranks, calibration, head_temperatures, targ
 from .distill import distill, read_distilled, read_prompts
 from .heads import HeadTrainingConfig, train_heads
 from .positions import TARGETS, collect_positions
+from .ranking import rank_tokens, write_ranking
 
 
 def _backbone_and_tokenizer(args):
@@ -104,10 +106,12 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "heads":
         cfg_fields = {f: getattr(args, f) for f in asdict(HeadTrainingConfig())}
         cfg = HeadTrainingConfig(**cfg_fields)
-        hidden, labels, roots = collect_positions(backbone, read_distilled(args.data), cfg.num_heads, bf16=args.bf16,
-                                                  targets=args.targets, with_roots=True)
+        replies = read_distilled(args.data)
+        hidden, labels, roots = collect_positions(backbone, replies, cfg.num_heads, bf16=args.bf16, targets=args.targets,
+                                                  with_roots=True)
         heads, stats = train_heads(backbone, hidden, labels, args.out, cfg, base_model_name_or_path=args.base_name or args.model,
                                    resume=not args.no_resume, roots=roots)
+        write_ranking(args.out, rank_tokens(r["reply_ids"] for r in replies), f"{len(replies):,} replies of {args.data}")
         if args.heldout:
             hh, hl, hr = collect_positions(backbone, read_distilled(args.heldout), cfg.num_heads, bf16=args.bf16, with_roots=True)
             ranks = target_ranks(heads, hh, hl, roots=hr)
