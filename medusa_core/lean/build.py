@@ -1,6 +1,6 @@
 """Building and loading the lean step's C++ extension (``lean_step.cpp``) with ``torch.utils.cpp_extension``.
 
-The extension is compiled once per source and torch version (about a minute on two cores) into
+The extension is compiled once per source, torch version and CPU (about a minute on two cores) into
 ``<cache>/lean/<hash>/``, beside the converted GGUF backbones (``gguf.cache_dir``); later starts load the
 built module in well under a second. Where no C++ compiler (or ``ninja``) is found, or the build fails,
 ``load_extension`` returns None with the reason, and the engine keeps transformers' forward.
@@ -25,6 +25,8 @@ from ..gguf import cache_dir
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("lean_step.cpp")
+#: Everything the build reads: the source and the headers it includes.
+FILES = (SOURCE, SOURCE.with_name("row_attention.h"))
 #: Environment variable that turns the lean step off (``0``): transformers' forward then runs every pass.
 ENV = "MEDUSA_LEAN_STEP"
 
@@ -53,12 +55,12 @@ def _cpu() -> bytes:
 
 
 def _digest() -> str:
-    payload = SOURCE.read_bytes() + torch.__version__.encode() + " ".join(CFLAGS).encode() + _cpu()
+    payload = b"".join(f.read_bytes() for f in FILES) + torch.__version__.encode() + " ".join(CFLAGS).encode() + _cpu()
     return hashlib.sha256(payload).hexdigest()[:16]
 
 
 def build_folder() -> Path:
-    """``<cache>/lean/<hash of the source, torch's version, the flags and the CPU>``: any change builds anew."""
+    """``<cache>/lean/<hash of the sources, torch's version, the flags and the CPU>``: any change builds anew."""
     return cache_dir().parent / "lean" / _digest()
 
 
