@@ -19,6 +19,7 @@ from transformers import DynamicCache
 from .acceptance import choose_token, verify_tree
 from .generation import StepRecord, step_record
 from .kvcache import compact_cache
+from .lean.drafting import LeanDrafts
 from .lean.step import LeanStep
 from .prefill import ReadProgress, read_prompt
 from .processors import tree_prefixes
@@ -35,7 +36,8 @@ class StepRunner:
     Attributes ``decoder``, ``lm_head``, ``draft_logits`` (heads(hidden [..., H], num_heads) -> [k, ..., S]),
     ``head_dtype`` and ``temperatures`` ([K, 1]) are the parts a step uses; ``bench.stepsplit`` times the stages.
     ``lean`` is the compiled decoding pass (``medusa_core.lean``) when the backbone has one, else None, with
-    ``lean_reason`` saying why; ``report`` (optional) is told when that pass is compiled (a first start).
+    ``lean_reason`` saying why; ``lean_drafts`` the compiled proposal of the heads (``medusa_core.lean.drafting``)
+    or None, with ``lean_drafts_reason``; ``report`` (optional) is told when they are compiled (a first start).
     """
 
     def __init__(self, model: Any, report: Callable[[str], None] | None = None):
@@ -48,6 +50,7 @@ class StepRunner:
         # Heads may run in a cheaper dtype than the backbone: they only propose, the backbone verifies.
         self.head_dtype = next(heads.parameters(), backbone.get_input_embeddings().weight).dtype
         self.draft_logits = getattr(heads, "draft_logits", heads)
+        self.lean_drafts, self.lean_drafts_reason = LeanDrafts.for_heads(heads, report)  # compiled proposal, or why not
         self._pruned_trees: dict[tuple[str, int, tuple[int, ...]], StepTree] = {}
 
     def run(
@@ -146,20 +149,27 @@ class StepRunner:
 
         Heads run only at the last accepted position ``hidden`` [1, H] and only the tree's depth of them,
         over their draft vocabulary (S token ids, ``MedusaHeads.restrict_drafts``; the probabilities are then
-        normalised over those S tokens).
+        normalised over those S tokens), through ``lean_drafts`` where it runs (the same ranks but at near-ties;
+        the values within bfloat16 rounding of the ATen path's).
         """
         if tree.num_nodes == 1:
             return root.view(1), None
-        rooted = {"root": root.view(1)} if getattr(self.model.heads, "root_conditioned", False) else {}  # layout "root"
-        head_logits = self.draft_logits(hidden.to(self.head_dtype), num_heads=tree.head_depth, **rooted)[:, 0]  # [D, S]
-        top = head_logits.topk(tree.topk, dim=-1)  # [D, topk]
+        depth = tree.head_depth
+        if self.lean_drafts is not None:  # the same ranks in two compiled calls (medusa_core.lean.drafting)
+            columns, log_p = self.lean_drafts.top(hidden, root, depth, tree.topk, self.temperatures)  # [D, topk] each
+        else:
+            rooted = {"root": root.view(1)} if getattr(self.model.heads, "root_conditioned", False) else {}  # layout "root"
+            head_logits = self.draft_logits(hidden.to(self.head_dtype), num_heads=depth, **rooted)[:, 0]  # [D, S]
+            top = head_logits.topk(tree.topk, dim=-1)  # [D, topk]
+            columns, log_p = top.indices, None
+            if with_log_p:  # T_k > 0 keeps every rank
+                scaled = head_logits.float() / self.temperatures[:depth]  # [D, S]
+                log_p = top.values.float() / self.temperatures[:depth] - scaled.logsumexp(dim=-1, keepdim=True)  # [D, topk]
         draft_ids = getattr(self.model.heads, "draft_ids", None)  # a frequency-ranked draft vocabulary's token ids
-        ranked = top.indices.flatten() if draft_ids is None else draft_ids[top.indices.flatten()]
+        ranked = columns.flatten() if draft_ids is None else draft_ids[columns.flatten()]
         tokens = torch.cat([root.view(1), ranked])[tree.tree_indices]
         if not with_log_p:
             return tokens, None
-        scaled = head_logits.float() / self.temperatures[: tree.head_depth]  # [D, V]; T_k > 0 keeps every rank
-        log_p = top.values.float() / self.temperatures[: tree.head_depth] - scaled.logsumexp(dim=-1, keepdim=True)  # [D, topk]
         return tokens, torch.cat([log_p.new_zeros(1), log_p.flatten()])[tree.tree_indices]
 
     def pruned(self, tree: StepTree, keep: list[int]) -> StepTree:

@@ -172,13 +172,27 @@ class MedusaHeads(nn.ModuleList):
     def draft_logits(self, hidden: torch.Tensor, num_heads: int | None = None, root: torch.Tensor | None = None) -> torch.Tensor:
         """``forward``'s logits over the draft vocabulary: hidden [..., H] -> [k, ..., S], column j for token id
         ``draft_ids[j]`` (j itself when ``draft_ids`` is None); ``root`` as in ``forward``."""
-        if not self._draft_projections:
-            return self(hidden, num_heads, root)
-        if self._shared_lm_head:
-            return self._draft_projections[0](self.states(hidden, num_heads, root))  # [k, ..., H] -> [k, ..., S]
+        return self.project_drafts(self.block_states(hidden, num_heads, root))
+
+    def block_states(self, hidden: torch.Tensor, num_heads: int | None = None, root: torch.Tensor | None = None) -> torch.Tensor:
+        """Each head's input to its projection, [k, ..., H]: its residual blocks' output (paper 2.1.1; for layout
+        "root" over ``hidden + R_k · e(root)``). Args as ``forward``."""
         heads = list(self)[: num_heads or len(self)]
-        inputs = self._inputs(hidden, len(heads), root)
-        return torch.stack([proj(head[:-1](x)) for head, x, proj in zip(heads, inputs, self._draft_projections)])
+        blocks = heads if self._shared_lm_head else [head[:-1] for head in heads]
+        return torch.stack([block(x) for block, x in zip(blocks, self._inputs(hidden, len(heads), root))])
+
+    def project_drafts(self, states: torch.Tensor) -> torch.Tensor:
+        """The first k heads' projections of ``block_states`` [k, ..., H] over the draft vocabulary: [k, ..., S]
+        (S = V without ``restrict_drafts``)."""
+        if self._shared_lm_head:
+            return (self._draft_projections or self._shared_lm_head)[0](states)
+        projections = self._draft_projections or tuple(head[-1] for head in self)
+        return torch.stack([projection(x) for projection, x in zip(projections, states)])
+
+    @property
+    def root_embedding(self) -> nn.Module | None:
+        """The backbone's input embedding that root-conditioned heads read (None for other heads)."""
+        return self._root_embedding[0] if self._root_embedding else None
 
     @classmethod
     def from_backbone(

@@ -375,7 +375,8 @@ class MedusaModel:
         ``"lean"``, the compiled one of ``medusa_core.lean``, or ``"transformers"``, with ``step_note`` saying why
         not lean), how decoding rows attend (``attention``: ``"row kernel"``, ``"SDPA rows"`` or the model's own
         implementation's name), the draft vocabulary (``draft_vocabulary`` S, ``draft_ranked``: the heads' frequency
-        ranking, else ids 0..S−1), memory (bytes)."""
+        ranking, else ids 0..S−1), how the heads propose (``proposal``: ``"compiled"``, ``medusa_core.lean.drafting``,
+        or ``"ATen"``, with ``proposal_note`` saying why not compiled), memory (bytes)."""
         params = list(self.backbone.parameters()) + list(self.heads.parameters())
         attention = getattr(self.backbone.config, "_attn_implementation", None)
         return {
@@ -396,6 +397,8 @@ class MedusaModel:
             "attention": {ATTENTION_KERNEL: "row kernel", ATTENTION: "SDPA rows"}.get(attention, attention),
             "draft_vocabulary": self._draft_vocabulary,
             "draft_ranked": getattr(self.heads, "draft_ids", None) is not None,
+            "proposal": "compiled" if self._steps.lean_drafts is not None else "ATen",
+            "proposal_note": self._steps.lean_drafts_reason,
             "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
         }
 

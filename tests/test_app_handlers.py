@@ -323,6 +323,8 @@ def test_the_model_panel_shows_names_precision_device_heads_and_memory(engine):
     kernel = engine.model.backbone.config._attn_implementation == ATTENTION_KERNEL
     assert ("attention of decoding rows: the compiled row kernel" if kernel else "attention of decoding rows: SDPA, one call per row group") in panel
     assert f"drafting among all {engine.model.vocab_size:,} tokens" in panel  # a vocabulary this small is not cut
+    d = engine.model.describe()  # bfloat16 heads on a CPU with bfloat16 dot products propose through the kernels
+    assert ("; proposals by the compiled kernels" if d["proposal"] == "compiled" else f"; proposals by ATen ops ({d['proposal_note']})") in panel
 
 
 def test_replies_are_shaped_by_the_models_tuned_threshold_which_the_model_panel_shows(engine, settings, controls, monkeypatch):

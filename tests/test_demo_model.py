@@ -46,6 +46,15 @@ def test_the_demo_heads_draft_among_the_most_frequent_tokens_of_their_training_r
     assert ranking[0] != 0  # frequency order, not id order
 
 
+def test_the_demo_heads_propose_through_the_compiled_kernels_where_the_cpu_has_bfloat16_dot_products(demo):
+    d = demo.describe()
+    if d["step"] != "lean":
+        pytest.skip(f"no compiled kernels here: {d['step_note']}")
+    assert d["proposal"] == "compiled" or d["proposal_note"] == "this CPU has no bfloat16 dot product (AVX512-BF16)"
+    if d["proposal"] == "compiled":
+        assert demo._steps.lean_drafts.heads is demo.heads
+
+
 def test_the_demo_loads_a_4bit_smollm2_backbone_and_answers_the_capital_of_france(demo):
     from medusa_core.quant.layers import BF16Linear, Int4Linear
 

@@ -204,9 +204,16 @@ def _drafting(d: dict, vocab_size: int) -> str:
     """The heads' draft vocabulary in words (FR-Spec: ``MedusaHeads.restrict_drafts``)."""
     size = d["draft_vocabulary"]
     if size >= vocab_size:
-        return f"drafting among all {vocab_size:,} tokens"
+        return f"drafting among all {vocab_size:,} tokens" + _proposal(d)
     which = "most frequent in their training replies" if d["draft_ranked"] else "first token ids"
-    return f"drafting among the {size:,} {which} (of {vocab_size:,})"
+    return f"drafting among the {size:,} {which} (of {vocab_size:,})" + _proposal(d)
+
+
+def _proposal(d: dict) -> str:
+    """How the heads' proposal runs, as a clause (``MedusaModel.describe()["proposal"]``)."""
+    if d["proposal"] == "compiled":
+        return "; proposals by the compiled kernels"
+    return f"; proposals by ATen ops ({html.escape(d['proposal_note'], quote=False)})"
 
 
 def _shaping(d: dict, tuned: dict) -> str:

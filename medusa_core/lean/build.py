@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("lean_step.cpp")
 #: Everything the build reads: the source and the headers it includes.
-FILES = (SOURCE, SOURCE.with_name("row_attention.h"))
+FILES = (SOURCE, SOURCE.with_name("row_attention.h"), SOURCE.with_name("draft_heads.h"))
 #: Environment variable that turns the lean step off (``0``): transformers' forward then runs every pass.
 ENV = "MEDUSA_LEAN_STEP"
 
@@ -41,8 +41,9 @@ def enabled() -> bool:
 
 
 #: Compiler flags: optimised for this CPU (the row attention's vector types then use its widest registers; every
-#: lane operation is one IEEE operation, so the bits do not depend on it), no fused multiply-add.
-CFLAGS = ["-O2", "-march=native", "-ffp-contract=off"]
+#: lane operation is one IEEE operation, so the bits do not depend on it), no fused multiply-add, and OpenMP, the
+#: runtime torch's own ``at::parallel_for`` runs on (the heads' products split their rows over torch's threads).
+CFLAGS = ["-O2", "-march=native", "-ffp-contract=off", "-fopenmp"]
 
 
 def _cpu() -> bytes:
@@ -109,7 +110,8 @@ def _build(folder: Path, report: Callable[[str], None]) -> ModuleType | str:
     _building.set()
     try:
         module = cpp_extension.load(
-            name="medusa_lean", sources=[str(SOURCE)], build_directory=str(folder), extra_cflags=CFLAGS, verbose=False
+            name="medusa_lean", sources=[str(SOURCE)], build_directory=str(folder), extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+            verbose=False
         )
     except (RuntimeError, OSError, ImportError) as e:  # a compiler error, a broken toolchain
         log.warning("the lean step could not be built: %s", e)

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <vector>
 
+#include "draft_heads.h"
 #include "row_attention.h"
 
 namespace {
@@ -335,4 +336,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &LeanDecoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("fused", &LeanDecoder::fused);
   m.def("row_attention", &row_attention, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("head_states", &medusa_lean::head_states, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("draft_top", &medusa_lean::draft_top, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("has_bf16_dot", &medusa_lean::has_bf16_dot);
 }

@@ -79,7 +79,8 @@ inline f16v mul_add(f16v a, f16v b, f16v c) {
 #endif
 }
 
-constexpr int kMaxChunks = 8;  // Dh / 16 up to which an item is compiled for its head size
+constexpr int kMaxChunks = 8;
+constexpr int64_t kParallelVisits = 4096;  // keys read in a call from which its items are split over the threads  // Dh / 16 up to which an item is compiled for its head size
 
 // One (row, query head) item over the row's keys, for Dh = 16 · C.
 //   q: the query head's Dh floats; out: its output's Dh floats.
@@ -143,8 +144,8 @@ ItemFn item_for(int64_t chunks, std::integer_sequence<int, C...>) {
 
 // Attention of N query rows [N, Hq, Dh] (float32, unit stride over Dh) over a cache's keys and values [Hkv, L, Dh]
 // (float32, unit stride over Dh). Row r sees positions 0 .. prefix[r]−1 and then extras[offsets[r] .. offsets[r+1]−1]
-// (ascending, each ≥ prefix[r]). Returns [N, Hq, Dh] float32. One work item per (row, query head), on the calling
-// thread: one row over 1,000 keys takes ~55 us on this project's CPU, where SDPA with two threads takes ~75 us.
+// (ascending, each ≥ prefix[r]). Returns [N, Hq, Dh] float32. One work item per (row, query head): one row over
+// 1,000 keys took ~55 us on one thread of this project's CPU, where SDPA with two threads took ~75 us.
 inline Tensor row_attention(const Tensor& query, const Tensor& key, const Tensor& value, const std::vector<int64_t>& prefix,
                      const std::vector<int64_t>& offsets, const Tensor& extras, double scaling) {
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3, "row_attention: query [N, Hq, Dh], key/value [Hkv, L, Dh]");
@@ -166,12 +167,20 @@ inline Tensor row_attention(const Tensor& query, const Tensor& key, const Tensor
   const float* kp = key.data_ptr<float>();
   const float* vp = value.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  std::vector<float> scratch;
-  for (int64_t r = 0; r < n; ++r)
-    for (int64_t h = 0; h < hq; ++h)
+  int64_t visits = 0;  // keys read over all items: the work, ~6 ns each
+  for (int64_t r = 0; r < n; ++r) visits += (prefix[r] + offsets[r + 1] - offsets[r]) * hq;
+  // Items are split over torch's threads when there is enough work to pay for waking them; each item runs start to
+  // end on one thread, so the split does not change a bit.
+  const int64_t items = n * hq, grain = visits < kParallelVisits ? items : 1;
+  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = i / hq, h = i % hq;
       attend(qp + r * query.stride(0) + h * query.stride(1), kp + h / group * key.stride(0),
              vp + h / group * value.stride(0), pos_stride, prefix[r], ex + offsets[r], offsets[r + 1] - offsets[r],
              static_cast<float>(scaling), op + (r * hq + h) * dh, scratch);
+    }
+  });
   return out;
 }
 

@@ -1,0 +1,199 @@
+"""The heads' compiled proposal (``medusa_core.lean.drafting``, ``draft_heads.h``) and the row attention's thread split."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from medusa_core import MedusaModel
+from medusa_core.heads import MedusaHeads
+from medusa_core.lean import build
+from medusa_core.lean.drafting import LeanDrafts, unsupported
+from tests.test_lean import int4_backbone
+from tests.tiny_models import random_heads, tiny_backbone
+
+
+@pytest.fixture(scope="module")
+def extension():
+    module, why = build.load_extension()
+    if module is None:
+        pytest.skip(f"no compiled kernels on this machine: {why}")  # the README's install gives CI a compiler
+    return module
+
+
+@pytest.fixture
+def threads():
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).double()
+
+
+def _reference_states(hidden, row, root_weight, weights, biases, depth):
+    """The kernel's arithmetic in float64: x = h (+ R_k e), then x += SiLU(W bf16(x) + b) per block."""
+    layers = len(weights) // depth
+    out = []
+    for k in range(depth):
+        x = hidden.double()
+        if row is not None:
+            x = x + _bf16(root_weight[k]) @ _bf16(row)
+        for w, b in zip(weights[k * layers:(k + 1) * layers], biases[k * layers:(k + 1) * layers]):
+            x = x + torch.nn.functional.silu(_bf16(w) @ _bf16(x) + b.double())
+        out.append(x)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("size", [64, 48, 576], ids=["H64", "H48-tail", "H576"])
+@pytest.mark.parametrize("layers", [0, 1, 2])
+@pytest.mark.parametrize("rooted", [False, True], ids=["medusa", "root"])
+def test_head_states_computes_the_residual_blocks_over_the_root_conditioned_input(extension, size, layers, rooted):
+    g = torch.Generator().manual_seed(size + layers)
+    depth = 3
+    hidden = torch.randn(size, generator=g)
+    row = torch.randn(size, generator=g).to(torch.bfloat16) if rooted else None
+    root_weight = (torch.randn(depth, size, size, generator=g) / size**0.5).to(torch.bfloat16) if rooted else None
+    weights = [(torch.randn(size, size, generator=g) / size**0.5).to(torch.bfloat16) for _ in range(depth * layers)]
+    biases = [torch.randn(size, generator=g).to(torch.bfloat16) for _ in range(depth * layers)]
+    states = extension.head_states(
+        hidden, torch.empty(0) if row is None else row, torch.empty(0) if root_weight is None else root_weight,
+        weights, biases, depth,
+    )
+    assert states.dtype == torch.bfloat16 and states.shape == (depth, size)
+    expected = _reference_states(hidden, row, root_weight, weights, biases, depth)
+    torch.testing.assert_close(states.double(), expected, rtol=1e-2, atol=1e-2)  # the output is rounded to bfloat16
+
+
+def test_head_states_are_the_same_bits_on_one_thread_and_on_two(extension, threads):
+    g = torch.Generator().manual_seed(7)
+    hidden, row = torch.randn(576, generator=g), torch.randn(576, generator=g).to(torch.bfloat16)
+    root_weight = (torch.randn(2, 576, 576, generator=g) / 24).to(torch.bfloat16)
+    weights = [(torch.randn(576, 576, generator=g) / 24).to(torch.bfloat16) for _ in range(4)]
+    biases = [torch.randn(576, generator=g) for _ in range(4)]
+    runs = []
+    for n in (1, 2):
+        threads(n)
+        runs.append(extension.head_states(hidden, row, root_weight, weights, biases, 2))
+    assert torch.equal(runs[0], runs[1])
+
+
+def test_draft_top_gives_each_rows_top_k_and_its_log_probabilities_at_its_temperature(extension):
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 1000, generator=g) * 4
+    temperatures = torch.tensor([1.0, 0.5, 2.0])
+    columns, log_p = extension.draft_top(logits, 5, temperatures)
+    top = logits.topk(5, dim=-1)
+    assert torch.equal(columns, top.indices)
+    expected = torch.log_softmax(logits.double() / temperatures[:, None].double(), dim=-1).gather(-1, top.indices)
+    torch.testing.assert_close(log_p.double(), expected, rtol=0, atol=2e-5)
+    bf16_columns, _ = extension.draft_top(logits.to(torch.bfloat16), 5, temperatures)  # the heads' own dtype
+    assert torch.equal(bf16_columns[:, 0], logits.to(torch.bfloat16).float().argmax(-1))
+
+
+def test_draft_top_breaks_ties_towards_the_lower_column_and_takes_k_up_to_the_whole_row(extension):
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0]])
+    columns, log_p = extension.draft_top(logits, 5, torch.ones(1))
+    assert columns.tolist() == [[1, 2, 4, 0, 3]]
+    assert torch.allclose(log_p.exp().sum(), torch.tensor(1.0), atol=1e-6)
+    with pytest.raises(RuntimeError, match="1 <= k <= S"):
+        extension.draft_top(logits, 6, torch.ones(1))
+
+
+def _bf16_heads(backbone, rooted: bool, layers: int = 1) -> MedusaHeads:
+    heads = random_heads(backbone, num_heads=4) if not rooted else MedusaHeads.from_backbone(backbone, 4, root_conditioned=True)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        if rooted:
+            heads.root_weight.add_(torch.randn(heads.root_weight.shape, generator=g) * 0.2)
+            for head in heads:
+                for p in head[:-1].parameters():
+                    p.add_(torch.randn(p.shape, generator=g) * 0.5)
+    return heads.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("rooted", [False, True], ids=["medusa", "root"])
+def test_the_compiled_proposal_ranks_drafts_as_the_heads_in_float64_do(extension, rooted):
+    backbone = int4_backbone("llama")
+    heads = _bf16_heads(backbone, rooted)
+    reference = copy.deepcopy(heads).double()
+    if rooted:
+        reference._root_embedding = (copy.deepcopy(heads.root_embedding).double(),)
+    model = MedusaModel(backbone, heads)
+    steps = model._steps
+    if steps.lean_drafts is None:
+        pytest.skip(f"no compiled proposal here: {steps.lean_drafts_reason}")
+    temperatures = torch.tensor([0.5, 1.0, 1.5, 2.0])
+    g = torch.Generator().manual_seed(11)
+    checked = 0
+    with torch.inference_mode():
+        for _ in range(20):
+            hidden = torch.randn(1, backbone.config.hidden_size, generator=g)
+            root = torch.randint(0, backbone.config.vocab_size, (1,), generator=g)
+            columns, log_p = steps.lean_drafts.top(hidden, root, 4, 3, temperatures)  # [4, 3] each
+            logits = reference.draft_logits(hidden.double(), 4, root=root if rooted else None)[:, 0]  # [4, V]
+            # First-order bound of bfloat16 rounding: of each state (2^-8 of it, through |W|) and of each logit (2^-8 of
+            # it), twice over for the roundings inside the residual blocks.
+            states = reference.block_states(hidden.double(), 4, root=root if rooted else None)[:, 0]  # [4, H]
+            weights = torch.stack([head[-1].weight.double() for head in reference])  # [4, V, H]
+            error = 2 * 2**-8 * ((weights.abs() @ states.abs()[..., None])[..., 0] + logits.abs())  # [4, V]
+            top = logits.topk(2, dim=-1)
+            clear = top.values[:, 0] - top.values[:, 1] > error.gather(-1, top.indices).sum(-1)  # no rounding flips these
+            assert torch.equal(columns[clear, 0], top.indices[clear, 0])
+            checked += int(clear.sum())
+            # a log-probability carries its logit's error and the log-sum-exp's (at most the largest)
+            bound = (error.gather(-1, columns) + error.amax(dim=-1, keepdim=True)) / temperatures[:, None].double()
+            expected = torch.log_softmax(logits / temperatures[:, None].double(), dim=-1).gather(-1, columns)
+            assert ((log_p.double() - expected).abs() <= bound).all()
+    assert checked >= 40
+
+
+def test_greedy_medusa_with_the_compiled_proposal_repeats_plain_greedy(extension):
+    backbone = int4_backbone("llama")
+    model = MedusaModel(backbone, _bf16_heads(backbone, rooted=True))
+    if model._steps.lean_drafts is None:
+        pytest.skip(f"no compiled proposal here: {model._steps.lean_drafts_reason}")
+    ids = torch.tensor([[5, 17, 40, 33, 3]])
+    runs = {}
+    for medusa in (False, True):
+        records = list(model.generate(ids, max_new_tokens=40, temperature=0, medusa=medusa, tree="mc_sim_7b_63"))
+        runs[medusa] = [t for r in records for t in r.token_ids]
+        steps = len(records)
+    assert runs[True] == runs[False]
+    assert steps < 41  # the drafts were used: some step accepted more than one token
+
+
+def test_heads_the_compiled_proposal_does_not_run_say_why(monkeypatch):
+    backbone = tiny_backbone("llama")
+    assert "bfloat16" in unsupported(random_heads(backbone))  # float32 heads keep ATen's products
+    assert "MedusaHeads" in unsupported(torch.nn.Linear(4, 4))
+    monkeypatch.setenv(build.ENV, "0")
+    drafts, why = LeanDrafts.for_heads(random_heads(backbone).to(torch.bfloat16))
+    assert drafts is None and build.ENV in why
+
+
+def test_a_depth_beyond_the_heads_is_an_error_that_names_the_range(extension):
+    backbone = int4_backbone("llama")
+    drafts = LeanDrafts(_bf16_heads(backbone, rooted=True), extension)
+    with pytest.raises(ValueError, match=r"depth must be 1\.\.4"):
+        drafts.top(torch.zeros(1, backbone.config.hidden_size), torch.tensor([1]), 5, 2, torch.ones(4))
+    with pytest.raises(ValueError, match="need root="):
+        drafts.top(torch.zeros(1, backbone.config.hidden_size), None, 1, 2, torch.ones(4))
+
+
+def test_the_row_attention_split_over_threads_gives_the_bits_of_one_thread(extension, threads):
+    g = torch.Generator().manual_seed(2)
+    rows, heads, kv_heads, dh, length = 4, 8, 2, 64, 700
+    query = torch.randn(rows, heads, dh, generator=g)
+    key, value = torch.randn(kv_heads, length, dh, generator=g), torch.randn(kv_heads, length, dh, generator=g)
+    prefix = [600, 600, 650, 690]
+    extras = torch.tensor([600, 601, 650, 660, 695])
+    offsets = [0, 1, 3, 3, 5]
+    runs = []
+    for n in (1, 2):
+        threads(n)
+        runs.append(extension.row_attention(query, key, value, prefix, offsets, extras, dh**-0.5))
+    assert torch.equal(runs[0], runs[1])
