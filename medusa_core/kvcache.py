@@ -99,6 +99,31 @@ class GrowingLayer(DynamicLayer):
         self.keys, self.values = keys, values
         self.release_rows()
 
+    def pack_values(self) -> bool:
+        """Between a conversation's turns: hold the values as bfloat16 where that loses nothing, and free their
+        float32 buffer. A bias-free int4 ``v_proj`` (``quant.layers.Int4Linear``: a bfloat16 product cast to
+        float32) writes values that are bfloat16 numbers, so they round-trip exactly; keys have RoPE applied in
+        float32 and stay as they are. Returns True when packed; False (nothing changed) for values that are not
+        all bfloat16 numbers, or not float32. ``unpack_values`` restores the buffer before the next pass."""
+        if not self.is_initialized or self._values_buffer is None or self.values.dtype != torch.float32:
+            return False
+        packed = self.values.to(torch.bfloat16)
+        if not torch.equal(packed.float(), self.values):
+            return False
+        self._values_buffer, self.values = None, packed
+        self.release_rows()
+        return True
+
+    def unpack_values(self) -> None:
+        """Undo ``pack_values``: the values back in a float32 buffer of the keys' capacity (the same bits)."""
+        if not self.is_initialized or self._values_buffer is not None:
+            return
+        length = self.values.shape[-2]
+        buffer = self._keys_buffer.new_empty(self._keys_buffer.shape)
+        buffer[..., :length, :] = self.values
+        self._values_buffer, self.values = buffer, buffer[..., :length, :]
+        self.values.rows_cache = getattr(self.keys, "rows_cache", None)
+
     def release_rows(self) -> None:
         """Free the replicas (``row_keys`` makes them again, prefix copied once, when a tree pass needs them)."""
         self._row_buffers, self._replicated = None, 0

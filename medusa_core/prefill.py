@@ -98,13 +98,18 @@ class ConversationCache:
 
     def settle(self) -> None:
         """End of a reply: free the scratch replicas its tree passes made (``kvcache.release_rows``), keep only
-        the entries that fit when the buffers exceed ``max_bytes`` (``GrowingLayer.fit``), and give the freed
-        memory back to the operating system (``release_free_memory``)."""
+        the entries that fit when the buffers exceed ``max_bytes`` (``GrowingLayer.fit``), hold the values as
+        bfloat16 until the next turn where that is exact (``GrowingLayer.pack_values``: a quarter of the memory
+        less on a GGUF backbone, the same bits when the next turn unpacks them), and give the freed memory back
+        to the operating system (``release_free_memory``)."""
         if self._cache is None:
             return
         release_rows(self._cache)
         if self.max_bytes is not None and self.nbytes > self.max_bytes:
             self._fit()
+        for layer in self._cache.layers:
+            if isinstance(layer, GrowingLayer):
+                layer.pack_values()
         release_free_memory()
 
     def _fit(self) -> None:
@@ -143,6 +148,9 @@ class ConversationCache:
             extra = layer.get_seq_length() - reused if layer.is_initialized else 0
             if extra > 0:
                 layer.crop(-extra)
+        for layer in self._cache.layers:
+            if isinstance(layer, GrowingLayer):
+                layer.unpack_values()
         self.token_ids = list(prompt[:reused])
         return self._cache, reused
 

@@ -14,7 +14,7 @@ from tiny_models import random_heads, tiny_backbone
 
 from medusa_core import ConversationCache, MedusaModel, ReadProgress, StepRecord
 from medusa_core.invariant import MAX_ROWWISE, make_batch_invariant
-from medusa_core.kvcache import RESERVE_STEP
+from medusa_core.kvcache import RESERVE_STEP, GrowingLayer
 from medusa_core import prefill
 from medusa_core.prefill import common_prefix, read_prompt, release_free_memory
 
@@ -181,6 +181,55 @@ def test_a_kept_cache_within_its_budget_keeps_every_entry(model):
     kept = ConversationCache(max_bytes=RESERVE_STEP * per_token)
     run(model, ids(prompt(300, seed=18)), kept=kept)
     assert len(kept.token_ids) > 300 and kept.nbytes == RESERVE_STEP * per_token
+
+
+@pytest.fixture(scope="module")
+def int4_model() -> MedusaModel:
+    """A tiny Llama with int4 decoder linears and no biases, as a GGUF backbone is served: its values are bfloat16 numbers."""
+    from tests.test_lean import int4_backbone
+
+    backbone = int4_backbone("llama", seed=3, max_position_embeddings=1024)
+    return MedusaModel(backbone, random_heads(backbone))
+
+
+def test_between_turns_an_int4_backbones_kept_values_are_bfloat16_and_every_turn_stays_exact(int4_model):
+    config = int4_model.config
+    kept, history = ConversationCache(), prompt(60, seed=21)
+    for turn in range(3):
+        history += prompt(6, seed=22 + turn)
+        again = run(int4_model, ids(history), kept=kept)[0]
+        assert again == run(int4_model, ids(history))[0], turn
+        layers = [layer for layer in kept._cache.layers if layer.is_initialized]
+        assert all(layer.values.dtype == torch.bfloat16 and layer.keys.dtype == torch.float32 for layer in layers)
+        held = len(kept.token_ids)
+        per_layer = config.num_key_value_heads * config.head_dim
+        keys = sum(layer._keys_buffer.untyped_storage().nbytes() for layer in layers)  # the keys' float32 room
+        assert kept.nbytes == keys + len(layers) * per_layer * held * 2  # the values: exactly the held entries, 2 bytes each
+        history += again[:-1]
+
+
+def test_values_that_are_not_bfloat16_numbers_stay_float32_between_turns(model):
+    kept = ConversationCache()
+    run(model, ids(prompt(40, seed=25)), kept=kept)  # a float32 backbone: its values use all of float32's bits
+    assert all(layer.values.dtype == torch.float32 for layer in kept._cache.layers if layer.is_initialized)
+
+
+def test_packed_values_unpack_to_the_same_bits_in_a_buffer_of_the_keys_capacity():
+    layer = GrowingLayer()
+    keys = torch.randn(1, 2, 5, 8)
+    values = torch.randn(1, 2, 5, 8).to(torch.bfloat16).float()  # bfloat16 numbers
+    layer.update(keys, values)
+    capacity = layer._keys_buffer.shape[-2]
+    assert layer.pack_values() and layer.values.dtype == torch.bfloat16
+    layer.crop(-1)  # a later turn shares 4 of the 5 entries
+    layer.unpack_values()
+    assert layer.values.dtype == torch.float32 and layer._values_buffer.shape[-2] == capacity
+    assert torch.equal(layer.values, values[..., :4, :]) and torch.equal(layer.keys, keys[..., :4, :])
+    layer.update(keys[..., :1, :], values[..., :1, :])  # and the buffer takes the next entries in place
+    assert torch.equal(layer.values[..., 4:, :], values[..., :1, :])
+    other = GrowingLayer()
+    other.update(keys, torch.randn(1, 2, 5, 8))
+    assert not other.pack_values() and other.values.dtype == torch.float32  # not exact: left as it is
 
 
 def test_every_reply_on_a_kept_cache_and_every_clear_give_freed_memory_back(model, monkeypatch):
