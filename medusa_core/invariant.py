@@ -43,7 +43,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .quant.layers import int4_lm_head
+from .quant.layers import BF16Linear, int4_lm_head
 
 #: Name of the attention implementation whose rows run as SDPA calls (``config._attn_implementation``).
 ATTENTION = "medusa_rowwise"
@@ -293,16 +293,20 @@ def make_batch_invariant(model: nn.Module, *, quantized: bool, report: Callable[
     weights) when the decoder's linears are float too (``quantized=False``); with a 4-bit decoder
     (``Int4Linear``, bitsandbytes NF4: batch-invariant kernels already) a float LM head is replaced by
     ``int4_lm_head``: a 4-bit first pass whose top logits each row refines in float32 (a tied
-    input embedding keeps its own weights).
+    input embedding keeps its own weights), by the compiled ``refine_top`` where the kernels load.
     """
     register()
-    model.set_attn_implementation(ATTENTION_KERNEL if load_kernel(report)[0] else ATTENTION)
+    compiled = load_kernel(report)[0]
+    model.set_attn_implementation(ATTENTION_KERNEL if compiled else ATTENTION)
     head = model.get_output_embeddings()
     if quantized:
         if type(head) is nn.Linear:
             bias = None if head.bias is None else head.bias.detach()
             model.set_output_embeddings(int4_lm_head(head.weight.detach(), bias))
             model.config.tie_word_embeddings = False
+        head = model.get_output_embeddings()
+        if compiled and isinstance(head, BF16Linear) and head.refine_top:
+            head.refine_kernel = _kernel[0].refine_top  # the top logits refined in one compiled call per pass
         return model
     for name, module in list(model.named_modules()):
         if type(module) is nn.Linear:

@@ -1,4 +1,5 @@
-"""The heads' compiled proposal (``medusa_core.lean.drafting``, ``draft_heads.h``) and the row attention's thread split."""
+"""The compiled helpers around the lean step: the heads' proposal (``medusa_core.lean.drafting``, ``draft_heads.h``), the
+row attention's thread split, and the LM head's refinement (``refine_top.h``)."""
 
 from __future__ import annotations
 
@@ -197,3 +198,42 @@ def test_the_row_attention_split_over_threads_gives_the_bits_of_one_thread(exten
         threads(n)
         runs.append(extension.row_attention(query, key, value, prefix, offsets, extras, dh**-0.5))
     assert torch.equal(runs[0], runs[1])
+
+
+def test_refine_top_recomputes_each_rows_k_largest_in_float32_and_leaves_the_rest(extension):
+    g = torch.Generator().manual_seed(4)
+    weight = torch.randn(300, 72, generator=g).to(torch.bfloat16)  # K = 72: a tail after four 16-lane chunks
+    bias = torch.randn(300, generator=g).to(torch.bfloat16)
+    x = torch.randn(3, 72, generator=g)
+    coarse = (x @ weight.float().T + bias.float()) + torch.randn(3, 300, generator=g) * 0.05  # a first pass's error
+    logits = coarse.clone()
+    extension.refine_top(logits, weight, x, bias, 8)
+    exact = x.double() @ weight.double().T + bias.double()
+    top = coarse.topk(8, dim=-1).indices
+    changed = logits != coarse
+    assert changed.sum(-1).tolist() == [8, 8, 8] and torch.equal(changed.nonzero()[:, 1].view(3, 8).sort().values, top.sort().values)
+    torch.testing.assert_close(logits.gather(-1, top).double(), exact.gather(-1, top), rtol=1e-6, atol=1e-5)
+    alone = torch.cat([coarse[i : i + 1].clone() for i in range(3)])
+    for i in range(3):
+        extension.refine_top(alone[i : i + 1], weight, x[i : i + 1].contiguous(), bias, 8)
+    assert torch.equal(alone, logits)  # a row's values do not depend on the other rows
+
+
+def test_refine_top_breaks_ties_towards_the_lower_column(extension):
+    weight, x = torch.ones(6, 16, dtype=torch.bfloat16), torch.ones(1, 16)
+    logits = torch.tensor([[0.0, 2.0, 1.0, 2.0, 2.0, 0.0]])
+    extension.refine_top(logits, weight, x, torch.empty(0, dtype=torch.bfloat16), 2)
+    assert logits.tolist() == [[0.0, 16.0, 1.0, 16.0, 2.0, 0.0]]
+
+
+def test_an_int4_backbones_lm_head_refines_through_the_compiled_call_with_the_values_of_aten(extension):
+    backbone = int4_backbone("llama")  # make_batch_invariant: an int4 LM head with the compiled refinement
+    head = backbone.get_output_embeddings()
+    assert head.refine_kernel is not None and head.refine_top > 0
+    x = torch.randn(4, backbone.config.hidden_size, generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode():
+        compiled = head(x)
+        head.refine_kernel = None
+        aten = head(x)
+    torch.testing.assert_close(compiled, aten, rtol=1e-6, atol=1e-5)  # the same k values, summed in another order
+    assert torch.equal(compiled.argmax(-1), aten.argmax(-1))

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "draft_heads.h"
+#include "refine_top.h"
 #include "row_attention.h"
 
 namespace {
@@ -339,4 +340,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("head_states", &medusa_lean::head_states, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("draft_top", &medusa_lean::draft_top, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("has_bf16_dot", &medusa_lean::has_bf16_dot);
+  m.def("refine_top", &medusa_lean::refine_top, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -17,6 +17,8 @@ batch-invariant (a 1-row product takes a gemv path, several rows a gemm path: 1e
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -111,6 +113,9 @@ class BF16Linear(nn.Linear):
     """
 
     refine_top: int = 0
+    #: The compiled refinement (``medusa_core.lean`` ``refine_top``: the same k values, each a fixed-order float32 sum,
+    #: in one call instead of a top-k and a gemv per row), set by ``invariant.make_batch_invariant`` where it builds.
+    refine_kernel: Callable[..., None] | None = None
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -134,6 +139,10 @@ class BF16Linear(nn.Linear):
         if not self.refine_top:
             return out
         flat, rows = x.reshape(-1, self.in_features).float(), out.reshape(-1, self.out_features)  # [M, K], [M, N]
+        if self.refine_kernel is not None and rows.dtype == torch.float32 and not torch.is_grad_enabled():
+            bias = self.bias if self.bias is not None else rows.new_empty(0, dtype=torch.bfloat16)
+            self.refine_kernel(rows, self.weight, flat.contiguous(), bias, self.refine_top)  # in place: rows is out's
+            return out
         top = rows.topk(self.refine_top, dim=-1).indices  # [M, k]
         # one float32 gemv per row, the same call whatever M (a batched product would not be batch-invariant)
         exact = torch.stack([torch.mv(self.weight[t].float(), h) for t, h in zip(top, flat)])  # [M, k]
