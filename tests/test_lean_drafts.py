@@ -60,9 +60,9 @@ def test_head_states_computes_the_residual_blocks_over_the_root_conditioned_inpu
     root_weight = (torch.randn(depth, size, size, generator=g) / size**0.5).to(torch.bfloat16) if rooted else None
     weights = [(torch.randn(size, size, generator=g) / size**0.5).to(torch.bfloat16) for _ in range(depth * layers)]
     biases = [torch.randn(size, generator=g).to(torch.bfloat16) for _ in range(depth * layers)]
+    table = torch.empty(0) if row is None else torch.stack([torch.zeros(size, dtype=torch.bfloat16), row])  # row 1
     states = extension.head_states(
-        hidden, torch.empty(0) if row is None else row, torch.empty(0) if root_weight is None else root_weight,
-        weights, biases, depth,
+        hidden, table, 1, torch.empty(0) if root_weight is None else root_weight, weights, biases, depth,
     )
     assert states.dtype == torch.bfloat16 and states.shape == (depth, size)
     expected = _reference_states(hidden, row, root_weight, weights, biases, depth)
@@ -78,7 +78,7 @@ def test_head_states_are_the_same_bits_on_one_thread_and_on_two(extension, threa
     runs = []
     for n in (1, 2):
         threads(n)
-        runs.append(extension.head_states(hidden, row, root_weight, weights, biases, 2))
+        runs.append(extension.head_states(hidden, row[None], 0, root_weight, weights, biases, 2))
     assert torch.equal(runs[0], runs[1])
 
 
@@ -237,3 +237,18 @@ def test_an_int4_backbones_lm_head_refines_through_the_compiled_call_with_the_va
         aten = head(x)
     torch.testing.assert_close(compiled, aten, rtol=1e-6, atol=1e-5)  # the same k values, summed in another order
     assert torch.equal(compiled.argmax(-1), aten.argmax(-1))
+
+
+def test_a_bfloat16_lookup_tables_root_row_is_read_in_place_with_the_values_the_module_gives(extension):
+    from medusa_core.quant.layers import BF16Embedding
+
+    backbone = int4_backbone("llama")
+    heads = _bf16_heads(backbone, rooted=True)  # the tiny backbone's float32 nn.Embedding: read through the module
+    drafts = LeanDrafts(heads, extension)
+    hidden = torch.randn(1, backbone.config.hidden_size, generator=torch.Generator().manual_seed(8))
+    through_module = [drafts.top(hidden, torch.tensor([r]), 4, 3, torch.ones(4)) for r in (3, 50)]
+    heads._root_embedding = (BF16Embedding.from_weight(heads.root_embedding.weight.detach(), torch.float32),)
+    in_place = [drafts.top(hidden, torch.tensor([r]), 4, 3, torch.ones(4)) for r in (3, 50)]
+    for (a_columns, a_log_p), (b_columns, b_log_p) in zip(through_module, in_place):
+        assert torch.equal(a_columns, b_columns) and torch.equal(a_log_p, b_log_p)
+    assert not torch.equal(in_place[0][1], in_place[1][1])  # the root matters

@@ -62,22 +62,25 @@ void matvec_add(const Tensor& W, const at::BFloat16* v, const float* b, float* x
 }
 
 // The heads' inputs to their projections, [K, H] bfloat16 (MedusaHeads.block_states, paper 2.1.1): for head k,
-// x = hidden (+ R_k · root_row for root-conditioned heads), then for each of its L blocks x = x + SiLU(W x + b),
-// x in float32, each product reading x rounded to bfloat16.
-//   hidden [H] float32; root_row [H] bfloat16 or empty; root_weight [K, H, H] bfloat16 or empty;
-//   weights: K·L tensors [H, H] bfloat16 (head-major); biases: K·L tensors [H] (any float dtype).
-inline Tensor head_states(const Tensor& hidden, const Tensor& root_row, const Tensor& root_weight,
+// x = hidden (+ R_k · e for root-conditioned heads, e = row `root` of `embedding`), then for each of its L blocks
+// x = x + SiLU(W x + b), x in float32, each product reading x rounded to bfloat16.
+//   hidden [H] float32; embedding [V, H] bfloat16 (the root's row is read in place) or empty; root_weight [K, H, H]
+//   bfloat16 or empty; weights: K·L tensors [H, H] bfloat16 (head-major); biases: K·L tensors [H] (any float dtype).
+inline Tensor head_states(const Tensor& hidden, const Tensor& embedding, int64_t root, const Tensor& root_weight,
                           const std::vector<Tensor>& weights, const std::vector<Tensor>& biases, int64_t num_heads) {
   TORCH_CHECK(hidden.dim() == 1 && hidden.scalar_type() == at::kFloat && hidden.is_contiguous(), "hidden must be [H] float32");
   const int64_t H = hidden.size(0);
   TORCH_CHECK(num_heads >= 1 && weights.size() == biases.size() && weights.size() % num_heads == 0, "weights and biases must be K·L each");
   const int64_t L = static_cast<int64_t>(weights.size()) / num_heads;
-  const bool rooted = root_row.numel() > 0;
+  const bool rooted = embedding.numel() > 0;
   if (rooted) {
-    TORCH_CHECK(root_row.scalar_type() == at::kBFloat16 && root_row.is_contiguous() && root_row.numel() == H, "root_row must be [H] bfloat16");
+    TORCH_CHECK(embedding.scalar_type() == at::kBFloat16 && embedding.dim() == 2 && embedding.size(1) == H && embedding.is_contiguous(),
+                "embedding must be contiguous [V, H] bfloat16");
+    TORCH_CHECK(root >= 0 && root < embedding.size(0), "root must be a row of the embedding");
     TORCH_CHECK(root_weight.scalar_type() == at::kBFloat16 && root_weight.dim() == 3 && root_weight.size(0) >= num_heads &&
                 root_weight.size(1) == H && root_weight.size(2) == H, "root_weight must be [≥ K, H, H] bfloat16");
   }
+  const at::BFloat16* root_row = rooted ? embedding.data_ptr<at::BFloat16>() + root * H : nullptr;
   Tensor out = at::empty({num_heads, H}, hidden.options().dtype(at::kBFloat16));
   std::vector<float> x(H);
   std::vector<at::BFloat16> xb(H);
@@ -85,7 +88,7 @@ inline Tensor head_states(const Tensor& hidden, const Tensor& root_row, const Te
   auto silu = [](float u) { return u / (1.0f + std::exp(-u)); };
   for (int64_t k = 0; k < num_heads; ++k) {
     std::memcpy(x.data(), hidden.data_ptr<float>(), H * sizeof(float));
-    if (rooted) matvec_add(root_weight[k].contiguous(), root_row.data_ptr<at::BFloat16>(), nullptr, x.data(), identity);
+    if (rooted) matvec_add(root_weight[k].contiguous(), root_row, nullptr, x.data(), identity);
     for (int64_t l = 0; l < L; ++l) {
       for (int64_t i = 0; i < H; ++i) xb[i] = static_cast<at::BFloat16>(x[i]);  // the block reads x as it started
       const Tensor& W = weights[k * L + l];

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..heads import MedusaHeads, ResBlock
+from ..quant.layers import BF16Embedding
 from .build import ENV, enabled, load_extension
 
 
@@ -84,15 +85,17 @@ class LeanDrafts:
         heads = self.heads
         if not 1 <= depth <= heads.num_heads:
             raise ValueError(f"depth must be 1..{heads.num_heads} (the heads), got {depth}")
-        row = root_weight = torch.empty(0)
+        table, row, root_weight = torch.empty(0), 0, torch.empty(0)
         if heads.root_conditioned:
             if root is None:
                 raise ValueError("root-conditioned Medusa heads need root= (the token chosen after the hidden state)")
-            row = heads.root_embedding(root.reshape(1))[0].to(torch.bfloat16)  # [H]
-            root_weight = heads.root_weight.detach()
+            embedding, row, root_weight = heads.root_embedding, int(root.reshape(-1)[0]), heads.root_weight.detach()
+            table = embedding.weight.detach()  # its row is read in place: a plain lookup table in bfloat16
+            if type(embedding) not in (nn.Embedding, BF16Embedding) or table.dtype != torch.bfloat16:
+                table, row = embedding(root.reshape(1)).to(torch.bfloat16), 0  # [1, H]: whatever the module computes
         blocks = [block for head in list(heads)[:depth] for block in (head if heads.shares_lm_head else head[:-1])]
         states = self._module.head_states(
-            hidden.reshape(-1).float().contiguous(), row, root_weight,
+            hidden.reshape(-1).float().contiguous(), table, row, root_weight,
             [b.linear.weight.detach() for b in blocks], [b.linear.bias.detach() for b in blocks], depth,
         )  # [depth, H] bfloat16
         logits = heads.project_drafts(states)  # [depth, S]
