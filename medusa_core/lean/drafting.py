@@ -2,7 +2,7 @@
 
 Each step the heads run once, at the last accepted position, on weights the backbone's pass has just pushed out
 of the caches. Through ATen that was a dozen small ops, each product a [1, H] by [H, H] bfloat16 matmul that
-pulled its weights from memory at a third of the bandwidth (0.92 ms of a 8.5 ms Medusa step on the demo, cold).
+pulled its weights from memory at a third of the bandwidth (0.92 ms of an 8.5 ms Medusa step on the demo).
 ``LeanDrafts`` computes the heads' residual blocks in one call (rows of each product split over torch's threads,
 bfloat16 dot products), leaves the projection over the draft vocabulary to the heads' own layer (the int4
 kernel), and takes each head's top-k with its log-probabilities in one more call. Drafts only rank tokens and
@@ -24,8 +24,8 @@ from .build import ENV, enabled, load_extension
 
 
 def unsupported(heads: nn.Module) -> str:
-    """Why the compiled proposal cannot run ``heads``, or "" when it can: it covers ``MedusaHeads`` on a CPU
-    whose residual blocks (and root weights) are bfloat16."""
+    """Why the compiled proposal cannot run ``heads``, or "" when it can: it covers ``MedusaHeads`` of residual
+    blocks on a CPU, their weights (and root weights) in bfloat16."""
     if not isinstance(heads, MedusaHeads):
         return f"the compiled proposal runs MedusaHeads, not {type(heads).__name__}"
     blocks = [block for head in heads for block in (head if heads.shares_lm_head else head[:-1])]

@@ -141,8 +141,8 @@ class BF16Linear(nn.Linear):
         flat, rows = x.reshape(-1, self.in_features).float(), out.reshape(-1, self.out_features)  # [M, K], [M, N]
         if self.refine_kernel is not None and rows.dtype == torch.float32 and not torch.is_grad_enabled():
             bias = self.bias if self.bias is not None else rows.new_empty(0, dtype=torch.bfloat16)
-            self.refine_kernel(rows, self.weight, flat.contiguous(), bias, self.refine_top)  # in place: rows is out's
-            return out
+            self.refine_kernel(rows, self.weight, flat.contiguous(), bias, self.refine_top)  # in place
+            return rows.reshape(out.shape)
         top = rows.topk(self.refine_top, dim=-1).indices  # [M, k]
         # one float32 gemv per row, the same call whatever M (a batched product would not be batch-invariant)
         exact = torch.stack([torch.mv(self.weight[t].float(), h) for t, h in zip(top, flat)])  # [M, k]
