@@ -177,9 +177,13 @@ class MedusaHeads(nn.ModuleList):
     def block_states(self, hidden: torch.Tensor, num_heads: int | None = None, root: torch.Tensor | None = None) -> torch.Tensor:
         """Each head's input to its projection, [k, ..., H]: its residual blocks' output (paper 2.1.1; for layout
         "root" over ``hidden + R_k · e(root)``). Args as ``forward``."""
+        blocks = self.residual_blocks(num_heads)
+        return torch.stack([block(x) for block, x in zip(blocks, self._inputs(hidden, len(blocks), root))])
+
+    def residual_blocks(self, num_heads: int | None = None) -> list[nn.Sequential]:
+        """The first ``num_heads`` heads' residual blocks (all heads by default), each head's without its projection."""
         heads = list(self)[: num_heads or len(self)]
-        blocks = heads if self._shared_lm_head else [head[:-1] for head in heads]
-        return torch.stack([block(x) for block, x in zip(blocks, self._inputs(hidden, len(heads), root))])
+        return heads if self._shared_lm_head else [head[:-1] for head in heads]
 
     def project_drafts(self, states: torch.Tensor) -> torch.Tensor:
         """The first k heads' projections of ``block_states`` [k, ..., H] over the draft vocabulary: [k, ..., S]

@@ -12,16 +12,8 @@ from medusa_core import MedusaModel
 from medusa_core.heads import MedusaHeads
 from medusa_core.lean import build
 from medusa_core.lean.drafting import LeanDrafts, unsupported
-from tests.test_lean import int4_backbone
+from tests.test_lean import extension, int4_backbone  # noqa: F401 (extension: the module's fixture)
 from tests.tiny_models import random_heads, tiny_backbone
-
-
-@pytest.fixture(scope="module")
-def extension():
-    module, why = build.load_extension()
-    if module is None:
-        pytest.skip(f"no compiled kernels on this machine: {why}")  # the README's install gives CI a compiler
-    return module
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "row_attention.h"
+#include "top_columns.h"
 
 namespace medusa_lean {
 
@@ -116,23 +117,11 @@ inline std::tuple<Tensor, Tensor> draft_top(const Tensor& logits, int64_t k, con
   int64_t* indices_out = indices.data_ptr<int64_t>();
   float* log_p_out = log_p.data_ptr<float>();
   std::vector<float> scaled((S + kLanes - 1) / kLanes * kLanes, -INFINITY);
+  std::vector<float> best(k);
+  std::vector<int64_t> where(k);
   for (int64_t d = 0; d < D; ++d) {
     const float* row = z.data_ptr<float>() + d * S;
-    std::vector<float> best(k, -INFINITY);
-    std::vector<int64_t> where(k, 0);
-    for (int64_t j = 0; j < k; ++j) where[j] = j;  // valid indices even for a row of NaNs
-    for (int64_t j = 0; j < S; ++j) {
-      const float v = row[j];
-      if (!(v > best[k - 1])) continue;
-      int64_t p = k - 1;
-      while (p > 0 && v > best[p - 1]) {
-        best[p] = best[p - 1];
-        where[p] = where[p - 1];
-        --p;
-      }
-      best[p] = v;
-      where[p] = j;
-    }
+    top_columns(row, S, k, best.data(), where.data());
     const float inv_t = 1.0f / t.data_ptr<float>()[d];
     float top = -INFINITY;
     for (int64_t j = 0; j < S; ++j) {

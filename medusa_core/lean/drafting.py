@@ -28,7 +28,7 @@ def unsupported(heads: nn.Module) -> str:
     blocks on a CPU, their weights (and root weights) in bfloat16."""
     if not isinstance(heads, MedusaHeads):
         return f"the compiled proposal runs MedusaHeads, not {type(heads).__name__}"
-    blocks = [block for head in heads for block in (head if heads.shares_lm_head else head[:-1])]
+    blocks = [block for head in heads.residual_blocks() for block in head]
     tensors = [t for block in blocks if isinstance(block, ResBlock) for t in (block.linear.weight, block.linear.bias)]
     if len(tensors) != 2 * len(blocks):
         return "the heads have blocks other than residual blocks"
@@ -93,7 +93,7 @@ class LeanDrafts:
             table = embedding.weight.detach()  # its row is read in place: a plain lookup table in bfloat16
             if type(embedding) not in (nn.Embedding, BF16Embedding) or table.dtype != torch.bfloat16:
                 table, row = embedding(root.reshape(1)).to(torch.bfloat16), 0  # [1, H]: whatever the module computes
-        blocks = [block for head in list(heads)[:depth] for block in (head if heads.shares_lm_head else head[:-1])]
+        blocks = [block for head in heads.residual_blocks(depth) for block in head]
         states = self._module.head_states(
             hidden.reshape(-1).float().contiguous(), table, row, root_weight,
             [b.linear.weight.detach() for b in blocks], [b.linear.bias.detach() for b in blocks], depth,

@@ -2,8 +2,7 @@
 // row's k largest outputs of the 4-bit first pass recomputed in float32 from the bfloat16 weights, in one call.
 //
 // Through ATen this was a top-k over the row (~90 us for 49,152 logits on this project's CPU) and one gather, cast and
-// gemv per row, about 0.2 ms a step in all; here a single pass over the row keeps its k largest (a 16-lane compare
-// against the k-th best skips most of it) and each of the k dot products is a fixed-order sum (16 lanes of fused
+// gemv per row, about 0.2 ms a step in all; here a single pass over the row keeps its k largest (top_columns.h) and each of the k dot products is a fixed-order sum (16 lanes of fused
 // multiply-adds over K, then a fixed tree), so a row's values do not depend on the other rows: batch-invariant.
 #pragma once
 
@@ -14,6 +13,7 @@
 #include <vector>
 
 #include "row_attention.h"
+#include "top_columns.h"
 
 namespace medusa_lean {
 
@@ -60,38 +60,7 @@ inline void refine_top(Tensor logits, const Tensor& weight, const Tensor& x, con
   std::vector<int64_t> where(k);
   for (int64_t r = 0; r < M; ++r) {
     float* row = logits.data_ptr<float>() + r * N;
-    for (int64_t j = 0; j < k; ++j) {  // the first k columns, sorted: a valid start even for NaNs
-      int64_t p = j;
-      while (p > 0 && row[j] > best[p - 1]) {
-        best[p] = best[p - 1];
-        where[p] = where[p - 1];
-        --p;
-      }
-      best[p] = row[j];
-      where[p] = j;
-    }
-    for (int64_t j = k; j < N; ++j) {
-      if (j + kLanes <= N && (j % kLanes) == 0) {  // skip 16 columns at once when none beats the k-th best
-        const f16v v = load16(row + j);
-        const i16v above = v > best[k - 1];
-        bool any = false;
-        for (int l = 0; l < kLanes; ++l) any |= above[l] != 0;
-        if (!any) {
-          j += kLanes - 1;
-          continue;
-        }
-      }
-      const float v = row[j];
-      if (!(v > best[k - 1])) continue;
-      int64_t p = k - 1;
-      while (p > 0 && v > best[p - 1]) {
-        best[p] = best[p - 1];
-        where[p] = where[p - 1];
-        --p;
-      }
-      best[p] = v;
-      where[p] = j;
-    }
+    top_columns(row, N, k, best.data(), where.data());
     const float* xr = x.data_ptr<float>() + r * K;
     for (int64_t j = 0; j < k; ++j) {
       const int64_t t = where[j];
