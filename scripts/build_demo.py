@@ -248,8 +248,8 @@ def stage_heads(args) -> None:
     from medusa_core.train import (
         HeadTrainingConfig,
         accuracy_from_ranks,
+        cached_positions,
         calibration,
-        collect_positions,
         head_temperatures,
         rank_accuracy,
         read_distilled,
@@ -268,17 +268,10 @@ def stage_heads(args) -> None:
                              root_conditioned=args.root_conditioned)
 
     def positions(file: Path, name: str, **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The frozen backbone's states on the replies in ``file``, cached as ``positions_{name}_K.pt``:
-        (hidden [M, H], labels [M, K], roots [M]). A cache of fewer replies than the file holds now (a
-        ``distill_served`` file grows across sessions), or from before layout "root", is rebuilt."""
-        cached, rows = WORK / f"positions_{name}_{cfg.num_heads}.pt", read_distilled(file)
-        if cached.exists():
-            part = torch.load(cached, weights_only=True)
-            if "roots" in part and part.get("replies") == len(rows):
-                return part["hidden"], part["labels"], part["roots"]
-        hidden, labels, roots = collect_positions(model, rows, cfg.num_heads, with_roots=True, **kwargs)
-        torch.save({"hidden": hidden, "labels": labels, "roots": roots, "replies": len(rows)}, cached)
-        return hidden, labels, roots
+        """The frozen backbone's states on the replies in ``file``: (hidden [M, H], labels [M, K], roots [M]),
+        cached as ``positions_{name}_K.pt`` and extended when the file has grown since."""
+        return cached_positions(WORK / f"positions_{name}_{cfg.num_heads}.pt", model, read_distilled(file),
+                                cfg.num_heads, **kwargs)
 
     (train_files, train_targets), (held_file, held_name) = heads_data(args)
     parts = [positions(file, name, bf16=True, targets=train_targets) for file, name in train_files]

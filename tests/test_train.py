@@ -13,6 +13,7 @@ from medusa_core.train import (
     HeadTrainingConfig,
     accuracy_from_ranks,
     backbone_targets,
+    cached_positions,
     calibration,
     collect_positions,
     distill,
@@ -106,6 +107,29 @@ def test_collect_positions_labels_are_the_reply_tokens_k_plus_2_ahead(tmp_path):
     assert hidden.shape == (len(seq) - p, 64)
     assert labels[0, 0] == seq[p + 1] and labels[0, 2] == seq[p + 3]
     assert (labels[-1] == -100).all()  # nothing beyond the end
+
+
+def test_cached_positions_extend_a_growing_distillation_file_with_only_its_new_replies(tmp_path, monkeypatch):
+    import medusa_core.train.positions as positions
+
+    backbone, _, rows = _distilled_rows(tmp_path, n=7)
+    cache = tmp_path / "positions.pt"
+    seen = []
+    collect = positions.collect_positions
+    monkeypatch.setattr(positions, "collect_positions", lambda b, r, *a, **k: seen.append(len(r)) or collect(b, r, *a, **k))
+    first = cached_positions(cache, backbone, rows[:4], 3)
+    grown = cached_positions(cache, backbone, rows, 3)  # the file has grown by three replies
+    again = cached_positions(cache, backbone, rows, 3)
+    assert seen == [4, 3]  # the cached replies are not read again, nor is anything on the third call
+    expected = [torch.cat(pair) for pair in zip(collect(backbone, rows[:4], 3, with_roots=True),
+                                                collect(backbone, rows[4:], 3, with_roots=True))]
+    for got, want, cached in zip(grown, expected, again):
+        assert torch.equal(got, want) and torch.equal(cached, want)
+    assert all(torch.equal(a, b[: len(a)]) for a, b in zip(first, grown))
+    assert torch.load(cache, weights_only=True)["replies"] == 7
+    shrunk = cached_positions(cache, backbone, rows[:2], 3)  # a different, shorter file: rebuilt from scratch
+    assert seen == [4, 3, 2]
+    assert all(torch.equal(a, b) for a, b in zip(shrunk, collect(backbone, rows[:2], 3, with_roots=True)))
 
 
 def test_head_loss_weights_heads_by_point_eight_to_the_k():
