@@ -130,6 +130,10 @@ def test_cached_positions_extend_a_growing_distillation_file_with_only_its_new_r
     shrunk = cached_positions(cache, backbone, rows[:2], 3)  # a different, shorter file: rebuilt from scratch
     assert seen == [4, 3, 2]
     assert all(torch.equal(a, b) for a, b in zip(shrunk, collect(backbone, rows[:2], 3, with_roots=True)))
+    other = rows[1:2] + rows[:1] + rows[2:5]  # another file whose first two replies differ: rebuilt, not extended
+    rebuilt = cached_positions(cache, backbone, other, 3)
+    assert seen == [4, 3, 2, 5]
+    assert all(torch.equal(a, b) for a, b in zip(rebuilt, collect(backbone, other, 3, with_roots=True)))
 
 
 def test_head_loss_weights_heads_by_point_eight_to_the_k():

@@ -5,6 +5,8 @@ Head k at position t is trained to predict the token at t+k+2; only reply tokens
 
 from __future__ import annotations
 
+import hashlib
+import json
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Iterable
@@ -91,19 +93,32 @@ def cached_positions(path, backbone, rows: list[dict], num_heads: int, **kwargs)
 
     A distillation file only grows (``distill`` appends each batch, across sessions), so a cache of its
     first n replies stays valid: only ``rows[n:]`` go through the backbone, and their positions are
-    appended to the cached ones. A cache of more replies than ``rows`` holds, or without roots, is
-    rebuilt. ``kwargs`` go to ``collect_positions`` and must be the same on every call for one ``path``.
+    appended to the cached ones. The cache keeps a fingerprint of the n replies' token ids; a cache whose
+    fingerprint differs from ``rows[:n]``'s (another file), of more replies than ``rows`` holds, or
+    without roots is rebuilt. ``kwargs`` go to ``collect_positions`` and must be the same on every call
+    for one ``path``.
 
     Returns (hidden [M, H] float16, labels [M, K] int64, roots [M] int64); the cache is a
-    ``torch.save`` dict of those three plus ``replies`` (n), loaded with ``weights_only=True``.
+    ``torch.save`` dict of those three plus ``replies`` (n) and ``fingerprint``, loaded with ``weights_only=True``.
     """
     path = Path(path)
     part = torch.load(path, weights_only=True) if path.exists() else {}
     done = part.get("replies", 0) if "roots" in part and part.get("replies", 0) <= len(rows) else 0
+    if done and part.get("fingerprint") != replies_fingerprint(rows[:done]):
+        done = 0
     old = (part["hidden"], part["labels"], part["roots"]) if done else None
     if done == len(rows) and old is not None:
         return old
     new = collect_positions(backbone, rows[done:], num_heads, with_roots=True, **kwargs)
     hidden, labels, roots = new if old is None else (torch.cat(pair) for pair in zip(old, new))
-    torch.save({"hidden": hidden, "labels": labels, "roots": roots, "replies": len(rows)}, path)
+    torch.save({"hidden": hidden, "labels": labels, "roots": roots, "replies": len(rows),
+                "fingerprint": replies_fingerprint(rows)}, path)
     return hidden, labels, roots
+
+
+def replies_fingerprint(rows: list[dict]) -> str:
+    """SHA-256 (hex) of the rows' ``prompt_ids`` and ``reply_ids`` in order: what ``cached_positions`` checks."""
+    digest = hashlib.sha256()
+    for row in rows:
+        digest.update(json.dumps([row["prompt_ids"], row["reply_ids"]]).encode())
+    return digest.hexdigest()
