@@ -43,7 +43,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .quant.layers import BF16Linear, int4_lm_head
+from .quant.layers import BF16Linear, Int4Linear, int4_lm_head
 
 #: Name of the attention implementation whose rows run as SDPA calls (``config._attn_implementation``).
 ATTENTION = "medusa_rowwise"
@@ -273,7 +273,8 @@ def register() -> None:
 
 def load_kernel(report: Callable[[str], None] | None = None) -> tuple[bool, str]:
     """Load the compiled ``row_attention`` (``medusa_core.lean``, compiling it on a first start with ``report``
-    told): ``(True, "")``, or ``(False, why)`` when ``$MEDUSA_LEAN_STEP`` is 0 or it cannot be built here."""
+    told): ``(True, "")``, or ``(False, why)`` when ``$MEDUSA_LEAN_STEP`` is 0 or it cannot be built here. Where
+    the build has AVX512-BF16, also makes its ``int4_matmul`` every ``Int4Linear``'s product (``Int4Linear.kernel``)."""
     from .lean.build import ENV, enabled, load_extension  # the lean package imports this module
 
     if not enabled():
@@ -282,6 +283,8 @@ def load_kernel(report: Callable[[str], None] | None = None) -> tuple[bool, str]
     if module is None:
         return False, why
     _kernel[:] = [module]
+    if module.has_int4_matmul() and Int4Linear.kernel is None:  # every 4-bit layer's product, from now on
+        Int4Linear.kernel = module.int4_matmul
     return True, ""
 
 

@@ -3,7 +3,8 @@
 Runs ``StepRunner.tree_forward`` (the backbone's pass and the LM head, what a Medusa step verifies with) on the
 demo for a chain of n tokens after a 200-token context, removes the n entries again, and prints the median
 wall time per pass with the lean step (attention by the compiled row kernel, and by SDPA calls per row group) and
-with transformers' forward, interleaved (the heads' proposal,
+with transformers' forward, and with torch's int4-pack kernel in place of the compiled int4 product (every 4-bit
+layer, the LM head's first pass included), interleaved (the heads' proposal,
 sampling and the cache update are not in it: ``python -m medusa_core.bench profile --split-only`` has them).
 
     python scripts/step_rows.py --threads 2
@@ -33,6 +34,7 @@ def main() -> None:
     from medusa_core.invariant import ATTENTION, ATTENTION_KERNEL
     from medusa_core.lean import LeanStep
     from medusa_core.lean.build import load_extension
+    from medusa_core.quant.layers import Int4Linear
     from medusa_core.steptree import static_tree
 
     torch.set_num_threads(args.threads)
@@ -44,17 +46,23 @@ def main() -> None:
     trees = {n: static_tree(f"chain_{n - 1}", [[0] * d for d in range(1, n)], model.dtype, model.device) for n in args.rows}
     backbone = model.backbone
     attention = backbone.config._attn_implementation
-    passes = {"lean": (runner.lean, attention), "transformers": (None, attention)}
+    compiled = Int4Linear.kernel
+    passes = {"lean": (runner.lean, attention, compiled), "transformers": (None, attention, compiled)}
     if attention == ATTENTION_KERNEL:  # the same lean step with SDPA rows, for comparison
         backbone.set_attn_implementation(ATTENTION)
-        passes["lean, SDPA rows"] = (LeanStep(backbone, load_extension()[0]), ATTENTION)
+        passes["lean, SDPA rows"] = (LeanStep(backbone, load_extension()[0]), ATTENTION, compiled)
         backbone.set_attn_implementation(attention)
+    if compiled is not None:  # the same lean step on torch's int4-pack kernel
+        Int4Linear.kernel = None
+        passes["lean, torch int4"] = (LeanStep(backbone, load_extension()[0]), attention, None)
+        Int4Linear.kernel = compiled
     times: dict[tuple[str, int], list[float]] = {(k, n): [] for k in passes for n in args.rows}
     with torch.inference_mode():
         for repeat in range(args.repeats + 3):  # 3 warm-up rounds
-            for kind, (lean, implementation) in passes.items():
+            for kind, (lean, implementation, kernel) in passes.items():
                 runner.lean = lean
                 backbone.set_attn_implementation(implementation)
+                Int4Linear.kernel = kernel
                 for n, tree in trees.items():
                     tokens = torch.arange(500, 500 + n)
                     start = time.perf_counter()
@@ -65,6 +73,7 @@ def main() -> None:
                         times[kind, n].append(spent)
     runner.lean = passes["lean"][0]
     backbone.set_attn_implementation(attention)
+    Int4Linear.kernel = compiled
     print(f"median wall ms per verification pass after {args.context} tokens ({args.threads} threads, {args.repeats} interleaved rounds)")
     print("rows  " + "  ".join(f"{k:>22s}" for k in passes))
     for n in args.rows:

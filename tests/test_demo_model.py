@@ -61,7 +61,7 @@ def test_the_demo_loads_a_4bit_smollm2_backbone_and_answers_the_capital_of_franc
     assert demo.quantization == "gguf"
     # The file's Q4_1 blocks, kept 4-bit: int4-pack layers, and the Q8_0 token embedding as the bf16 LM head.
     layer = demo.backbone.model.layers[0].self_attn.q_proj
-    assert isinstance(layer, Int4Linear) and layer.packed.dtype == torch.uint8
+    assert isinstance(layer, Int4Linear) and layer.tiles.dtype == torch.uint8
     assert isinstance(demo.backbone.lm_head, BF16Linear)
     weights = sum(t.numel() * t.element_size() for t in [*demo.backbone.parameters(), *demo.backbone.buffers()])
     assert weights < 0.25e9, weights  # float32 would be 0.54 GB

@@ -51,8 +51,9 @@ def _tree_mask(tree, cur_len):
     return torch.cat([prefix, tree.bias], dim=1)[None, None]
 
 
-#: 128 wide with 4 heads of 32: q, k and v fill whole tiles of the packed layout, so the step fuses them (the demo's
-#: case); the default 64-wide model's k and v (32 rows) do not, so they run one by one.
+#: 128 wide with 4 heads of 32: q, k and v fill whole tiles of torch's packed layout, so the step fuses them (the demo's
+#: case); the default 64-wide model's k and v (32 rows) do not, so with torch's kernel they run one by one. The
+#: compiled int4_matmul's tiles are 16 outputs: it fuses both.
 WIDE = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}
 
 
@@ -66,7 +67,7 @@ def test_the_lean_pass_gives_the_hidden_states_and_cache_entries_of_transformers
     lean, why = LeanStep.for_backbone(model)
     assert lean is not None, why
     assert lean.row_kernel == (attention == ATTENTION_KERNEL)
-    assert lean.fused == ((2, 2) if shape else (0, 2))
+    assert lean.fused == ((2, 2) if shape or Int4Linear.kernel is not None else (0, 2))
     ids = torch.tensor([[5, 17, 40, 33, 3, 60, 7]])
     ours, theirs = _prefill(model, ids), _prefill(model, ids)
     # one token; a chain (every row a view of the cache); a branching tree (rows gathered, rows out of order)
@@ -192,3 +193,37 @@ def test_bench_methods_ending_in_at_transformers_run_without_the_lean_pass_and_g
 def test_with_the_lean_step_turned_off_decoding_rows_run_as_sdpa_calls(monkeypatch):
     monkeypatch.setenv(build.ENV, "0")
     assert make_batch_invariant(tiny_backbone("llama"), quantized=False).config._attn_implementation == ATTENTION
+
+
+def test_int4_tiles_hold_the_codes_scales_and_zeros_they_were_given():
+    torch.manual_seed(0)
+    codes = torch.randint(0, 16, (48, 96), dtype=torch.uint8)
+    scale, zero = torch.rand(48, 3), torch.randn(48, 3)
+    back = Int4Linear(codes, scale, zero).groups()
+    assert torch.equal(back[0], codes)
+    assert torch.equal(back[1], scale.to(torch.bfloat16)) and torch.equal(back[2], zero.to(torch.bfloat16))
+
+
+def test_the_compiled_int4_product_is_batch_invariant_side_by_side_and_within_one_rounding_of_float64(extension):
+    if not extension.has_int4_matmul():
+        pytest.skip("this build has no AVX512-BF16: torch's int4-pack kernel runs")
+    torch.manual_seed(0)
+    layers = [Int4Linear(torch.randint(0, 16, (n, 160)), torch.rand(n, 5) * 0.02, torch.randn(n, 5) * 0.01) for n in (48, 16, 96)]
+    x = torch.randn(9, 160).to(torch.bfloat16)
+    for layer in layers:
+        full = extension.int4_matmul(x, layer.tiles, layer.tile_scales)  # 9 rows: passes of 4, 4 and 1 rows
+        for m in range(1, 9):  # every row the bits of the same row in a pass of m rows (the 1-, 2-, 3- and 4-row paths)
+            assert torch.equal(extension.int4_matmul(x[:m], layer.tiles, layer.tile_scales), full[:m])
+        exact = x.double() @ layer.dequantized().double().T
+        assert ((full.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-6).all()  # one bfloat16 rounding
+    tiles = torch.cat([layer.tiles for layer in layers])  # fused linears: each column keeps its bits
+    scales = torch.cat([layer.tile_scales for layer in layers])
+    separate = torch.cat([extension.int4_matmul(x, layer.tiles, layer.tile_scales) for layer in layers], dim=1)
+    assert torch.equal(extension.int4_matmul(x, tiles, scales), separate)
+    with pytest.raises(RuntimeError, match="160 inputs, the weights 128"):
+        extension.int4_matmul(torch.zeros(1, 160, dtype=torch.bfloat16), layers[0].tiles[:, :4].contiguous(), layers[0].tile_scales[:, :4].contiguous())
+
+
+def test_loading_the_kernels_makes_every_int4_layer_use_the_compiled_product(extension):
+    int4_backbone("llama")  # loading makes the model batch-invariant, which loads the kernels
+    assert (Int4Linear.kernel is not None) == extension.has_int4_matmul()

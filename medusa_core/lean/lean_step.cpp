@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "draft_heads.h"
+#include "int4_matmul.h"
 #include "refine_top.h"
 #include "row_attention.h"
 
@@ -26,15 +27,18 @@ using medusa_lean::row_attention;
 
 constexpr int64_t kGroupSize = 32;  // quant/layers.py GROUP_SIZE
 
+// An Int4Linear's weights as its forward reads them: (tiles, tile_scales) for the compiled int4_matmul, or torch's
+// (packed, scale_zero) where this build has no AVX512-BF16 (quant/layers.py Int4Linear.kernel_weights).
 struct Int4 {
-  Tensor packed, scale_zero;
+  Tensor weights, scales;
   c10::optional<Tensor> bias;
   int64_t out_features;
 };
 
 // Int4Linear.forward's product alone: x [M, K] bfloat16 -> [M, N] bfloat16 (the bias and the cast back are the caller's).
 Tensor int4_mm(const Tensor& x, const Int4& w) {
-  return at::_weight_int4pack_mm_for_cpu(x, w.packed, kGroupSize, w.scale_zero);
+  if (w.weights.dim() == 4) return medusa_lean::int4_matmul(x, w.weights, w.scales);  // tiles
+  return at::_weight_int4pack_mm_for_cpu(x, w.weights, kGroupSize, w.scales);
 }
 
 // A bfloat16 matrix [M, ≥ offset + width] read as float32, with a float32 bias [width] added (Int4Linear's
@@ -107,24 +111,27 @@ Tensor rms_norm(const Tensor& h, const Tensor& weight, double eps) {
   return weight * x.to(h.scalar_type());
 }
 
-// Several int4 linears of the same input as one: their packed rows and scales side by side. The int4-pack kernel
-// computes every output on its own (one float32 accumulator, K never split), so each output keeps its bits;
-// fewer, larger calls cost less on two cores (on the demo, q/k/v 34 -> 21 us, gate/up 60 -> 54 us a token).
-// The packed layout comes in tiles of rows (64 on this CPU), so side by side is the same layout only when the
-// parts fill whole tiles: a probe product decides, bit for bit. Linears that mix bias and no bias are not fused.
+// Several int4 linears of the same input as one: their weights and scales side by side. Both int4 kernels compute
+// every output on its own (one float32 accumulator, K never split), so each output keeps its bits; fewer, larger
+// calls cost less on two cores (on the demo, q/k/v 34 -> 21 us, gate/up 60 -> 54 us a token with torch's kernel).
+// int4_matmul's tiles are blocks of 16 outputs, so side by side is always its layout; torch's packed layout comes in
+// tiles of rows (64 on this CPU), the same layout only when the parts fill whole tiles. A probe product decides, bit
+// for bit. Linears that mix bias and no bias are not fused.
 c10::optional<Int4> fuse(const std::vector<const Int4*>& parts) {
-  std::vector<Tensor> packed, scale_zero, bias;
+  std::vector<Tensor> weights, scales, bias;
   int64_t out = 0;
   for (const Int4* p : parts) {
     if (p->bias.has_value() != parts[0]->bias.has_value()) return c10::nullopt;
-    packed.push_back(p->packed);
-    scale_zero.push_back(p->scale_zero);
+    weights.push_back(p->weights);
+    scales.push_back(p->scales);
     if (p->bias) bias.push_back(*p->bias);
     out += p->out_features;
   }
-  Int4 fused{at::cat(packed, 0), at::cat(scale_zero, 1),
+  const bool tiled = parts[0]->weights.dim() == 4;  // scales [N/16, K/32, 2, 16], else torch's [K/32, N, 2]
+  Int4 fused{at::cat(weights, 0), at::cat(scales, tiled ? 0 : 1),
              bias.empty() ? c10::nullopt : c10::optional<Tensor>(at::cat(bias, 0)), out};
-  Tensor probe = at::randn({3, parts[0]->packed.size(1) * 2}).to(at::kBFloat16);  // K = 2 × the packed bytes per row
+  const int64_t inputs = tiled ? parts[0]->weights.size(1) * 32 : parts[0]->weights.size(1) * 2;  // K
+  Tensor probe = at::randn({3, inputs}).to(at::kBFloat16);
   std::vector<Tensor> separate;
   for (const Int4* p : parts) separate.push_back(int4_mm(probe, *p));
   if (!at::equal(int4_mm(probe, fused), at::cat(separate, -1))) return c10::nullopt;
@@ -155,7 +162,7 @@ class LeanDecoder {
               double scaling, bool row_kernel)
       : final_norm_(std::move(final_norm)), final_eps_(final_eps), num_heads_(num_heads),
         num_kv_heads_(num_kv_heads), head_dim_(head_dim), scaling_(scaling), row_kernel_(row_kernel) {
-    // Per layer: input_norm, post_norm, then (packed, scale_zero, bias or empty) for q, k, v, o, gate, up, down.
+    // Per layer: input_norm, post_norm, then (weights, scales, bias or empty) for q, k, v, o, gate, up, down.
     for (size_t i = 0; i < layers.size(); ++i) {
       const auto& t = layers[i];
       TORCH_CHECK(t.size() == 2 + 3 * 7, "layer ", i, ": expected 23 tensors, got ", t.size());
@@ -340,5 +347,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("head_states", &medusa_lean::head_states, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("draft_top", &medusa_lean::draft_top, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("has_bf16_dot", &medusa_lean::has_bf16_dot);
+  m.def("has_int4_matmul", &medusa_lean::has_int4_matmul);
+  m.def("int4_matmul", &medusa_lean::int4_matmul, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("refine_top", &medusa_lean::refine_top, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -91,7 +91,7 @@ class LeanStep:
             tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             for name in _LINEARS:
                 linear = layer.get_submodule(name)
-                tensors += [linear.packed, linear.scale_zero, linear.bias if linear.bias is not None else torch.empty(0)]
+                tensors += [*linear.kernel_weights(), linear.bias if linear.bias is not None else torch.empty(0)]
             layers.append([t.detach() for t in tensors])
             eps.append(float(layer.input_layernorm.variance_epsilon))
             if layer.post_attention_layernorm.variance_epsilon != layer.input_layernorm.variance_epsilon:

@@ -7,10 +7,11 @@ decoding computes at each accepted node, so every op of a decoding step must hav
 Measured on this project's CPU (``../shared/reference/CPU_4BIT.md``), float32 ``F.linear`` is not
 batch-invariant (a 1-row product takes a gemv path, several rows a gemm path: 1e-6 apart); these are:
 
-- ``Int4Linear``: torch's ``_weight_int4pack_mm_for_cpu`` (``aten/src/ATen/native/cpu/int4mm_kernel.cpp``):
-  4-bit codes q in groups of 32 along the input, w = (q − 8)·scale + zero, bf16 activations, one
-  float32 accumulator per output, K never split. GGUF's Q4_0 / Q4_1 blocks map onto it without
-  re-quantizing (``medusa_core.quant.gguf_blocks``).
+- ``Int4Linear``: 4-bit codes q in groups of 32 along the input, w = (q − 8)·scale + zero, bf16
+  activations, one float32 accumulator per output, K never split: the compiled ``int4_matmul``
+  (``medusa_core/lean/int4_matmul.h``, AVX512-BF16 dot products) where it loads, else torch's
+  ``_weight_int4pack_mm_for_cpu`` (``aten/src/ATen/native/cpu/int4mm_kernel.cpp``). GGUF's Q4_0 / Q4_1
+  blocks map onto it without re-quantizing (``medusa_core.quant.gguf_blocks``).
 - ``BF16Linear`` / ``BF16Embedding``: bfloat16 weights through oneDNN's AVX512-BF16 matmul (the LM head,
   and the token embedding it is tied to); outputs are cast back to the model's compute dtype.
 """
@@ -30,19 +31,27 @@ GROUP_SIZE = 32
 
 
 class Int4Linear(nn.Module):
-    """A bias-optional linear layer with 4-bit weights, run by torch's int4-pack CPU kernel.
+    """A bias-optional linear layer with 4-bit weights, for the CPU.
 
     Args:
         codes: [N, K] unsigned 4-bit codes (0..15) in any integer dtype; N output, K input features.
         scale: [N, K // 32] per-group scales; zero: [N, K // 32] per-group zeros, so that
-            w[n, k] = (codes[n, k] − 8) · scale[n, k // 32] + zero[n, k // 32]. Stored as bfloat16
-            (the kernel's only vectorised dtype).
+            w[n, k] = (codes[n, k] − 8) · scale[n, k // 32] + zero[n, k // 32]. Stored as bfloat16.
         bias: [N] or None.
 
-    ``forward(x [..., K]) -> [..., N]`` in x's dtype; x is rounded to bfloat16 first, as bitsandbytes'
-    CPU kernel does. Raises ``ValueError`` when K is not a multiple of 32, N not a multiple of 16
-    (the kernel's tiles), or the shapes disagree.
+    The weights are kept as ``int4_tiles`` (``tiles`` [N/16, K/32, 8, 32] uint8, ``tile_scales``
+    [N/16, K/32, 2, 16] bfloat16). ``forward(x [..., K]) -> [..., N]`` in x's dtype; x is rounded to bfloat16
+    first, as bitsandbytes' CPU kernel does. The product is ``Int4Linear.kernel`` (the compiled AVX512-BF16
+    ``int4_matmul`` of ``medusa_core.lean``, which ``invariant.load_kernel`` installs for the process) or, where
+    that is not loaded, torch's int4-pack kernel, whose CPU-specific packing is then made on the first pass.
+    Both are batch-invariant. Raises ``ValueError`` when K is not a multiple of 32, N not a multiple of 16
+    (the kernels' tiles), or the shapes disagree.
     """
+
+    #: The compiled product ``kernel(x [M, K] bfloat16, tiles, tile_scales) -> [M, N] bfloat16``, or None for
+    #: torch's int4-pack kernel. One choice per process, made when the lean extension loads (before a model's
+    #: first pass: the two kernels round differently, and a conversation's cached keys must come from one).
+    kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
@@ -52,17 +61,43 @@ class Int4Linear(nn.Module):
         if scale.shape != (n, k // GROUP_SIZE) or zero.shape != scale.shape:
             raise ValueError(f"scale and zero must have shape {[n, k // GROUP_SIZE]}, got {list(scale.shape)}, {list(zero.shape)}")
         self.in_features, self.out_features = k, n
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
-        self.register_buffer("packed", packed)  # layout depends on the CPU: packed at load, never saved
-        self.register_buffer("scale_zero", torch.stack([scale.T, zero.T], dim=-1).to(torch.bfloat16).contiguous())  # [K/32, N, 2]
+        tiles, tile_scales = int4_tiles(codes, scale, zero)
+        self.register_buffer("tiles", tiles)
+        self.register_buffer("tile_scales", tile_scales)
+        self._int4pack: tuple[torch.Tensor, torch.Tensor] | None = None  # torch's layout, made when first needed
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [M, K]
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP_SIZE, self.scale_zero)  # [M, N]
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()  # [M, K]
+        if Int4Linear.kernel is not None:
+            out = Int4Linear.kernel(flat, self.tiles, self.tile_scales)  # [M, N]
+        else:
+            packed, scale_zero = self.int4pack()
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, packed, GROUP_SIZE, scale_zero)
         out = out.to(x.dtype).reshape(*shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias.to(out.dtype)
+
+    def groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(codes [N, K] uint8, scale [N, K/32] bfloat16, zero [N, K/32] bfloat16) back from the tiles."""
+        blocks, groups = self.tiles.shape[:2]
+        nibbles = torch.stack([self.tiles & 15, self.tiles >> 4], -1).reshape(blocks, groups, 8, 16, 2, 2)  # [b, g, c, j, s, h]
+        codes = nibbles.permute(0, 3, 1, 2, 5, 4).reshape(self.out_features, self.in_features)  # k = 32g + 4c + 2h + s
+        scale, zero = self.tile_scales.permute(2, 0, 3, 1).reshape(2, self.out_features, groups)
+        return codes, scale, zero
+
+    def int4pack(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """torch's int4-pack weights (packed [N, K/2] uint8 in the CPU's tile order, scale_zero [K/32, N, 2]
+        bfloat16), made on the first call (the layout depends on the CPU: never saved)."""
+        if self._int4pack is None:
+            codes, scale, zero = self.groups()
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+            self._int4pack = packed, torch.stack([scale.T, zero.T], dim=-1).contiguous()
+        return self._int4pack
+
+    def kernel_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The two weight tensors the product in use reads: (tiles, tile_scales), or torch's ``int4pack()``."""
+        return (self.tiles, self.tile_scales) if Int4Linear.kernel is not None else self.int4pack()
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, rows: int = 4096) -> "Int4Linear":
@@ -83,12 +118,28 @@ class Int4Linear(nn.Module):
         return cls(codes, scale, low + 8 * scale, bias)
 
     def dequantized(self) -> torch.Tensor:
-        """The weights [N, K] as float32 (what the kernel multiplies by; for tests and the heads)."""
-        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP_SIZE, self.scale_zero).float().T
+        """The weights [N, K] as float32: (codes − 8)·scale + zero, what both kernels multiply by (for tests and the heads)."""
+        codes, scale, zero = self.groups()
+        return (codes.float() - 8) * scale.float().repeat_interleave(GROUP_SIZE, 1) + zero.float().repeat_interleave(GROUP_SIZE, 1)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bits=4, group={GROUP_SIZE}"
+
+
+def int4_tiles(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """4-bit weights in the compiled ``int4_matmul``'s layout (``medusa_core/lean/int4_matmul.h``).
+
+    Args: codes [N, K] (0..15), scale and zero [N, K/32], N % 16 == 0 and K % 32 == 0 (``Int4Linear`` checks).
+    Returns: tiles [N/16, K/32, 8, 32] uint8 — for 16 outputs j, group g and chunk c, byte 2j + s holds the code of
+    input 32g + 4c + s in its low nibble and of 32g + 4c + 2 + s in its high one — and tile_scales
+    [N/16, K/32, 2, 16] bfloat16 (the 16 outputs' scales, then their zeros).
+    """
+    n, k = codes.shape
+    blocks, groups = n // 16, k // GROUP_SIZE
+    nibbles = codes.to(torch.uint8).reshape(blocks, 16, groups, 8, 2, 2).permute(0, 2, 3, 1, 5, 4)  # [b, g, c, j, s, h]
+    tiles = (nibbles[..., 0] | (nibbles[..., 1] << 4)).reshape(blocks, groups, 8, 32).contiguous()
+    tile_scales = torch.stack([scale, zero]).to(torch.bfloat16).reshape(2, blocks, 16, groups).permute(1, 3, 0, 2).contiguous()
+    return tiles, tile_scales
 
 
 class BF16Linear(nn.Linear):
