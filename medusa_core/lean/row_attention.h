@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <algorithm>
 #include <utility>
 #include <vector>
 
@@ -15,9 +16,9 @@ namespace medusa_lean {
 using at::Tensor;
 
 // Batch invariance (invariant.py) needs row r's output to be the same bits whatever the other rows of its pass are:
-// here each (row, query head) is one work item computed start to end, over the row's keys in cache order
-// (0 .. prefix−1, then its listed positions), with every sum in a fixed order that depends only on the key's rank in
-// that row's list. One-token decoding at position p and a tree row at the same place in a path see the same keys
+// each (row, query head) reads the row's keys in cache order (0 .. prefix−1, then its listed positions), cut by rank
+// into blocks of kKeyBlock whose partial softmaxes are combined in block order, every sum in a fixed order that
+// depends only on the key's rank in that row's list. One-token decoding at position p and a tree row at the same place in a path see the same keys
 // (the same bits) in the same order, so they get the same output.
 // The arithmetic is written with GCC vector types (16 float lanes), every lane operation one IEEE operation; the
 // products summed over Dh use the CPU's fused multiply-add where it has AVX-512 (mul_add), so a build is for one
@@ -42,6 +43,35 @@ inline float lane_sum(f16v a) {
   const f8v b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
   const f4v c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
   return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+// lane_sum of each of 16 vectors, as one vector (lane t: lane_sum(v[t]), the same operations in the same tree): the
+// halves of two vectors side by side, then quarters of four, then pairs, so each level is two shuffles and one add
+// for many vectors instead of a reduction per vector.
+inline f16v lane_sums(const f16v* v) {
+#if defined(__AVX512F__)
+  __m512 b[8], c[4], d[2];
+  _Pragma("GCC unroll 8") for (int i = 0; i < 8; ++i) {  // lanes 0–7: v[2i]'s (0–7) + (8–15); lanes 8–15: v[2i+1]'s
+    const __m512 x = (__m512)v[2 * i], y = (__m512)v[2 * i + 1];
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  _Pragma("GCC unroll 8") for (int i = 0; i < 4; ++i) {  // 128-bit chunk t: vector 4i + t's (0–3) + (4–7) of its 8
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  _Pragma("GCC unroll 8") for (int i = 0; i < 2; ++i) {  // chunk t: (c0 + c2), (c1 + c3) of vectors 8i + t, then of 8i + 4 + t
+    d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  // lane 4t + u: (c0 + c2) + (c1 + c3) of vector 4u + t; put vector l in lane l
+  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return (f16v)_mm512_permutexvar_ps(order, sums);
+#else
+  f16v out;
+  for (int t = 0; t < kLanes; ++t) out[t] = lane_sum(v[t]);
+  return out;
+#endif
 }
 
 // e^x for x ≤ 0 (scores minus their maximum), 16 lanes: Cephes' expf (range reduction by ln 2 in two parts, a degree-6
@@ -79,73 +109,145 @@ inline f16v mul_add(f16v a, f16v b, f16v c) {
 #endif
 }
 
-constexpr int kMaxChunks = 8;
-constexpr int64_t kParallelVisits = 4096;  // keys read in a call from which its items are split over the threads  // Dh / 16 up to which an item is compiled for its head size
+constexpr int kMaxChunks = 8;  // Dh / 16 up to which an item is compiled for its head size
+constexpr int64_t kKeyBlock = 128;  // keys of a row one work item reads: ranks kKeyBlock·b .. kKeyBlock·(b+1) − 1
+constexpr int64_t kParallelVisits = 4096;  // keys read in a call from which its items are split over the threads
 
-// One (row, query head) item over the row's keys, for Dh = 16 · C.
-//   q: the query head's Dh floats; out: its output's Dh floats.
-//   keys: positions 0 .. prefix−1, then extra[0 .. n_extra−1], of k / v (rows of Dh floats, `pos_stride` apart): the
-//   query head's KV head. `scratch` holds the scores.
-template <int C>
-void attend_item(const float* q, const float* k, const float* v, int64_t pos_stride, int64_t prefix,
-                 const int64_t* extra, int64_t n_extra, float scale, float* out, std::vector<float>& scratch) {
-  const int64_t count = prefix + n_extra, padded = (count + kLanes - 1) / kLanes * kLanes;
-  scratch.resize(padded);
-  float* s = scratch.data();
-  auto position = [&](int64_t j) { return j < prefix ? j : extra[j - prefix]; };
-  f16v qv[C];
-  _Pragma("GCC unroll 8") for (int c = 0; c < C; ++c) qv[c] = load16(q + c * kLanes);
-  // scores: q · k_j, each a lane-wise product sum over Dh then a fixed-tree sum of the lanes, times the scale
+// Σ_j p_j · v_j over ranks lo .. lo + count − 1, lane-wise over Dh in key order, for NH heads at once (one value read
+// for all): head a's probabilities at p + a·kKeyBlock, its sum written at out + a·out_stride.
+template <int C, int NH, typename Position>
+inline void weighted_values(const float* v, int64_t pos_stride, const Position& position, int64_t lo, int64_t count,
+                            const float* p, float* out, int64_t out_stride) {
+  f16v acc[NH][C];
+  _Pragma("GCC unroll 8") for (int a = 0; a < NH; ++a) {
+    _Pragma("GCC unroll 8") for (int c = 0; c < C; ++c) acc[a][c] = f16v{};
+  }
   for (int64_t j = 0; j < count; ++j) {
-    const float* kj = k + position(j) * pos_stride;
-    f16v acc = qv[0] * load16(kj);
-    _Pragma("GCC unroll 8") for (int c = 1; c < C; ++c) acc = mul_add(qv[c], load16(kj + c * kLanes), acc);
-    s[j] = lane_sum(acc) * scale;
+    const float* vj = v + position(lo + j) * pos_stride;
+    f16v vv[C];
+    _Pragma("GCC unroll 8") for (int c = 0; c < C; ++c) vv[c] = load16(vj + c * kLanes);
+    _Pragma("GCC unroll 8") for (int a = 0; a < NH; ++a) {
+      const f16v w = splat(p[a * kKeyBlock + j]);
+      _Pragma("GCC unroll 8") for (int c = 0; c < C; ++c) acc[a][c] = mul_add(w, vv[c], acc[a][c]);
+    }
   }
-  for (int64_t j = count; j < padded; ++j) s[j] = -INFINITY;
-  f16v m = load16(s);
-  for (int64_t j = kLanes; j < padded; j += kLanes) {
-    const f16v x = load16(s + j);
-    m = x > m ? x : m;
+  for (int a = 0; a < NH; ++a) std::memcpy(out + a * out_stride, acc[a], sizeof acc[a]);
+}
+
+// The query heads h = 0 .. heads − 1 of one row (one KV head's group) over the ranks lo .. hi − 1 of the row's keys:
+// each head's partial softmax over the block.
+//   q: head h's Dh floats at q + h·q_stride; keys: rank j < prefix is position j, else extra[j − prefix], of k / v
+//   (rows of Dh floats, `pos_stride` apart). part + h·part_stride: [2 + Dh] floats, written: the block's largest
+//   score m, Σ_j e^(s_j − m), and Σ_j e^(s_j − m)·v_j. `s` holds heads · kKeyBlock scores.
+// Each head's operations are those of the head alone: the heads only share the reading of a key (16 keys stay in the
+// core's first cache while every head takes its scores from them; a value is read once for up to kValueHeads heads).
+template <int C>
+void attend_block(const float* q, int64_t q_stride, int64_t heads, const float* k, const float* v, int64_t pos_stride,
+                  int64_t prefix, const int64_t* extra, int64_t lo, int64_t hi, float scale, float* part, int64_t part_stride,
+                  float* s) {
+  constexpr int kValueHeads = C <= 4 ? 4 : 2;  // accumulators kValueHeads · C within the 32 vector registers
+  const int64_t count = hi - lo, padded = (count + kLanes - 1) / kLanes * kLanes;
+  auto position = [&](int64_t j) { return j < prefix ? j : extra[j - prefix]; };
+  // scores: q · k_j, each a lane-wise product sum over Dh then a fixed-tree sum of the lanes (lane_sums: 16 keys at
+  // once), times the scale; ranks past the block's end get −∞
+  for (int64_t j0 = 0; j0 < count; j0 += kLanes) {
+    const int64_t keys = std::min<int64_t>(kLanes, count - j0);
+    const float* key_rows[kLanes];
+    for (int64_t t = 0; t < keys; ++t) key_rows[t] = k + position(lo + j0 + t) * pos_stride;
+    for (int64_t h = 0; h < heads; ++h) {
+      f16v qv[C];
+      _Pragma("GCC unroll 8") for (int c = 0; c < C; ++c) qv[c] = load16(q + h * q_stride + c * kLanes);
+      f16v acc[kLanes];
+      auto dot = [&](int t) {
+        acc[t] = qv[0] * load16(key_rows[t]);
+        _Pragma("GCC unroll 8") for (int c = 1; c < C; ++c) acc[t] = mul_add(qv[c], load16(key_rows[t] + c * kLanes), acc[t]);
+      };
+      if (keys == kLanes) {
+        _Pragma("GCC unroll 16") for (int t = 0; t < kLanes; ++t) dot(t);
+      } else {
+        for (int t = 0; t < kLanes; ++t) t < keys ? dot(t) : void(acc[t] = f16v{});
+      }
+      const f16v scores = lane_sums(acc) * scale;
+      std::memcpy(s + h * kKeyBlock + j0, &scores, sizeof scores);
+    }
   }
-  float top = m[0];
-  for (int l = 1; l < kLanes; ++l) top = m[l] > top ? m[l] : top;
-  // probabilities (unnormalised) in place, their sum lane-wise in key order then as a fixed tree
-  f16v total{};
-  for (int64_t j = 0; j < padded; j += kLanes) {
-    const f16v p = exp16(load16(s + j) - top);  // the padding's −∞ gives 0
-    std::memcpy(s + j, &p, sizeof p);
-    total = total + p;
+  for (int64_t h = 0; h < heads; ++h) {
+    float* sh = s + h * kKeyBlock;
+    for (int64_t j = count; j < padded; ++j) sh[j] = -INFINITY;
+    f16v m = load16(sh);
+    for (int64_t j = kLanes; j < padded; j += kLanes) {
+      const f16v x = load16(sh + j);
+      m = x > m ? x : m;
+    }
+    float top = m[0];
+    for (int l = 1; l < kLanes; ++l) top = m[l] > top ? m[l] : top;
+    // probabilities (unnormalised) in place, their sum lane-wise in key order then as a fixed tree
+    f16v total{};
+    for (int64_t j = 0; j < padded; j += kLanes) {
+      const f16v p = exp16(load16(sh + j) - top);  // the padding's −∞ gives 0
+      std::memcpy(sh + j, &p, sizeof p);
+      total = total + p;
+    }
+    part[h * part_stride] = top;
+    part[h * part_stride + 1] = lane_sum(total);
   }
-  const float inv = 1.0f / lane_sum(total);
-  // Σ_j p_j · v_j in key order, lane-wise over Dh, then times 1 / Σ p
+  // Σ_j p_j · v_j in key order, lane-wise over Dh
+  for (int64_t h0 = 0; h0 < heads; h0 += kValueHeads) {
+    const int64_t nh = std::min<int64_t>(kValueHeads, heads - h0);
+    float* out = part + h0 * part_stride + 2;
+    const float* p = s + h0 * kKeyBlock;
+    switch (nh) {
+      case 1: weighted_values<C, 1>(v, pos_stride, position, lo, count, p, out, part_stride); break;
+      case 2: weighted_values<C, 2>(v, pos_stride, position, lo, count, p, out, part_stride); break;
+      case 3: weighted_values<C, 3>(v, pos_stride, position, lo, count, p, out, part_stride); break;
+      default: weighted_values<C, kValueHeads>(v, pos_stride, position, lo, count, p, out, part_stride); break;
+    }
+  }
+}
+
+// A (row, query head)'s output from its blocks' partials [blocks, 2 + Dh], in block order: with M the largest
+// block maximum and w_b = e^(m_b − M), out = (Σ_b w_b·acc_b) / (Σ_b w_b·sum_b).
+template <int C>
+void combine_blocks(const float* parts, int64_t blocks, int64_t stride, float* out) {
+  float top = parts[0];
+  for (int64_t b = 1; b < blocks; ++b) top = parts[b * stride] > top ? parts[b * stride] : top;
   f16v acc[C];
   _Pragma("GCC unroll 8") for (int c = 0; c < C; ++c) acc[c] = f16v{};
-  for (int64_t j = 0; j < count; ++j) {
-    const float* vj = v + position(j) * pos_stride;
-    const f16v p = splat(s[j]);
-    _Pragma("GCC unroll 8") for (int c = 0; c < C; ++c) acc[c] = mul_add(p, load16(vj + c * kLanes), acc[c]);
+  float total = 0.0f;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* part = parts + b * stride;
+    const float w = exp16(splat(part[0] - top))[0];
+    total = total + w * part[1];
+    _Pragma("GCC unroll 8") for (int c = 0; c < C; ++c) acc[c] = mul_add(splat(w), load16(part + 2 + c * kLanes), acc[c]);
   }
+  const float inv = 1.0f / total;
   _Pragma("GCC unroll 8") for (int c = 0; c < C; ++c) {
     const f16v o = acc[c] * inv;
     std::memcpy(out + c * kLanes, &o, sizeof o);
   }
 }
 
-using ItemFn = void (*)(const float*, const float*, const float*, int64_t, int64_t, const int64_t*, int64_t, float, float*,
-                        std::vector<float>&);
+using BlockFn = void (*)(const float*, int64_t, int64_t, const float*, const float*, int64_t, int64_t, const int64_t*, int64_t,
+                         int64_t, float, float*, int64_t, float*);
+using CombineFn = void (*)(const float*, int64_t, int64_t, float*);
 
 template <int... C>
-ItemFn item_for(int64_t chunks, std::integer_sequence<int, C...>) {
-  ItemFn fn = nullptr;
-  ((chunks == C + 1 ? (fn = &attend_item<C + 1>, 0) : 0), ...);
+std::pair<BlockFn, CombineFn> item_for(int64_t chunks, std::integer_sequence<int, C...>) {
+  std::pair<BlockFn, CombineFn> fn{nullptr, nullptr};
+  ((chunks == C + 1 ? (fn = {&attend_block<C + 1>, &combine_blocks<C + 1>}, 0) : 0), ...);
   return fn;
 }
 
 // Attention of N query rows [N, Hq, Dh] (float32, unit stride over Dh) over a cache's keys and values [Hkv, L, Dh]
 // (float32, unit stride over Dh). Row r sees positions 0 .. prefix[r]−1 and then extras[offsets[r] .. offsets[r+1]−1]
-// (ascending, each ≥ prefix[r]). Returns [N, Hq, Dh] float32. One work item per (row, query head): one row over
-// 1,000 keys took ~55 us on one thread of this project's CPU, where SDPA with two threads took ~75 us.
+// (ascending, each ≥ prefix[r]). Returns [N, Hq, Dh] float32.
+//
+// A row's keys are cut by rank into blocks of kKeyBlock (flash-decoding's split): each block's partial softmax, then
+// the blocks combined in order, so a row's bits depend on its own keys only. A work item is one KV head and one block
+// rank for every row and every query head of that KV head: a key is read once for all the heads of its group (and
+// from the core's cache by the other rows: a tree's rows share the cached prefix), and long rows split into many
+// items for the threads. On this project's CPU a row over 2,000 cached keys of the demo's 30 layers took ~4 ms
+// as one item per (row, query head) (docs/BENCH.md, "Attention by key blocks").
 inline Tensor row_attention(const Tensor& query, const Tensor& key, const Tensor& value, const std::vector<int64_t>& prefix,
                      const std::vector<int64_t>& offsets, const Tensor& extras, double scaling) {
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3, "row_attention: query [N, Hq, Dh], key/value [Hkv, L, Dh]");
@@ -155,30 +257,47 @@ inline Tensor row_attention(const Tensor& query, const Tensor& key, const Tensor
   const int64_t n = query.size(0), hq = query.size(1), dh = query.size(2), hkv = key.size(0);
   TORCH_CHECK(hq % hkv == 0 && dh % kLanes == 0 && dh <= kLanes * kMaxChunks,
               "row_attention: Hq a multiple of Hkv, Dh a multiple of 16 up to ", kLanes * kMaxChunks);
-  const ItemFn attend = item_for(dh / kLanes, std::make_integer_sequence<int, kMaxChunks>{});
+  const auto [attend, combine] = item_for(dh / kLanes, std::make_integer_sequence<int, kMaxChunks>{});
   TORCH_CHECK(static_cast<int64_t>(prefix.size()) == n && static_cast<int64_t>(offsets.size()) == n + 1,
               "row_attention: one prefix per row and N + 1 offsets");
   TORCH_CHECK(key.stride(1) == value.stride(1), "row_attention: keys and values with the same position stride");
   const Tensor extra = extras.to(at::kLong).contiguous();
   const int64_t* ex = extra.data_ptr<int64_t>();
-  const int64_t group = hq / hkv, pos_stride = key.stride(1);
+  const int64_t group = hq / hkv, pos_stride = key.stride(1), stride = 2 + dh;
   Tensor out = at::empty({n, hq, dh}, query.options().memory_format(at::MemoryFormat::Contiguous));
   const float* qp = query.data_ptr<float>();
   const float* kp = key.data_ptr<float>();
   const float* vp = value.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  int64_t visits = 0;  // keys read over all items: the work, ~6 ns each
-  for (int64_t r = 0; r < n; ++r) visits += (prefix[r] + offsets[r + 1] - offsets[r]) * hq;
-  // Items are split over torch's threads when there is enough work to pay for waking them; each item runs start to
-  // end on one thread, so the split does not change a bit.
-  const int64_t items = n * hq, grain = visits < kParallelVisits ? items : 1;
+  std::vector<int64_t> count(n);
+  int64_t visits = 0, blocks = 0;  // keys read over all (row, head) pairs (the work, ~6 ns each); block ranks
+  for (int64_t r = 0; r < n; ++r) {
+    count[r] = prefix[r] + offsets[r + 1] - offsets[r];
+    TORCH_CHECK(count[r] > 0, "row_attention: row ", r, " sees no key");
+    visits += count[r] * hq;
+    blocks = std::max(blocks, (count[r] + kKeyBlock - 1) / kKeyBlock);
+  }
+  std::vector<float> parts(n * hq * blocks * stride);  // [N, Hq, blocks, 2 + Dh]
+  float* pp = parts.data();
+  // Items are split over torch's threads when there is enough work to pay for waking them; each (row, head, block)
+  // is computed start to end by one item, so the split does not change a bit.
+  const int64_t items = hkv * blocks, grain = visits < kParallelVisits ? items : 1;
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch;
+    std::vector<float> scores(group * kKeyBlock);
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t r = i / hq, h = i % hq;
-      attend(qp + r * query.stride(0) + h * query.stride(1), kp + h / group * key.stride(0),
-             vp + h / group * value.stride(0), pos_stride, prefix[r], ex + offsets[r], offsets[r + 1] - offsets[r],
-             static_cast<float>(scaling), op + (r * hq + h) * dh, scratch);
+      const int64_t kv = i / blocks, b = i % blocks, lo = b * kKeyBlock;
+      for (int64_t r = 0; r < n; ++r) {
+        if (count[r] <= lo) continue;
+        const int64_t hi = std::min(count[r], lo + kKeyBlock), h = kv * group;
+        attend(qp + r * query.stride(0) + h * query.stride(1), query.stride(1), group, kp + kv * key.stride(0),
+               vp + kv * value.stride(0), pos_stride, prefix[r], ex + offsets[r], lo, hi, static_cast<float>(scaling),
+               pp + ((r * hq + h) * blocks + b) * stride, blocks * stride, scores.data());
+      }
+    }
+  });
+  at::parallel_for(0, n * hq, visits < kParallelVisits ? n * hq : 8, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      combine(pp + i * blocks * stride, (count[i / hq] + kKeyBlock - 1) / kKeyBlock, stride, op + i * dh);
     }
   });
   return out;
