@@ -79,7 +79,7 @@ def load_medusa_model(
         name_or_path: ``"demo"``, a local folder, or a Hugging Face Hub id (cached files work offline).
         base_model: backbone to use instead of the checkpoint's ``base_model_name_or_path``.
         quantization: ``"auto"`` (default: ``"gguf"`` for a GGUF backbone on the CPU, else ``"nf4"``),
-            ``"gguf"`` (a GGUF file's own 4-bit blocks, run by torch's int4-pack kernel; CPU),
+            ``"gguf"`` (a GGUF file's own 4-bit blocks as ``Int4Linear`` layers; CPU),
             ``"nf4"`` (4-bit bitsandbytes), ``"int8"``, or None/``"none"`` for plain weights (float32
             on a CPU). Heads are never quantized. On a CPU every precision runs a batch-invariant
             decoding step (``medusa_core.invariant``), so greedy Medusa equals plain greedy bit for bit.

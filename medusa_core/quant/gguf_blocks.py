@@ -1,9 +1,9 @@
-"""GGUF's 4-bit blocks as int4-pack groups, without re-quantizing (llama.cpp ``ggml-quants.c`` layouts).
+"""GGUF's 4-bit blocks as ``Int4Linear`` groups, without re-quantizing (llama.cpp ``ggml-quants.c`` layouts).
 
 A block holds 32 consecutive weights of one row: Q4_0 = fp16 d, 16 bytes of nibbles, w = d·(q − 8);
 Q4_1 = fp16 d, fp16 m, 16 bytes, w = d·q + m. Byte j holds weight j in its low nibble and weight
-j + 16 in its high nibble. Both are exactly int4-pack's w = (q − 8)·scale + zero with scale = d and
-zero = 0 (Q4_0) or m + 8d (Q4_1); the kernel keeps scale and zero in bfloat16, which rounds the fp16
+j + 16 in its high nibble. Both are exactly ``Int4Linear``'s w = (q − 8)·scale + zero with scale = d and
+zero = 0 (Q4_0) or m + 8d (Q4_1); the layer keeps scale and zero in bfloat16, which rounds the fp16
 d and m to 8 significant bits (a relative change of at most 2⁻⁹, against the 4-bit step of d).
 """
 
