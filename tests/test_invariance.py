@@ -29,11 +29,21 @@ def _rows_alone_equal_rows_together(layer, width: int) -> None:
         assert torch.equal(together, alone), m
 
 
-def test_int4_linear_rows_are_bitwise_the_same_alone_and_in_passes_of_any_size():
+@pytest.mark.parametrize("kernel", ["torch", "compiled"])
+def test_int4_linear_rows_are_bitwise_the_same_alone_and_in_passes_of_any_size(kernel, monkeypatch):
+    if kernel == "compiled":
+        load_kernel()
+        if Int4Linear.kernel is None:
+            pytest.skip("no compiled int4 product here (no compiler, or no AVX512-BF16)")
+    else:
+        monkeypatch.setattr(Int4Linear, "kernel", None)  # torch's int4-pack kernel
     torch.manual_seed(1)
     codes = torch.randint(0, 16, (64, 96))
     layer = Int4Linear(codes, torch.rand(64, 3) * 0.01, torch.randn(64, 3) * 0.01, bias=torch.randn(64))
     _rows_alone_equal_rows_together(layer, 96)
+    x = torch.randn(5, 96)  # both kernels multiply by dequantized(), each output rounded to bfloat16 once
+    exact = x.to(torch.bfloat16).double() @ layer.dequantized().double().T + layer.bias.double()
+    assert ((layer(x).double() - exact).abs() <= exact.abs() * 2**-7 + 1e-3).all()
 
 
 @pytest.mark.skipif(not BF16_CPU, reason="bfloat16 matmuls are batch-invariant on CPUs with AVX512-BF16")
@@ -130,8 +140,7 @@ def test_gguf_4bit_blocks_become_int4_groups_without_requantizing(kind):
     codes, scale, zero = int4_groups(blocks, kind)
     exact = (codes.float() - 8) * scale.repeat_interleave(32, 1) + zero.repeat_interleave(32, 1)
     assert torch.equal(exact, torch.from_numpy(dequantize(blocks, kind)))
-    # The kernel keeps scale and zero in bfloat16 (and dequantized() reads its bf16 output): within
-    # bf16 rounding of the zero, the scale and the product.
+    # The layer keeps scale and zero in bfloat16: within bf16 rounding of the zero and the scale.
     kernel = Int4Linear(codes, scale, zero).dequantized()
     bound = (zero.abs() + 8 * scale.abs()).repeat_interleave(32, 1) * 2**-7
     assert ((kernel - exact).abs() <= bound).all()
