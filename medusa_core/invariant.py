@@ -18,8 +18,8 @@ the few ops that are not, and test 1-row against N-row results bit for bit):
   result is the same bits. Rows with as many keys go as one call, in SDPA's batch dimension. Passes of more than ``MAX_ROWWISE`` rows (a long prompt's prefill, shared by every
   decoding mode) use transformers' SDPA as they are. Where the lean step's C++ extension is built
   (``medusa_core.lean``), ``kernel_attention`` runs every row of a pass in one call per layer instead
-  for decoding passes (``row_attention`` in ``lean_step.cpp``: one work item per row and query head over the
-  row's own keys, read in place from the cache, every sum in a fixed order), faster than SDPA on one row, and
+  for decoding passes (``row_attention`` in ``row_attention.h``: each row over its own keys, read in place from
+  the cache in blocks of 128 ranks combined in order, every sum in a fixed order), faster than SDPA on one row, and
   the same bits for a row whatever the other rows are (``tests/test_invariance.py``); prompts are read as before.
 - the LM head: ``int4_lm_head`` for a 4-bit backbone (a 4-bit first pass, the top logits refined in
   float32), ``RowwiseLinear`` for a float32 one.
@@ -133,12 +133,12 @@ def kernel_attention(
     scaling: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """``rowwise_attention`` with every row of a decoding pass in one compiled call (``lean_step.cpp`` ``row_attention``).
+    """``rowwise_attention`` with every row of a decoding pass in one compiled call (``row_attention.h`` ``row_attention``).
 
     Args and returns as ``rowwise_attention``. Each query row of a decoding pass (one token, or a tree's rows,
     after cached entries) is computed over exactly its visible keys (``row_keys``), read in place from the cache
-    in cache order, as one work item per (row, query head) whose every sum runs in a fixed order: row i's output
-    is the same bits whatever the other rows are, and as close to the exact result as SDPA's (on the demo both
+    in cache order, in blocks of 128 ranks whose partial softmaxes are combined in order, every sum in a fixed
+    order that depends on the row's own keys only: row i's output is the same bits whatever the other rows are, and as close to the exact result as SDPA's (on the demo both
     within 2.7e-6 of float64). A prompt's reading (a model's first pass, or ``READING`` set), batches and passes
     of more than ``MAX_ROWWISE`` rows go to ``rowwise_attention`` unchanged: a prompt is read exactly as before
     the kernel existed, shared by every decoding mode and by HF ``generate`` (docs/BENCH.md, "The row kernel").

@@ -31,6 +31,7 @@ from .invariant import ATTENTION, ATTENTION_KERNEL
 from .kvcache import new_cache
 from .prefill import PREFILL_CHUNK, ConversationCache, ReadProgress
 from .processors import CHAT_PRESET, NodeProcessors, SamplingConfig
+from .quant.layers import Int4Linear
 from .steptree import StepTree, static_tree
 from .trees import TREE_PRESETS, resolve_tree, validate_tree
 from .tuned import TunedSettings, settings_preset
@@ -376,7 +377,9 @@ class MedusaModel:
         not lean), how decoding rows attend (``attention``: ``"row kernel"``, ``"SDPA rows"`` or the model's own
         implementation's name), the draft vocabulary (``draft_vocabulary`` S, ``draft_ranked``: the heads' frequency
         ranking, else ids 0..S−1), how the heads propose (``proposal``: ``"compiled"``, ``medusa_core.lean.drafting``,
-        or ``"ATen"``, with ``proposal_note`` saying why not compiled), memory (bytes)."""
+        or ``"ATen"``, with ``proposal_note`` saying why not compiled), which product the 4-bit layers run
+        (``int4_product``: ``"compiled"``, the AVX512-BF16 ``int4_matmul`` of ``medusa_core.lean``, ``"torch"``, its
+        int4-pack kernel, or None without ``Int4Linear`` layers), memory (bytes)."""
         params = list(self.backbone.parameters()) + list(self.heads.parameters())
         attention = getattr(self.backbone.config, "_attn_implementation", None)
         return {
@@ -399,6 +402,8 @@ class MedusaModel:
             "draft_ranked": getattr(self.heads, "draft_ids", None) is not None,
             "proposal": "compiled" if self._steps.lean_drafts is not None else "ATen",
             "proposal_note": self._steps.lean_drafts_reason,
+            "int4_product": ("compiled" if Int4Linear.kernel is not None else "torch")
+            if any(isinstance(m, Int4Linear) for m in self.backbone.modules()) else None,
             "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
         }
 

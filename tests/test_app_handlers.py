@@ -325,6 +325,7 @@ def test_the_model_panel_shows_names_precision_device_heads_and_memory(engine):
     assert f"drafting among all {engine.model.vocab_size:,} tokens" in panel  # a vocabulary this small is not cut
     d = engine.model.describe()  # bfloat16 heads on a CPU with bfloat16 dot products propose through the kernels
     assert ("; proposals by the compiled kernels" if d["proposal"] == "compiled" else f"; proposals by ATen ops ({d['proposal_note']})") in panel
+    assert d["int4_product"] is None and "int4 product" not in panel  # a float backbone has no 4-bit layer
 
 
 def test_replies_are_shaped_by_the_models_tuned_threshold_which_the_model_panel_shows(engine, settings, controls, monkeypatch):

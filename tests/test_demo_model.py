@@ -55,6 +55,14 @@ def test_the_demo_heads_propose_through_the_compiled_kernels_where_the_cpu_has_b
         assert demo._steps.lean_drafts.heads is demo.heads
 
 
+def test_the_demo_says_which_int4_product_its_4bit_layers_run(demo):
+    from medusa_core.lean.build import load_extension
+
+    module, _ = load_extension()
+    compiled = demo.describe()["step"] == "lean" and module is not None and module.has_int4_matmul()
+    assert demo.describe()["int4_product"] == ("compiled" if compiled else "torch")
+
+
 def test_the_demo_loads_a_4bit_smollm2_backbone_and_answers_the_capital_of_france(demo):
     from medusa_core.quant.layers import BF16Linear, Int4Linear
 

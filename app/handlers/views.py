@@ -175,7 +175,7 @@ def model_panel(engine: Engine, session: Session | None = None) -> str:
     rows = [
         ("model", f"`{d['model']}`"),
         ("base model", f"`{d['base_model']}`"),
-        ("precision", f"backbone {backbone}, computing in {d['dtype']}; heads {d['head_dtype']}"),
+        ("precision", f"backbone {backbone}, computing in {d['dtype']}; heads {d['head_dtype']}" + _int4_product(d)),
         ("device", d["device"]),
         ("decoding pass", ("lean: compiled, the same bits as transformers' forward" if d["step"] == "lean"
                            else f"transformers' forward ({html.escape(d['step_note'], quote=False)})") + _attention(d)),
@@ -192,6 +192,12 @@ def model_panel(engine: Engine, session: Session | None = None) -> str:
     ]
     (k0, v0), *rest = rows
     return f"| {k0} | {v0} |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rest)
+
+
+def _int4_product(d: dict) -> str:
+    """Which product the 4-bit layers run, as a clause of the precision row (``MedusaModel.describe()["int4_product"]``)."""
+    kinds = {"compiled": "the compiled AVX512-BF16 kernel", "torch": "torch's int4-pack kernel"}
+    return f"; int4 product: {kinds[d['int4_product']]}" if d.get("int4_product") in kinds else ""
 
 
 def _attention(d: dict) -> str:
