@@ -138,8 +138,8 @@ def kernel_attention(
     Args and returns as ``rowwise_attention``. Each query row of a decoding pass (one token, or a tree's rows,
     after cached entries) is computed over exactly its visible keys (``row_keys``), read in place from the cache
     in cache order, in blocks of 128 ranks whose partial softmaxes are combined in order, every sum in a fixed
-    order that depends on the row's own keys only: row i's output is the same bits whatever the other rows are, and as close to the exact result as SDPA's (on the demo both
-    within 2.7e-6 of float64). A prompt's reading (a model's first pass, or ``READING`` set), batches and passes
+    order that depends on the row's own keys only: row i's output is the same bits whatever the other rows are,
+    and as close to the exact result as SDPA's (on the demo both within 2.7e-6 of float64). A prompt's reading (a model's first pass, or ``READING`` set), batches and passes
     of more than ``MAX_ROWWISE`` rows go to ``rowwise_attention`` unchanged: a prompt is read exactly as before
     the kernel existed, shared by every decoding mode and by HF ``generate`` (docs/BENCH.md, "The row kernel").
     Raises ``RuntimeError`` when no kernel was loaded (``make_batch_invariant`` selects this one only then).

@@ -104,21 +104,26 @@ def cached_positions(path, backbone, rows: list[dict], num_heads: int, **kwargs)
     path = Path(path)
     part = torch.load(path, weights_only=True) if path.exists() else {}
     done = part.get("replies", 0) if "roots" in part and part.get("replies", 0) <= len(rows) else 0
-    if done and part.get("fingerprint") != replies_fingerprint(rows[:done]):
-        done = 0
+    digest = _fingerprint(hashlib.sha256(), rows[:done])  # the cached replies' ids, extended below with the new ones
+    if done and part.get("fingerprint") != digest.hexdigest():
+        done, digest = 0, hashlib.sha256()
     old = (part["hidden"], part["labels"], part["roots"]) if done else None
     if done == len(rows) and old is not None:
         return old
     new = collect_positions(backbone, rows[done:], num_heads, with_roots=True, **kwargs)
     hidden, labels, roots = new if old is None else (torch.cat(pair) for pair in zip(old, new))
     torch.save({"hidden": hidden, "labels": labels, "roots": roots, "replies": len(rows),
-                "fingerprint": replies_fingerprint(rows)}, path)
+                "fingerprint": _fingerprint(digest, rows[done:]).hexdigest()}, path)
     return hidden, labels, roots
 
 
 def replies_fingerprint(rows: list[dict]) -> str:
     """SHA-256 (hex) of the rows' ``prompt_ids`` and ``reply_ids`` in order: what ``cached_positions`` checks."""
-    digest = hashlib.sha256()
+    return _fingerprint(hashlib.sha256(), rows).hexdigest()
+
+
+def _fingerprint(digest, rows: list[dict]):
+    """``digest`` (a hashlib object) updated with the rows' ids, in order; returned for chaining."""
     for row in rows:
         digest.update(json.dumps([row["prompt_ids"], row["reply_ids"]]).encode())
-    return digest.hexdigest()
+    return digest
