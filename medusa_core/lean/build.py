@@ -43,7 +43,7 @@ def enabled() -> bool:
 #: Compiler flags: optimised for this CPU (the row attention's vector types then use its widest registers; every
 #: lane operation is one IEEE operation, so the bits do not depend on it), no fused multiply-add, and OpenMP, the
 #: runtime torch's own ``at::parallel_for`` runs on (the heads' products split their rows over torch's threads).
-CFLAGS = ["-O2", "-march=native", "-ffp-contract=off", "-fopenmp"]
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 
 
 def _cpu() -> bytes:

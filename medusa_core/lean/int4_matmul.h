@@ -28,6 +28,22 @@ namespace medusa_lean {
 
 using at::Tensor;
 
+// c10::BFloat16(float): round to nearest even, NaN -> 0x7FC0, written without a branch so that loops of it vectorise.
+inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  const uint16_t rounded = static_cast<uint16_t>((u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16);
+  return f != f ? uint16_t(0x7FC0) : rounded;
+}
+
+// A bfloat16 value as float32 (exact).
+inline float bf16_float(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
 #if defined(__AVX512BF16__)
 
 // bfloat16 bits of (i & 15) − 8 for the 32 indices vpermw reads (it uses an index's low 5 bits).
@@ -110,47 +126,54 @@ inline bool has_int4_matmul() {
 #endif
 }
 
-// x [M, K] bfloat16, tiles [N/16, K/32, 8, 32] uint8, tile_scales [N/16, K/32, 2, 16] bfloat16 -> [M, N] bfloat16.
-// Output blocks are split over torch's threads. Raises (TORCH_CHECK) on other shapes or dtypes, or in a build
-// without AVX512-BF16 (has_int4_matmul).
-inline Tensor int4_matmul(const Tensor& x_in, const Tensor& tiles, const Tensor& tile_scales) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "int4_matmul: x must be [M, K] bfloat16");
+// x [M, K] bfloat16 (rows ldx apart), tiles [N/16, K/32, 8, 32] uint8, tile_scales [N/16, K/32, 2, 16] bfloat16 ->
+// out [M, N] bfloat16 (rows N apart), as raw bfloat16 bits: the product without a tensor allocated (the lean step's
+// buffers). Output blocks are split over torch's threads. Raises (TORCH_CHECK) on other shapes or dtypes, or in a
+// build without AVX512-BF16 (has_int4_matmul).
+inline void int4_matmul_into(const uint16_t* xp, int64_t M, int64_t K, int64_t ldx, const Tensor& tiles,
+                             const Tensor& tile_scales, uint16_t* op) {
   TORCH_CHECK(tiles.dim() == 4 && tiles.scalar_type() == at::kByte && tiles.size(2) == 8 && tiles.size(3) == 32 && tiles.is_contiguous(),
               "int4_matmul: tiles must be contiguous [N/16, K/32, 8, 32] uint8");
-  const int64_t M = x_in.size(0), K = x_in.size(1), blocks = tiles.size(0), G = tiles.size(1), N = blocks * 16;
+  const int64_t blocks = tiles.size(0), G = tiles.size(1), N = blocks * 16;
   TORCH_CHECK(K == G * 32, "int4_matmul: x has ", K, " inputs, the weights ", G * 32);
   TORCH_CHECK(tile_scales.scalar_type() == at::kBFloat16 && tile_scales.is_contiguous() && tile_scales.dim() == 4 &&
                   tile_scales.size(0) == blocks && tile_scales.size(1) == G && tile_scales.size(2) == 2 && tile_scales.size(3) == 16,
               "int4_matmul: tile_scales must be contiguous [N/16, K/32, 2, 16] bfloat16");
-  Tensor out = at::empty({M, N}, x_in.options());
 #if defined(__AVX512BF16__)
-  const Tensor x = x_in.contiguous();
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   std::vector<float> xsum(M * G);  // Σ x over each row's groups, in input order
-  const at::BFloat16* xb = x.data_ptr<at::BFloat16>();
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t g = 0; g < G; ++g) {
       float s = 0.0f;
-      for (int64_t k = 0; k < 32; ++k) s += static_cast<float>(xb[m * K + g * 32 + k]);
+      for (int64_t k = 0; k < 32; ++k) s += bf16_float(xp[m * ldx + g * 32 + k]);
       xsum[m * G + g] = s;
     }
   }
   const uint8_t* tp = tiles.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(tile_scales.data_ptr<at::BFloat16>());
-  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const float* xs = xsum.data();
   at::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
     const __m512i values = code_values();
     int64_t m = 0;
     // rows in passes of 4, the last pass 1 to 3 rows: each pass reads the weights once (a row's operations are the same in all)
-    for (; m + 4 <= M; m += 4) int4_blocks<4, 2>(xp + m * K, K, tp, sp, xs + m * G, G, begin, end, op + m * N, N, values);
-    if (M - m == 3) int4_blocks<3, 2>(xp + m * K, K, tp, sp, xs + m * G, G, begin, end, op + m * N, N, values);
-    if (M - m == 2) int4_blocks<2, 4>(xp + m * K, K, tp, sp, xs + m * G, G, begin, end, op + m * N, N, values);
-    if (M - m == 1) int4_blocks<1, 4>(xp + m * K, K, tp, sp, xs + m * G, G, begin, end, op + m * N, N, values);
+    for (; m + 4 <= M; m += 4) int4_blocks<4, 2>(xp + m * ldx, ldx, tp, sp, xs + m * G, G, begin, end, op + m * N, N, values);
+    if (M - m == 3) int4_blocks<3, 2>(xp + m * ldx, ldx, tp, sp, xs + m * G, G, begin, end, op + m * N, N, values);
+    if (M - m == 2) int4_blocks<2, 4>(xp + m * ldx, ldx, tp, sp, xs + m * G, G, begin, end, op + m * N, N, values);
+    if (M - m == 1) int4_blocks<1, 4>(xp + m * ldx, ldx, tp, sp, xs + m * G, G, begin, end, op + m * N, N, values);
   });
 #else
   TORCH_CHECK(false, "int4_matmul needs a build with AVX512-BF16 (has_int4_matmul() is false here)");
 #endif
+}
+
+// x [M, K] bfloat16, tiles [N/16, K/32, 8, 32] uint8, tile_scales [N/16, K/32, 2, 16] bfloat16 -> [M, N] bfloat16
+// (int4_matmul_into on tensors).
+inline Tensor int4_matmul(const Tensor& x_in, const Tensor& tiles, const Tensor& tile_scales) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "int4_matmul: x must be [M, K] bfloat16");
+  TORCH_CHECK(tiles.dim() == 4, "int4_matmul: tiles must be contiguous [N/16, K/32, 8, 32] uint8");
+  const Tensor x = x_in.contiguous();
+  Tensor out = at::empty({x.size(0), tiles.size(0) * 16}, x.options());
+  int4_matmul_into(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), x.size(0), x.size(1), x.size(1), tiles,
+                   tile_scales, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
   return out;
 }
 

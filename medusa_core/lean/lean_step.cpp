@@ -13,7 +13,9 @@
 
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "draft_heads.h"
@@ -24,6 +26,8 @@
 namespace {
 
 using at::Tensor;
+using medusa_lean::bf16_bits;
+using medusa_lean::bf16_float;
 using medusa_lean::row_attention;
 
 constexpr int64_t kGroupSize = 32;  // quant/layers.py GROUP_SIZE
@@ -42,66 +46,80 @@ Tensor int4_mm(const Tensor& x, const Int4& w) {
   return at::_weight_int4pack_mm_for_cpu(x, w.weights, kGroupSize, w.scales);
 }
 
+// A product's output [M, N] bfloat16 as raw bits, rows `stride` apart; `keep` holds it when torch's kernel made it.
+struct Product {
+  const uint16_t* data;
+  int64_t stride;
+  Tensor keep;
+};
+
+// int4_mm of x [M, K] (raw bfloat16, rows K apart) into the buffer `out` (room for [M, N]): the compiled product
+// writes there; torch's kernel returns a tensor of its own.
+Product int4_mm(const uint16_t* x, int64_t m, int64_t k, const Int4& w, uint16_t* out) {
+  if (w.weights.dim() == 4) {
+    medusa_lean::int4_matmul_into(x, m, k, k, w.weights, w.scales, out);
+    return Product{out, w.out_features, Tensor()};
+  }
+  Tensor view = at::from_blob(const_cast<uint16_t*>(x), {m, k}, at::TensorOptions().dtype(at::kBFloat16));
+  Tensor r = at::_weight_int4pack_mm_for_cpu(view, w.weights, kGroupSize, w.scales);
+  return Product{reinterpret_cast<const uint16_t*>(r.data_ptr<c10::BFloat16>()), r.stride(0), r};
+}
+
 // A bfloat16 matrix [M, ≥ offset + width] read as float32, with a float32 bias [width] added (Int4Linear's
-// `.to(float32)` then `+ bias`): element (r, j) of the columns offset .. offset + width − 1.
+// `.to(float32)` then `+ bias`): columns offset .. offset + width − 1.
 struct Columns {
-  const c10::BFloat16* data;
+  const uint16_t* data;
   int64_t row_stride;
   const float* bias;  // nullptr: none
-  float operator()(int64_t r, int64_t j) const {
-    float x = static_cast<float>(data[r * row_stride + j]);
-    return bias ? x + bias[j] : x;
+  // Row r's columns j0 .. j0 + count − 1 as float32, into dst.
+  void load(int64_t r, int64_t j0, int64_t count, float* dst) const {
+    const uint16_t* src = data + r * row_stride + j0;
+    for (int64_t j = 0; j < count; ++j) dst[j] = bf16_float(src[j]);
+    if (bias)
+      for (int64_t j = 0; j < count; ++j) dst[j] += bias[j0 + j];
   }
 };
 
-Columns columns(const Tensor& m, int64_t offset, const c10::optional<Tensor>& bias, int64_t bias_offset) {
-  TORCH_CHECK(m.scalar_type() == at::kBFloat16 && m.stride(1) == 1, "columns: a bfloat16 matrix with unit column stride");
-  return Columns{m.data_ptr<c10::BFloat16>() + offset, m.stride(0), bias ? bias->data_ptr<float>() + bias_offset : nullptr};
+Columns columns(const Product& m, int64_t offset, const c10::optional<Tensor>& bias, int64_t bias_offset) {
+  return Columns{m.data + offset, m.stride, bias ? bias->data_ptr<float>() + bias_offset : nullptr};
 }
 
-// LlamaRMSNorm.forward, then Int4Linear's cast: bf16(w · (h · 1/√(mean(h²) + eps))) as [N, H] bfloat16. The
-// mean is ATen's (its summation order); 1/√ is what at::rsqrt computes (1 / sqrt, both correctly rounded).
-Tensor norm_bf16(const Tensor& hidden, const Tensor& weight, double eps) {
+// LlamaRMSNorm.forward, then Int4Linear's cast: bf16(w · (h · 1/√(mean(h²) + eps))) into out [N, H] (raw bfloat16).
+// The mean is ATen's (its summation order; squares and variance [1, N, H] / [1, N, 1] are the caller's buffers); 1/√
+// is what at::rsqrt computes (1 / sqrt, both correctly rounded).
+void norm_bf16(const Tensor& hidden, const Tensor& weight, double eps, Tensor& squares, Tensor& variance, uint16_t* out) {
   const int64_t n = hidden.size(1), width = hidden.size(2);
-  Tensor variance = hidden.pow(2).mean(-1, true);  // [1, N, 1]
-  Tensor out = at::empty({n, width}, hidden.options().dtype(at::kBFloat16));
+  at::pow_out(squares, hidden, 2);
+  at::mean_out(variance, squares, {-1}, true);
   const float* h = hidden.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
   const float* var = variance.data_ptr<float>();
-  auto* o = out.data_ptr<c10::BFloat16>();
   const float e = static_cast<float>(eps);  // ATen adds a Python float to a float32 tensor in float32
   for (int64_t r = 0; r < n; ++r) {
     const float inv = 1.0f / std::sqrt(var[r] + e);
-    for (int64_t i = 0; i < width; ++i) {
-      const float y = h[r * width + i] * inv;
-      o[r * width + i] = c10::BFloat16(w[i] * y);
-    }
+    const float* hr = h + r * width;
+    uint16_t* orow = out + r * width;
+    for (int64_t i = 0; i < width; ++i) orow[i] = bf16_bits(w[i] * (hr[i] * inv));
   }
-  return out;
 }
 
-// apply_rotary_pos_emb on one row's head: out = x·cos + rotate_half(x)·sin, rotate_half(x) = (−x₂, x₁).
-template <typename Write>
-void rope_head(const Columns& src, int64_t r, int64_t base, int64_t dh, const float* cos, const float* sin, Write write) {
+// apply_rotary_pos_emb on one head of one row: out = x·cos + rotate_half(x)·sin, rotate_half(x) = (−x₂, x₁);
+// x is the head's dh values, out may not alias it.
+inline void rope_head(const float* x, int64_t dh, const float* cos, const float* sin, float* out) {
   const int64_t half = dh / 2;
-  for (int64_t d = 0; d < dh; ++d) {
-    const float x = src(r, base + d);
-    const float rotated = d < half ? -src(r, base + d + half) : src(r, base + d - half);
-    const float a = x * cos[d];
-    const float b = rotated * sin[d];
-    write(d, a + b);
-  }
+  for (int64_t d = 0; d < half; ++d) out[d] = x[d] * cos[d] + (-x[d + half]) * sin[d];
+  for (int64_t d = half; d < dh; ++d) out[d] = x[d] * cos[d] + x[d - half] * sin[d];
 }
 
-// float(a) + b over [N, H]: the residual add after a product (Int4Linear's cast and bias, then `residual + out`).
-Tensor residual_add(const Tensor& residual, const Columns& out) {
-  const int64_t n = residual.size(1), width = residual.size(2);
-  Tensor sum = at::empty_like(residual);
-  const float* h = residual.data_ptr<float>();
-  float* s = sum.data_ptr<float>();
-  for (int64_t r = 0; r < n; ++r)
-    for (int64_t i = 0; i < width; ++i) s[r * width + i] = h[r * width + i] + out(r, i);
-  return sum;
+// hidden += float(out) over [N, H], in place: the residual add after a product (Int4Linear's cast and bias, then
+// `residual + out`, the same sums); scratch holds H floats.
+void residual_add(Tensor& hidden, const Columns& out, float* scratch) {
+  const int64_t n = hidden.size(1), width = hidden.size(2);
+  float* h = hidden.data_ptr<float>();
+  for (int64_t r = 0; r < n; ++r) {
+    out.load(r, 0, width, scratch);
+    for (int64_t i = 0; i < width; ++i) h[r * width + i] = h[r * width + i] + scratch[i];
+  }
 }
 
 // LlamaRMSNorm.forward.
@@ -208,22 +226,42 @@ class LeanDecoder {
     const float* cos_p = cos.data_ptr<float>();
     const float* sin_p = sin.data_ptr<float>();
     const bool gqa = num_heads_ != num_kv_heads_;
+    // The pass's buffers, allocated once for all layers (per-op allocations cost ~0.2 ms a pass in malloc/free):
+    // the residual stream (updated in place), the norms' squares and variances, a product's input and output,
+    // the queries, the attention's output and scratch, SiLU's input and output.
+    const int64_t width = hidden.size(2), attn_width = num_heads_ * head_dim_;
+    int64_t widest_in = std::max(width, attn_width), widest_out = 0, inter_max = 0;
+    for (const Layer& w : layers_) {
+      const int64_t inter = w.gate.out_features;
+      inter_max = std::max(inter_max, inter);
+      widest_in = std::max(widest_in, inter);
+      widest_out = std::max({widest_out, w.q.out_features + w.k.out_features + w.v.out_features, w.o.out_features,
+                             2 * inter, w.down.out_features});
+    }
+    hidden = hidden.clone();
+    Tensor squares = at::empty_like(hidden), variance = at::empty({1, n, 1}, hidden.options());
+    std::vector<uint16_t> x(n * widest_in), product(n * widest_out);
+    std::vector<float> scratch(std::max({width, head_dim_, inter_max})), attn_rows(row_kernel_ ? n * attn_width : 0), parts;
+    Tensor query = at::empty({n, num_heads_, head_dim_}, hidden.options());  // as RoPE's output is laid out
+    Tensor gate = at::empty({n, inter_max}, hidden.options());
+    float* qp = query.data_ptr<float>();
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& w = layers_[i];
-      Tensor x = norm_bf16(hidden, w.input_norm, w.eps);  // [N, H]
+      norm_bf16(hidden, w.input_norm, w.eps, squares, variance, x.data());  // [N, H]
       // LlamaAttention.forward: q, k, v (one product or three), RoPE, the cache's new entries
       Columns q, k, v;
-      Tensor qkv, q_out, k_out, v_out;  // keep the products alive while their columns are read
+      Product qkv, q_out, k_out, v_out;  // keep the products alive while their columns are read
       if (w.qkv) {
-        qkv = int4_mm(x, *w.qkv);
+        qkv = int4_mm(x.data(), n, width, *w.qkv, product.data());
         const int64_t nq = w.q.out_features, nk = w.k.out_features;
         q = columns(qkv, 0, w.qkv->bias, 0), k = columns(qkv, nq, w.qkv->bias, nq), v = columns(qkv, nq + nk, w.qkv->bias, nq + nk);
       } else {
-        q_out = int4_mm(x, w.q), k_out = int4_mm(x, w.k), v_out = int4_mm(x, w.v);
+        uint16_t* out = product.data();
+        q_out = int4_mm(x.data(), n, width, w.q, out);
+        k_out = int4_mm(x.data(), n, width, w.k, out + n * w.q.out_features);
+        v_out = int4_mm(x.data(), n, width, w.v, out + n * (w.q.out_features + w.k.out_features));
         q = columns(q_out, 0, w.q.bias, 0), k = columns(k_out, 0, w.k.bias, 0), v = columns(v_out, 0, w.v.bias, 0);
       }
-      Tensor query = at::empty({1, n, num_heads_, head_dim_}, hidden.options());  // as RoPE's output is laid out
-      float* qp = query.data_ptr<float>();
       // GrowingLayer.update: the new entries written in place at length.., the cache read through views
       const Tensor& kb = key_buffers[i];
       const Tensor& vb = value_buffers[i];
@@ -235,54 +273,71 @@ class LeanDecoder {
         const float* c = cos_p + r * head_dim_;
         const float* s = sin_p + r * head_dim_;
         for (int64_t h = 0; h < num_heads_; ++h) {
-          float* dst = qp + (r * num_heads_ + h) * head_dim_;
-          rope_head(q, r, h * head_dim_, head_dim_, c, s, [dst](int64_t d, float value) { dst[d] = value; });
+          q.load(r, h * head_dim_, head_dim_, scratch.data());
+          rope_head(scratch.data(), head_dim_, c, s, qp + (r * num_heads_ + h) * head_dim_);
         }
         for (int64_t h = 0; h < num_kv_heads_; ++h) {
-          float* kd = kp + h * hs + (length + r) * ps;
-          float* vd = vp + h * vhs + (length + r) * vps;
-          rope_head(k, r, h * head_dim_, head_dim_, c, s, [kd](int64_t d, float value) { kd[d] = value; });
-          for (int64_t d = 0; d < head_dim_; ++d) vd[d] = v(r, h * head_dim_ + d);
+          k.load(r, h * head_dim_, head_dim_, scratch.data());
+          rope_head(scratch.data(), head_dim_, c, s, kp + h * hs + (length + r) * ps);
+          v.load(r, h * head_dim_, head_dim_, vp + h * vhs + (length + r) * vps);
         }
       }
-      Tensor keys = kb.slice(2, 0, length + n), values = vb.slice(2, 0, length + n);
-      Tensor attn = row_kernel_  // [1, N, Hq, Dh], any strides
-                        ? row_attention(query[0], keys[0], values[0], prefix, offsets, extras, scaling_).unsqueeze(0)
-                        : attention(query.transpose(1, 2), keys, values, groups, in_order, gqa);
-      Tensor a = at::empty({n, num_heads_ * head_dim_}, hidden.options().dtype(at::kBFloat16));  // o_proj's cast
-      auto* ap = a.data_ptr<c10::BFloat16>();
-      const float* at_p = attn.data_ptr<float>();
+      // o_proj's cast of the attention's output [N, Hq, Dh]
+      const float* at_p;
+      int64_t s1 = attn_width, s2 = head_dim_, s3 = 1;
+      Tensor attn;  // SDPA's output [1, N, Hq, Dh], any strides
+      if (row_kernel_) {
+        medusa_lean::row_attention_into(query, kb[0].slice(1, 0, length + n), vb[0].slice(1, 0, length + n), prefix,
+                                        offsets, extras, scaling_, attn_rows.data(), parts);
+        at_p = attn_rows.data();
+      } else {
+        attn = attention(query.unsqueeze(0).transpose(1, 2), kb.slice(2, 0, length + n), vb.slice(2, 0, length + n),
+                         groups, in_order, gqa);
+        at_p = attn.data_ptr<float>(), s1 = attn.stride(1), s2 = attn.stride(2), s3 = attn.stride(3);
+      }
+      uint16_t* ap = x.data();
       for (int64_t r = 0; r < n; ++r)
-        for (int64_t h = 0; h < num_heads_; ++h)
-          for (int64_t d = 0; d < head_dim_; ++d)
-            ap[(r * num_heads_ + h) * head_dim_ + d] =
-                c10::BFloat16(at_p[r * attn.stride(1) + h * attn.stride(2) + d * attn.stride(3)]);
-      Tensor o = int4_mm(a, w.o);
-      hidden = residual_add(hidden, columns(o, 0, w.o.bias, 0));
+        for (int64_t h = 0; h < num_heads_; ++h) {
+          const float* src = at_p + r * s1 + h * s2;
+          uint16_t* dst = ap + (r * num_heads_ + h) * head_dim_;
+          if (s3 == 1)
+            for (int64_t d = 0; d < head_dim_; ++d) dst[d] = bf16_bits(src[d]);
+          else
+            for (int64_t d = 0; d < head_dim_; ++d) dst[d] = bf16_bits(src[d * s3]);
+        }
+      const Product o = int4_mm(ap, n, attn_width, w.o, product.data());
+      residual_add(hidden, columns(o, 0, w.o.bias, 0), scratch.data());
       // LlamaMLP.forward: down(silu(gate(x)) * up(x))
-      x = norm_bf16(hidden, w.post_norm, w.eps);
+      norm_bf16(hidden, w.post_norm, w.eps, squares, variance, x.data());
       const int64_t inter = w.gate.out_features;
-      Tensor gate, up_out;
-      Columns up;
+      Product up_out, gate_out;
+      Columns up, gate_in;
       if (w.gate_up) {
-        up_out = int4_mm(x, *w.gate_up);
-        gate = up_out.narrow(1, 0, inter).to(at::kFloat);  // a contiguous [N, I], as gate_proj's output is
-        if (w.gate_up->bias) gate = gate + w.gate_up->bias->narrow(0, 0, inter);
+        up_out = int4_mm(x.data(), n, width, *w.gate_up, product.data());
+        gate_in = columns(up_out, 0, w.gate_up->bias, 0);
         up = columns(up_out, inter, w.gate_up->bias, inter);
       } else {
-        gate = int4_mm(x, w.gate).to(at::kFloat);
-        if (w.gate.bias) gate = gate + *w.gate.bias;
-        up_out = int4_mm(x, w.up);
+        gate_out = int4_mm(x.data(), n, width, w.gate, product.data());
+        up_out = int4_mm(x.data(), n, width, w.up, product.data() + n * inter);
+        gate_in = columns(gate_out, 0, w.gate.bias, 0);
         up = columns(up_out, 0, w.up.bias, 0);
       }
-      Tensor silu = at::silu(gate);  // ATen's (vectorised exp): the one elementwise op not written out here
-      Tensor act = at::empty({n, inter}, hidden.options().dtype(at::kBFloat16));  // down_proj's cast
-      const float* sp = silu.data_ptr<float>();
-      auto* actp = act.data_ptr<c10::BFloat16>();
-      for (int64_t r = 0; r < n; ++r)
-        for (int64_t j = 0; j < inter; ++j) actp[r * inter + j] = c10::BFloat16(sp[r * inter + j] * up(r, j));
-      Tensor down = int4_mm(act, w.down);
-      hidden = residual_add(hidden, columns(down, 0, w.down.bias, 0));
+      // gate_proj's output as float32 (`.to(float32)` + bias), a contiguous [N, I], then ATen's SiLU in place (its
+      // vectorised exp: the one elementwise op not written out here)
+      Tensor g = gate.narrow(1, 0, inter);
+      if (inter != inter_max) g = g.contiguous();
+      float* gp = g.data_ptr<float>();
+      for (int64_t r = 0; r < n; ++r) gate_in.load(r, 0, inter, gp + r * inter);
+      at::silu_(g);
+      uint16_t* actp = x.data();  // down_proj's cast
+      for (int64_t r = 0; r < n; ++r) {
+        up.load(r, 0, inter, scratch.data());
+        const float* sr = gp + r * inter;
+        uint16_t* dst = actp + r * inter;
+        for (int64_t j = 0; j < inter; ++j) dst[j] = bf16_bits(sr[j] * scratch[j]);
+      }
+      const Product down = int4_mm(actp, n, inter, w.down, product.data());
+      residual_add(hidden, columns(down, 0, w.down.bias, 0), scratch.data());
     }
     return rms_norm(hidden, final_norm_, final_eps_);
   }

@@ -240,7 +240,7 @@ std::pair<BlockFn, CombineFn> item_for(int64_t chunks, std::integer_sequence<int
 
 // Attention of N query rows [N, Hq, Dh] (float32, unit stride over Dh) over a cache's keys and values [Hkv, L, Dh]
 // (float32, unit stride over Dh). Row r sees positions 0 .. prefix[r]−1 and then extras[offsets[r] .. offsets[r+1]−1]
-// (ascending, each ≥ prefix[r]). Returns [N, Hq, Dh] float32.
+// (ascending, each ≥ prefix[r]). Writes [N, Hq, Dh] float32 to out (contiguous); parts is scratch, grown as needed.
 //
 // A row's keys are cut by rank into blocks of kKeyBlock (flash-decoding's split): each block's partial softmax, then
 // the blocks combined in order, so a row's bits depend on its own keys only. A work item is one KV head and one block
@@ -248,8 +248,9 @@ std::pair<BlockFn, CombineFn> item_for(int64_t chunks, std::integer_sequence<int
 // from the core's cache by the other rows: a tree's rows share the cached prefix), and long rows split into many
 // items for the threads. On this project's CPU a row over 2,000 cached keys of the demo's 30 layers took ~4 ms
 // as one item per (row, query head) (docs/BENCH.md, "Attention by key blocks").
-inline Tensor row_attention(const Tensor& query, const Tensor& key, const Tensor& value, const std::vector<int64_t>& prefix,
-                     const std::vector<int64_t>& offsets, const Tensor& extras, double scaling) {
+inline void row_attention_into(const Tensor& query, const Tensor& key, const Tensor& value, const std::vector<int64_t>& prefix,
+                               const std::vector<int64_t>& offsets, const Tensor& extras, double scaling, float* op,
+                               std::vector<float>& parts) {
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3, "row_attention: query [N, Hq, Dh], key/value [Hkv, L, Dh]");
   TORCH_CHECK(query.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat,
               "row_attention: float32 tensors");
@@ -264,11 +265,9 @@ inline Tensor row_attention(const Tensor& query, const Tensor& key, const Tensor
   const Tensor extra = extras.to(at::kLong).contiguous();
   const int64_t* ex = extra.data_ptr<int64_t>();
   const int64_t group = hq / hkv, pos_stride = key.stride(1), stride = 2 + dh;
-  Tensor out = at::empty({n, hq, dh}, query.options().memory_format(at::MemoryFormat::Contiguous));
   const float* qp = query.data_ptr<float>();
   const float* kp = key.data_ptr<float>();
   const float* vp = value.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   std::vector<int64_t> count(n);
   int64_t visits = 0, blocks = 0;  // keys read over all (row, head) pairs (the work, ~6 ns each); block ranks
   for (int64_t r = 0; r < n; ++r) {
@@ -277,7 +276,8 @@ inline Tensor row_attention(const Tensor& query, const Tensor& key, const Tensor
     visits += count[r] * hq;
     blocks = std::max(blocks, (count[r] + kKeyBlock - 1) / kKeyBlock);
   }
-  std::vector<float> parts(n * hq * blocks * stride);  // [N, Hq, blocks, 2 + Dh]
+  const size_t need = n * hq * blocks * stride;  // [N, Hq, blocks, 2 + Dh]
+  if (parts.size() < need) parts.resize(need);
   float* pp = parts.data();
   // Items are split over torch's threads when there is enough work to pay for waking them; each (row, head, block)
   // is computed start to end by one item, so the split does not change a bit.
@@ -300,6 +300,15 @@ inline Tensor row_attention(const Tensor& query, const Tensor& key, const Tensor
       combine(pp + i * blocks * stride, (count[i / hq] + kKeyBlock - 1) / kKeyBlock, stride, op + i * dh);
     }
   });
+}
+
+// row_attention_into on tensors: returns [N, Hq, Dh] float32.
+inline Tensor row_attention(const Tensor& query, const Tensor& key, const Tensor& value, const std::vector<int64_t>& prefix,
+                            const std::vector<int64_t>& offsets, const Tensor& extras, double scaling) {
+  TORCH_CHECK(query.dim() == 3, "row_attention: query [N, Hq, Dh], key/value [Hkv, L, Dh]");
+  Tensor out = at::empty({query.size(0), query.size(1), query.size(2)}, query.options().memory_format(at::MemoryFormat::Contiguous));
+  std::vector<float> parts;
+  row_attention_into(query, key, value, prefix, offsets, extras, scaling, out.data_ptr<float>(), parts);
   return out;
 }
 
