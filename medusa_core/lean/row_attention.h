@@ -114,10 +114,10 @@ constexpr int64_t kKeyBlock = 128;  // keys of a row one work item reads: ranks 
 constexpr int64_t kParallelVisits = 1024;  // keys read in a call from which its items are split over the threads (waking them ~5 µs)
 
 // Σ_j p_j · v_j over ranks lo .. lo + count − 1, lane-wise over Dh in key order, for NH heads at once (one value read
-// for all): head a's probabilities at p + a·kKeyBlock, its sum written at out + a·out_stride.
+// for all): head a's probabilities at p + a·kKeyBlock, its sum written at outs[a].
 template <int C, int NH, typename Position>
 inline void weighted_values(const float* v, int64_t pos_stride, const Position& position, int64_t lo, int64_t count,
-                            const float* p, float* out, int64_t out_stride) {
+                            const float* p, float* const* outs) {
   f16v acc[NH][C];
   _Pragma("GCC unroll 8") for (int a = 0; a < NH; ++a) {
     _Pragma("GCC unroll 8") for (int c = 0; c < C; ++c) acc[a][c] = f16v{};
@@ -131,20 +131,20 @@ inline void weighted_values(const float* v, int64_t pos_stride, const Position& 
       _Pragma("GCC unroll 8") for (int c = 0; c < C; ++c) acc[a][c] = mul_add(w, vv[c], acc[a][c]);
     }
   }
-  for (int a = 0; a < NH; ++a) std::memcpy(out + a * out_stride, acc[a], sizeof acc[a]);
+  for (int a = 0; a < NH; ++a) std::memcpy(outs[a], acc[a], sizeof acc[a]);
 }
 
-// The query heads h = 0 .. heads − 1 of one row (one KV head's group) over the ranks lo .. hi − 1 of the row's keys:
-// each head's partial softmax over the block.
-//   q: head h's Dh floats at q + h·q_stride; keys: rank j < prefix is position j, else extra[j − prefix], of k / v
-//   (rows of Dh floats, `pos_stride` apart). part + h·part_stride: [2 + Dh] floats, written: the block's largest
-//   score m, Σ_j e^(s_j − m), and Σ_j e^(s_j − m)·v_j. `s` holds heads · kKeyBlock scores.
+// Query heads h = 0 .. heads − 1 (one KV head's group, of one row or of several rows that see the same keys here)
+// over the ranks lo .. hi − 1 of their keys: each head's partial softmax over the block.
+//   qs[h]: head h's Dh floats; keys: rank j < prefix is position j, else extra[j − prefix], of k / v (rows of Dh
+//   floats, `pos_stride` apart). parts[h]: [2 + Dh] floats, written: the block's largest score m, Σ_j e^(s_j − m),
+//   and Σ_j e^(s_j − m)·v_j. `s` holds heads · kKeyBlock scores.
 // Each head's operations are those of the head alone: the heads only share the reading of a key (16 keys stay in the
-// core's first cache while every head takes its scores from them; a value is read once for up to kValueHeads heads).
+// core's first cache while every head takes its scores from them; a value is read once for up to kValueHeads heads),
+// so a row's bits do not depend on which rows share the call.
 template <int C>
-void attend_block(const float* q, int64_t q_stride, int64_t heads, const float* k, const float* v, int64_t pos_stride,
-                  int64_t prefix, const int64_t* extra, int64_t lo, int64_t hi, float scale, float* part, int64_t part_stride,
-                  float* s) {
+void attend_block(const float* const* qs, int64_t heads, const float* k, const float* v, int64_t pos_stride,
+                  int64_t prefix, const int64_t* extra, int64_t lo, int64_t hi, float scale, float* const* parts, float* s) {
   constexpr int kValueHeads = C <= 4 ? 4 : 2;  // accumulators kValueHeads · C within the 32 vector registers
   const int64_t count = hi - lo, padded = (count + kLanes - 1) / kLanes * kLanes;
   auto position = [&](int64_t j) { return j < prefix ? j : extra[j - prefix]; };
@@ -156,7 +156,7 @@ void attend_block(const float* q, int64_t q_stride, int64_t heads, const float* 
     for (int64_t t = 0; t < keys; ++t) key_rows[t] = k + position(lo + j0 + t) * pos_stride;
     for (int64_t h = 0; h < heads; ++h) {
       f16v qv[C];
-      _Pragma("GCC unroll 8") for (int c = 0; c < C; ++c) qv[c] = load16(q + h * q_stride + c * kLanes);
+      _Pragma("GCC unroll 8") for (int c = 0; c < C; ++c) qv[c] = load16(qs[h] + c * kLanes);
       f16v acc[kLanes];
       auto dot = [&](int t) {
         acc[t] = qv[0] * load16(key_rows[t]);
@@ -188,19 +188,20 @@ void attend_block(const float* q, int64_t q_stride, int64_t heads, const float* 
       std::memcpy(sh + j, &p, sizeof p);
       total = total + p;
     }
-    part[h * part_stride] = top;
-    part[h * part_stride + 1] = lane_sum(total);
+    parts[h][0] = top;
+    parts[h][1] = lane_sum(total);
   }
   // Σ_j p_j · v_j in key order, lane-wise over Dh
   for (int64_t h0 = 0; h0 < heads; h0 += kValueHeads) {
     const int64_t nh = std::min<int64_t>(kValueHeads, heads - h0);
-    float* out = part + h0 * part_stride + 2;
+    float* outs[kValueHeads];
+    for (int64_t a = 0; a < nh; ++a) outs[a] = parts[h0 + a] + 2;
     const float* p = s + h0 * kKeyBlock;
     switch (nh) {
-      case 1: weighted_values<C, 1>(v, pos_stride, position, lo, count, p, out, part_stride); break;
-      case 2: weighted_values<C, 2>(v, pos_stride, position, lo, count, p, out, part_stride); break;
-      case 3: weighted_values<C, 3>(v, pos_stride, position, lo, count, p, out, part_stride); break;
-      default: weighted_values<C, kValueHeads>(v, pos_stride, position, lo, count, p, out, part_stride); break;
+      case 1: weighted_values<C, 1>(v, pos_stride, position, lo, count, p, outs); break;
+      case 2: weighted_values<C, 2>(v, pos_stride, position, lo, count, p, outs); break;
+      case 3: weighted_values<C, 3>(v, pos_stride, position, lo, count, p, outs); break;
+      default: weighted_values<C, kValueHeads>(v, pos_stride, position, lo, count, p, outs); break;
     }
   }
 }
@@ -227,8 +228,8 @@ void combine_blocks(const float* parts, int64_t blocks, int64_t stride, float* o
   }
 }
 
-using BlockFn = void (*)(const float*, int64_t, int64_t, const float*, const float*, int64_t, int64_t, const int64_t*, int64_t,
-                         int64_t, float, float*, int64_t, float*);
+using BlockFn = void (*)(const float* const*, int64_t, const float*, const float*, int64_t, int64_t, const int64_t*, int64_t,
+                         int64_t, float, float* const*, float*);
 using CombineFn = void (*)(const float*, int64_t, int64_t, float*);
 
 template <int... C>
@@ -283,15 +284,34 @@ inline void row_attention_into(const Tensor& query, const Tensor& key, const Ten
   // is computed start to end by one item, so the split does not change a bit.
   const int64_t items = hkv * blocks, grain = visits < kParallelVisits ? items : 1;
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(group * kKeyBlock);
+    std::vector<float> scores(group * n * kKeyBlock);
+    std::vector<const float*> qs(group * n);
+    std::vector<float*> outs(group * n);
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t kv = i / blocks, b = i % blocks, lo = b * kKeyBlock;
+      const int64_t kv = i / blocks, b = i % blocks, lo = b * kKeyBlock, h = kv * group;
+      // the heads of every row whose whole block lies in its prefix (the same keys, positions lo .. lo + kKeyBlock − 1:
+      // a tree's rows over the cached context) in one call, which reads each key once for all of them; then the
+      // other rows that reach this block, one call each
+      int64_t shared = 0;
       for (int64_t r = 0; r < n; ++r) {
-        if (count[r] <= lo) continue;
-        const int64_t hi = std::min(count[r], lo + kKeyBlock), h = kv * group;
-        attend(qp + r * query.stride(0) + h * query.stride(1), query.stride(1), group, kp + kv * key.stride(0),
-               vp + kv * value.stride(0), pos_stride, prefix[r], ex + offsets[r], lo, hi, static_cast<float>(scaling),
-               pp + ((r * hq + h) * blocks + b) * stride, blocks * stride, scores.data());
+        if (prefix[r] < lo + kKeyBlock) continue;
+        for (int64_t a = 0; a < group; ++a, ++shared) {
+          qs[shared] = qp + r * query.stride(0) + (h + a) * query.stride(1);
+          outs[shared] = pp + ((r * hq + h + a) * blocks + b) * stride;
+        }
+      }
+      if (shared)
+        attend(qs.data(), shared, kp + kv * key.stride(0), vp + kv * value.stride(0), pos_stride, lo + kKeyBlock, ex, lo,
+               lo + kKeyBlock, static_cast<float>(scaling), outs.data(), scores.data());
+      for (int64_t r = 0; r < n; ++r) {
+        if (count[r] <= lo || prefix[r] >= lo + kKeyBlock) continue;
+        const int64_t hi = std::min(count[r], lo + kKeyBlock);
+        for (int64_t a = 0; a < group; ++a) {
+          qs[a] = qp + r * query.stride(0) + (h + a) * query.stride(1);
+          outs[a] = pp + ((r * hq + h + a) * blocks + b) * stride;
+        }
+        attend(qs.data(), group, kp + kv * key.stride(0), vp + kv * value.stride(0), pos_stride, prefix[r], ex + offsets[r],
+               lo, hi, static_cast<float>(scaling), outs.data(), scores.data());
       }
     }
   });
