@@ -244,6 +244,7 @@ class LeanDecoder {
     std::vector<float> scratch(std::max({width, head_dim_, inter_max})), attn_rows(row_kernel_ ? n * attn_width : 0), parts;
     Tensor query = at::empty({n, num_heads_, head_dim_}, hidden.options());  // as RoPE's output is laid out
     Tensor gate = at::empty({n, inter_max}, hidden.options());
+    const Tensor extra_ids = extras.to(at::kLong).contiguous();  // the row kernel's extra key positions
     float* qp = query.data_ptr<float>();
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& w = layers_[i];
@@ -265,7 +266,8 @@ class LeanDecoder {
       // GrowingLayer.update: the new entries written in place at length.., the cache read through views
       const Tensor& kb = key_buffers[i];
       const Tensor& vb = value_buffers[i];
-      TORCH_CHECK(kb.scalar_type() == at::kFloat && vb.scalar_type() == at::kFloat, "the cache holds float32 entries");
+      TORCH_CHECK(kb.scalar_type() == at::kFloat && vb.scalar_type() == at::kFloat && kb.stride(3) == 1 && vb.stride(3) == 1,
+                  "the cache holds float32 entries, unit stride over Dh");
       float* kp = kb.data_ptr<float>();
       float* vp = vb.data_ptr<float>();
       const int64_t hs = kb.stride(1), ps = kb.stride(2), vhs = vb.stride(1), vps = vb.stride(2);
@@ -287,8 +289,10 @@ class LeanDecoder {
       int64_t s1 = attn_width, s2 = head_dim_, s3 = 1;
       Tensor attn;  // SDPA's output [1, N, Hq, Dh], any strides
       if (row_kernel_) {
-        medusa_lean::row_attention_into(query, kb[0].slice(1, 0, length + n), vb[0].slice(1, 0, length + n), prefix,
-                                        offsets, extras, scaling_, attn_rows.data(), parts);
+        TORCH_CHECK(ps == vps, "row_attention: keys and values with the same position stride");
+        const medusa_lean::RowOperands in{qp, n, num_heads_, head_dim_, attn_width, head_dim_, kp, vp, num_kv_heads_,
+                                          hs, vhs, ps, extra_ids.data_ptr<int64_t>()};
+        medusa_lean::row_attention_into(in, prefix, offsets, scaling_, attn_rows.data(), parts);
         at_p = attn_rows.data();
       } else {
         attn = attention(query.unsqueeze(0).transpose(1, 2), kb.slice(2, 0, length + n), vb.slice(2, 0, length + n),
@@ -324,8 +328,7 @@ class LeanDecoder {
       }
       // gate_proj's output as float32 (`.to(float32)` + bias), a contiguous [N, I], then ATen's SiLU in place (its
       // vectorised exp: the one elementwise op not written out here)
-      Tensor g = gate.narrow(1, 0, inter);
-      if (inter != inter_max) g = g.contiguous();
+      Tensor g = inter == inter_max ? gate : at::empty({n, inter}, hidden.options());
       float* gp = g.data_ptr<float>();
       for (int64_t r = 0; r < n; ++r) gate_in.load(r, 0, inter, gp + r * inter);
       at::silu_(g);

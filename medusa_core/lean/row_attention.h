@@ -249,26 +249,30 @@ std::pair<BlockFn, CombineFn> item_for(int64_t chunks, std::integer_sequence<int
 // from the core's cache by the other rows: a tree's rows share the cached prefix), and long rows split into many
 // items for the threads. On this project's CPU a row over 2,000 cached keys of the demo's 30 layers took ~4 ms
 // as one item per (row, query head) (docs/BENCH.md, "Attention by key blocks").
-inline void row_attention_into(const Tensor& query, const Tensor& key, const Tensor& value, const std::vector<int64_t>& prefix,
-                               const std::vector<int64_t>& offsets, const Tensor& extras, double scaling, float* op,
-                               std::vector<float>& parts) {
-  TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3, "row_attention: query [N, Hq, Dh], key/value [Hkv, L, Dh]");
-  TORCH_CHECK(query.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat,
-              "row_attention: float32 tensors");
-  TORCH_CHECK(query.stride(2) == 1 && key.stride(2) == 1 && value.stride(2) == 1, "row_attention: unit stride over Dh");
-  const int64_t n = query.size(0), hq = query.size(1), dh = query.size(2), hkv = key.size(0);
+// The attention's operands as raw float32 pointers with their strides (unit stride over Dh everywhere): query
+// [N, Hq, Dh], keys and values [Hkv, L, Dh] (the same position stride), extras: int64.
+struct RowOperands {
+  const float* q;
+  int64_t n, hq, dh, q_row, q_head;
+  const float* k;
+  const float* v;
+  int64_t hkv, k_head, v_head, pos_stride;
+  const int64_t* extras;
+};
+
+inline void row_attention_into(const RowOperands& in, const std::vector<int64_t>& prefix, const std::vector<int64_t>& offsets,
+                               double scaling, float* op, std::vector<float>& parts) {
+  const int64_t n = in.n, hq = in.hq, dh = in.dh, hkv = in.hkv;
   TORCH_CHECK(hq % hkv == 0 && dh % kLanes == 0 && dh <= kLanes * kMaxChunks,
               "row_attention: Hq a multiple of Hkv, Dh a multiple of 16 up to ", kLanes * kMaxChunks);
   const auto [attend, combine] = item_for(dh / kLanes, std::make_integer_sequence<int, kMaxChunks>{});
   TORCH_CHECK(static_cast<int64_t>(prefix.size()) == n && static_cast<int64_t>(offsets.size()) == n + 1,
               "row_attention: one prefix per row and N + 1 offsets");
-  TORCH_CHECK(key.stride(1) == value.stride(1), "row_attention: keys and values with the same position stride");
-  const Tensor extra = extras.to(at::kLong).contiguous();
-  const int64_t* ex = extra.data_ptr<int64_t>();
-  const int64_t group = hq / hkv, pos_stride = key.stride(1), stride = 2 + dh;
-  const float* qp = query.data_ptr<float>();
-  const float* kp = key.data_ptr<float>();
-  const float* vp = value.data_ptr<float>();
+  const int64_t* ex = in.extras;
+  const int64_t group = hq / hkv, pos_stride = in.pos_stride, stride = 2 + dh;
+  const float* qp = in.q;
+  const float* kp = in.k;
+  const float* vp = in.v;
   std::vector<int64_t> count(n);
   int64_t visits = 0, blocks = 0;  // keys read over all (row, head) pairs (the work, ~6 ns each); block ranks
   for (int64_t r = 0; r < n; ++r) {
@@ -296,21 +300,21 @@ inline void row_attention_into(const Tensor& query, const Tensor& key, const Ten
       for (int64_t r = 0; r < n; ++r) {
         if (prefix[r] < lo + kKeyBlock) continue;
         for (int64_t a = 0; a < group; ++a, ++shared) {
-          qs[shared] = qp + r * query.stride(0) + (h + a) * query.stride(1);
+          qs[shared] = qp + r * in.q_row + (h + a) * in.q_head;
           outs[shared] = pp + ((r * hq + h + a) * blocks + b) * stride;
         }
       }
       if (shared)
-        attend(qs.data(), shared, kp + kv * key.stride(0), vp + kv * value.stride(0), pos_stride, lo + kKeyBlock, ex, lo,
+        attend(qs.data(), shared, kp + kv * in.k_head, vp + kv * in.v_head, pos_stride, lo + kKeyBlock, ex, lo,
                lo + kKeyBlock, static_cast<float>(scaling), outs.data(), scores.data());
       for (int64_t r = 0; r < n; ++r) {
         if (count[r] <= lo || prefix[r] >= lo + kKeyBlock) continue;
         const int64_t hi = std::min(count[r], lo + kKeyBlock);
         for (int64_t a = 0; a < group; ++a) {
-          qs[a] = qp + r * query.stride(0) + (h + a) * query.stride(1);
+          qs[a] = qp + r * in.q_row + (h + a) * in.q_head;
           outs[a] = pp + ((r * hq + h + a) * blocks + b) * stride;
         }
-        attend(qs.data(), group, kp + kv * key.stride(0), vp + kv * value.stride(0), pos_stride, prefix[r], ex + offsets[r],
+        attend(qs.data(), group, kp + kv * in.k_head, vp + kv * in.v_head, pos_stride, prefix[r], ex + offsets[r],
                lo, hi, static_cast<float>(scaling), outs.data(), scores.data());
       }
     }
@@ -322,13 +326,22 @@ inline void row_attention_into(const Tensor& query, const Tensor& key, const Ten
   });
 }
 
-// row_attention_into on tensors: returns [N, Hq, Dh] float32.
+// row_attention_into on tensors: query [N, Hq, Dh], key / value [Hkv, L, Dh] float32 (unit stride over Dh, keys and
+// values with the same position stride), extras integer -> [N, Hq, Dh] float32.
 inline Tensor row_attention(const Tensor& query, const Tensor& key, const Tensor& value, const std::vector<int64_t>& prefix,
                             const std::vector<int64_t>& offsets, const Tensor& extras, double scaling) {
-  TORCH_CHECK(query.dim() == 3, "row_attention: query [N, Hq, Dh], key/value [Hkv, L, Dh]");
+  TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3, "row_attention: query [N, Hq, Dh], key/value [Hkv, L, Dh]");
+  TORCH_CHECK(query.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat,
+              "row_attention: float32 tensors");
+  TORCH_CHECK(query.stride(2) == 1 && key.stride(2) == 1 && value.stride(2) == 1, "row_attention: unit stride over Dh");
+  TORCH_CHECK(key.stride(1) == value.stride(1), "row_attention: keys and values with the same position stride");
+  const Tensor extra = extras.to(at::kLong).contiguous();
   Tensor out = at::empty({query.size(0), query.size(1), query.size(2)}, query.options().memory_format(at::MemoryFormat::Contiguous));
   std::vector<float> parts;
-  row_attention_into(query, key, value, prefix, offsets, extras, scaling, out.data_ptr<float>(), parts);
+  const RowOperands in{query.data_ptr<float>(), query.size(0), query.size(1), query.size(2), query.stride(0), query.stride(1),
+                       key.data_ptr<float>(), value.data_ptr<float>(), key.size(0), key.stride(0), value.stride(0), key.stride(1),
+                       extra.data_ptr<int64_t>()};
+  row_attention_into(in, prefix, offsets, scaling, out.data_ptr<float>(), parts);
   return out;
 }
 
