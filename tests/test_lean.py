@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 
@@ -68,6 +70,8 @@ def test_the_lean_pass_gives_the_hidden_states_and_cache_entries_of_transformers
     assert lean is not None, why
     assert lean.row_kernel == (attention == ATTENTION_KERNEL)
     assert lean.fused == ((2, 2) if shape or Int4Linear.kernel is not None else (0, 2))
+    # the norms' variance summed in the step in ATen's order (checked when built); other CPUs may keep ATen's calls
+    assert lean.own_mean or platform.machine() not in ("x86_64", "AMD64")
     ids = torch.tensor([[5, 17, 40, 33, 3, 60, 7]])
     ours, theirs = _prefill(model, ids), _prefill(model, ids)
     # one token; a chain (every row a view of the cache); a branching tree (rows gathered, rows out of order)

@@ -84,16 +84,69 @@ Columns columns(const Product& m, int64_t offset, const c10::optional<Tensor>& b
   return Columns{m.data + offset, m.stride, bias ? bias->data_ptr<float>() + bias_offset : nullptr};
 }
 
-// LlamaRMSNorm.forward, then Int4Linear's cast: bf16(w · (h · 1/√(mean(h²) + eps))) into out [N, H] (raw bfloat16).
-// The mean is ATen's (its summation order; squares and variance [1, N, H] / [1, N, 1] are the caller's buffers); 1/√
-// is what at::rsqrt computes (1 / sqrt, both correctly rounded).
-void norm_bf16(const Tensor& hidden, const Tensor& weight, double eps, Tensor& squares, Tensor& variance, uint16_t* out) {
+// ATen's float32 sum of a contiguous row's squares, in its order (SumKernel.cpp cascade_sum on 8-lane vectors, which
+// is what this ATen runs for a float32 row on x86: vectors of 8 summed in 4 interleaved rows of multi_row_sum's
+// levels, the rows added, a scalar tail, the 8 lanes added in order, added to the zeroed output). Each lane step is one
+// IEEE sum of one rounded square, so the result is ATen's bit for bit; LeanDecoder checks that on random rows when it
+// is built (own_mean_) and keeps ATen's pow / mean where it is not.
+inline float sum_of_squares(const float* x, int64_t width) {
+  constexpr int L = 8, kRows = 4, kLevels = 4;
+  const int64_t vectors = width / L, size = vectors / kRows;
+  int64_t ceil_log2 = 1;  // ATen's CeilLog2: 1 up to 2, else ⌈log2⌉
+  while ((int64_t(1) << ceil_log2) < size) ++ceil_log2;
+  const int64_t level_power = std::max<int64_t>(4, ceil_log2 / kLevels), level_step = int64_t(1) << level_power;
+  float acc[kLevels][kRows][L] = {};
+  auto add = [&](float* a, int64_t v) {
+    for (int l = 0; l < L; ++l) {
+      const float e = x[v * L + l];
+      a[l] = a[l] + e * e;
+    }
+  };
+  int64_t i = 0;
+  while (i + level_step <= size) {
+    for (int64_t j = 0; j < level_step; ++j, ++i)
+      for (int k = 0; k < kRows; ++k) add(acc[0][k], kRows * i + k);
+    for (int j = 1; j < kLevels; ++j) {
+      for (int k = 0; k < kRows; ++k)
+        for (int l = 0; l < L; ++l) acc[j][k][l] = acc[j][k][l] + acc[j - 1][k][l], acc[j - 1][k][l] = 0.0f;
+      if ((i & ((level_step - 1) << (j * level_power))) != 0) break;
+    }
+  }
+  for (; i < size; ++i)
+    for (int k = 0; k < kRows; ++k) add(acc[0][k], kRows * i + k);
+  for (int j = 1; j < kLevels; ++j)
+    for (int k = 0; k < kRows; ++k)
+      for (int l = 0; l < L; ++l) acc[0][k][l] = acc[0][k][l] + acc[j][k][l];
+  for (int64_t v = size * kRows; v < vectors; ++v) add(acc[0][0], v);
+  for (int k = 1; k < kRows; ++k)
+    for (int l = 0; l < L; ++l) acc[0][0][l] = acc[0][0][l] + acc[0][k][l];
+  float total = 0.0f;
+  for (int64_t k = vectors * L; k < width; ++k) total = total + x[k] * x[k];
+  for (int l = 0; l < L; ++l) total = total + acc[0][0][l];
+  return 0.0f + total;
+}
+
+// LlamaRMSNorm.forward's variance of each row of hidden [1, N, H]: `hidden.pow(2).mean(-1, keepdim=True)`, ATen's
+// bits, into var [N]: by sum_of_squares / H where `own` (checked), else by ATen's calls into `squares` [1, N, H] and
+// `variance` [1, N, 1].
+void row_variance(const Tensor& hidden, bool own, Tensor& squares, Tensor& variance, float* var) {
   const int64_t n = hidden.size(1), width = hidden.size(2);
+  const float* h = hidden.data_ptr<float>();
+  if (own) {
+    for (int64_t r = 0; r < n; ++r) var[r] = sum_of_squares(h + r * width, width) / static_cast<float>(width);
+    return;
+  }
   at::pow_out(squares, hidden, 2);
   at::mean_out(variance, squares, {-1}, true);
+  std::memcpy(var, variance.data_ptr<float>(), n * sizeof(float));
+}
+
+// LlamaRMSNorm.forward, then Int4Linear's cast: bf16(w · (h · 1/√(var + eps))) into out [N, H] (raw bfloat16), var the
+// rows' variances (row_variance); 1/√ is what at::rsqrt computes (1 / sqrt, both correctly rounded).
+void norm_bf16(const Tensor& hidden, const Tensor& weight, double eps, const float* var, uint16_t* out) {
+  const int64_t n = hidden.size(1), width = hidden.size(2);
   const float* h = hidden.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
-  const float* var = variance.data_ptr<float>();
   const float e = static_cast<float>(eps);  // ATen adds a Python float to a float32 tensor in float32
   for (int64_t r = 0; r < n; ++r) {
     const float inv = 1.0f / std::sqrt(var[r] + e);
@@ -101,6 +154,19 @@ void norm_bf16(const Tensor& hidden, const Tensor& weight, double eps, Tensor& s
     uint16_t* orow = out + r * width;
     for (int64_t i = 0; i < width; ++i) orow[i] = bf16_bits(w[i] * (hr[i] * inv));
   }
+}
+
+// True when sum_of_squares / H gives ATen's `pow(2).mean(-1, keepdim=True)` bit for bit on rows of this width: 64
+// pseudo-random rows (no generator state used) of magnitudes 1e-3 .. 1e3.
+bool own_mean_matches(int64_t width) {
+  if (width < 32) return false;
+  Tensor rows = at::sin(at::arange(64 * width, at::kFloat) * 12.9898f).mul(43758.547f).frac().sub(0.5f).view({1, 64, width}) *
+                at::pow(10.0, at::linspace(-3, 3, 64).view({1, 64, 1}));
+  Tensor expected = rows.pow(2).mean(-1, true);
+  Tensor squares = at::empty_like(rows), variance = at::empty({1, 64, 1});
+  std::vector<float> var(64);
+  row_variance(rows, true, squares, variance, var.data());
+  return std::memcmp(var.data(), expected.data_ptr<float>(), 64 * sizeof(float)) == 0;
 }
 
 // apply_rotary_pos_emb on one head of one row: out = x·cos + rotate_half(x)·sin, rotate_half(x) = (−x₂, x₁);
@@ -196,6 +262,7 @@ class LeanDecoder {
       layer.gate_up = fuse({&layer.gate, &layer.up});
       layers_.push_back(std::move(layer));
     }
+    own_mean_ = own_mean_matches(final_norm_.size(0));
   }
 
   // hidden [1, N, H] (the token embeddings), cos / sin [1, N, Dh] (the model's rotary embedding), the cache's
@@ -239,8 +306,10 @@ class LeanDecoder {
                              2 * inter, w.down.out_features});
     }
     hidden = hidden.clone();
-    Tensor squares = at::empty_like(hidden), variance = at::empty({1, n, 1}, hidden.options());
+    Tensor squares, variance;  // ATen's pow / mean outputs, where the variance is not computed here
+    if (!own_mean_) squares = at::empty_like(hidden), variance = at::empty({1, n, 1}, hidden.options());
     std::vector<uint16_t> x(n * widest_in), product(n * widest_out);
+    std::vector<float> var(n);
     std::vector<float> scratch(std::max({width, head_dim_, inter_max})), attn_rows(row_kernel_ ? n * attn_width : 0), parts;
     Tensor query = at::empty({n, num_heads_, head_dim_}, hidden.options());  // as RoPE's output is laid out
     Tensor gate = at::empty({n, inter_max}, hidden.options());
@@ -248,7 +317,8 @@ class LeanDecoder {
     float* qp = query.data_ptr<float>();
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& w = layers_[i];
-      norm_bf16(hidden, w.input_norm, w.eps, squares, variance, x.data());  // [N, H]
+      row_variance(hidden, own_mean_, squares, variance, var.data());
+      norm_bf16(hidden, w.input_norm, w.eps, var.data(), x.data());  // [N, H]
       // LlamaAttention.forward: q, k, v (one product or three), RoPE, the cache's new entries
       Columns q, k, v;
       Product qkv, q_out, k_out, v_out;  // keep the products alive while their columns are read
@@ -312,7 +382,8 @@ class LeanDecoder {
       const Product o = int4_mm(ap, n, attn_width, w.o, product.data());
       residual_add(hidden, columns(o, 0, w.o.bias, 0), scratch.data());
       // LlamaMLP.forward: down(silu(gate(x)) * up(x))
-      norm_bf16(hidden, w.post_norm, w.eps, squares, variance, x.data());
+      row_variance(hidden, own_mean_, squares, variance, var.data());
+      norm_bf16(hidden, w.post_norm, w.eps, var.data(), x.data());
       const int64_t inter = w.gate.out_features;
       Product up_out, gate_out;
       Columns up, gate_in;
@@ -344,6 +415,9 @@ class LeanDecoder {
     }
     return rms_norm(hidden, final_norm_, final_eps_);
   }
+
+  // True when the norms' variance is computed here (sum_of_squares, checked against ATen at construction).
+  bool own_mean() const { return own_mean_; }
 
   // How many layers run q/k/v, and gate/up, as one product each.
   std::vector<int64_t> fused() const {
@@ -391,6 +465,7 @@ class LeanDecoder {
   double final_eps_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double scaling_;
+  bool own_mean_;  // the norms' variance by sum_of_squares (ATen's bits, checked at construction), else ATen's calls
   bool row_kernel_;  // attention by row_attention (the model's attention is invariant.py kernel_attention)
 };
 
@@ -401,7 +476,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<std::vector<std::vector<Tensor>>, std::vector<double>, std::vector<int64_t>, Tensor, double,
                           int64_t, int64_t, int64_t, double, bool>())
       .def("forward", &LeanDecoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
-      .def("fused", &LeanDecoder::fused);
+      .def("fused", &LeanDecoder::fused)
+      .def("own_mean", &LeanDecoder::own_mean);
   m.def("row_attention", &row_attention, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("head_states", &medusa_lean::head_states, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("draft_top", &medusa_lean::draft_top, pybind11::call_guard<pybind11::gil_scoped_release>());

@@ -112,6 +112,12 @@ class LeanStep:
         qkv, gate_up = self._decoder.fused()
         return qkv, gate_up
 
+    @property
+    def own_mean(self) -> bool:
+        """True when the RMS norms' variance is summed in the step itself in ATen's order (checked against
+        ``pow(2).mean(-1)`` on this machine when the step is built), False where ATen's two calls run instead."""
+        return bool(self._decoder.own_mean())
+
     @classmethod
     def for_backbone(cls, backbone: nn.Module, report: Callable[[str], None] | None = None) -> tuple[LeanStep | None, str]:
         """``(LeanStep, "")`` for a supported backbone (compiling the extension on first use, with ``report`` told),
