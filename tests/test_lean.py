@@ -212,7 +212,8 @@ def test_the_compiled_int4_product_is_batch_invariant_side_by_side_and_within_on
     if not extension.has_int4_matmul():
         pytest.skip("this build has no AVX512-BF16: torch's int4-pack kernel runs")
     torch.manual_seed(0)
-    layers = [Int4Linear(torch.randint(0, 16, (n, 160)), torch.rand(n, 5) * 0.02, torch.randn(n, 5) * 0.01) for n in (48, 16, 96)]
+    # 3, 1, 6 and 26 blocks of 16 outputs: whole tiles of 6 and 8 blocks and the smaller tiles of the rest
+    layers = [Int4Linear(torch.randint(0, 16, (n, 160)), torch.rand(n, 5) * 0.02, torch.randn(n, 5) * 0.01) for n in (48, 16, 96, 416)]
     x = torch.randn(9, 160).to(torch.bfloat16)
     for layer in layers:
         full = extension.int4_matmul(x, layer.tiles, layer.tile_scales)  # 9 rows: passes of 4, 4 and 1 rows

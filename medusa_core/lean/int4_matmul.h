@@ -107,12 +107,13 @@ inline void int4_tile(const uint16_t* x, int64_t ldx, const uint8_t* tiles, cons
   }
 }
 
+// Blocks begin .. end − 1 of rows m0 .. m0 + MR − 1, NB blocks at a time, the rest NB/2, NB/4, … at a time.
 template <int MR, int NB>
 inline void int4_blocks(const uint16_t* x, int64_t ldx, const uint8_t* tiles, const uint16_t* scales, const float* xsum,
                         int64_t G, int64_t begin, int64_t end, uint16_t* out, int64_t ldo, __m512i values) {
   int64_t b = begin;
   for (; b + NB <= end; b += NB) int4_tile<MR, NB>(x, ldx, tiles, scales, xsum, G, b, out, ldo, values);
-  for (; b < end; ++b) int4_tile<MR, 1>(x, ldx, tiles, scales, xsum, G, b, out, ldo, values);
+  if constexpr (NB > 1) int4_blocks<MR, NB / 2>(x, ldx, tiles, scales, xsum, G, b, end, out, ldo, values);
 }
 
 #endif
@@ -154,11 +155,13 @@ inline void int4_matmul_into(const uint16_t* xp, int64_t M, int64_t K, int64_t l
   at::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
     const __m512i values = code_values();
     int64_t m = 0;
-    // rows in passes of 4, the last pass 1 to 3 rows: each pass reads the weights once (a row's operations are the same in all)
-    for (; m + 4 <= M; m += 4) int4_blocks<4, 2>(xp + m * ldx, ldx, tp, sp, xs + m * G, G, begin, end, op + m * N, N, values);
-    if (M - m == 3) int4_blocks<3, 2>(xp + m * ldx, ldx, tp, sp, xs + m * G, G, begin, end, op + m * N, N, values);
-    if (M - m == 2) int4_blocks<2, 4>(xp + m * ldx, ldx, tp, sp, xs + m * G, G, begin, end, op + m * N, N, values);
-    if (M - m == 1) int4_blocks<1, 4>(xp + m * ldx, ldx, tp, sp, xs + m * G, G, begin, end, op + m * N, N, values);
+    // rows in passes of 4, the last pass 1 to 3 rows: each pass reads the weights once (a row's operations are the same
+    // in all). Blocks per tile, measured on the demo's 30 layers (2 threads, 2026-11-26): 8 for one or two rows, 6 for
+    // three or four (1 row: 1.69 ms vs 1.90 with 4; 3 rows: 2.06 vs 2.95 with 2; scratch benchmark, docs/BENCH.md).
+    for (; m + 4 <= M; m += 4) int4_blocks<4, 6>(xp + m * ldx, ldx, tp, sp, xs + m * G, G, begin, end, op + m * N, N, values);
+    if (M - m == 3) int4_blocks<3, 6>(xp + m * ldx, ldx, tp, sp, xs + m * G, G, begin, end, op + m * N, N, values);
+    if (M - m == 2) int4_blocks<2, 8>(xp + m * ldx, ldx, tp, sp, xs + m * G, G, begin, end, op + m * N, N, values);
+    if (M - m == 1) int4_blocks<1, 8>(xp + m * ldx, ldx, tp, sp, xs + m * G, G, begin, end, op + m * N, N, values);
   });
 #else
   TORCH_CHECK(false, "int4_matmul needs a build with AVX512-BF16 (has_int4_matmul() is false here)");
