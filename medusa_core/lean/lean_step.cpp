@@ -3,10 +3,12 @@
 //
 // Every value is computed as transformers' Llama modules and this project's layers (quant/layers.py Int4Linear,
 // invariant.py rowwise_attention, kvcache.py GrowingLayer) compute it, so the results are the same bits
-// (tests/test_lean.py compares the two paths bit for bit). Reductions, attention and SiLU are the same ATen calls on
-// the same shapes; the 4-bit products are the same kernel as Int4Linear's (int4_matmul.h, or torch's int4-pack).
-// Chains of elementwise operations (RMSNorm after its mean, RoPE, casts, residual adds, the cache writes) are one
-// loop each instead of one ATen kernel per operation: every step of such a chain
+// (tests/test_lean.py compares the two paths bit for bit). SiLU and the final norm are the same ATen calls on the
+// same shapes; the layers' RMS norm variance is summed here in ATen's order (sum_of_squares, checked against ATen
+// when the step is built, ATen's calls where it differs); attention is the model's (row_attention.h, or SDPA calls);
+// the 4-bit products are the same kernel as Int4Linear's (int4_matmul.h, or torch's int4-pack). A pass allocates its
+// buffers once, not per operation. Chains of elementwise operations (RMSNorm after its mean, RoPE, casts, residual
+// adds, the cache writes) are one loop each instead of one ATen kernel per operation: every step of such a chain
 // is a single IEEE operation (a product, a sum, a negation, 1/√x, a cast rounded to nearest-even), rounded where
 // ATen rounds it, in the same order, and the file is built with -ffp-contract=off so that no product and sum
 // fuse into one rounding.
