@@ -4,8 +4,11 @@ Runs ``StepRunner.tree_forward`` (the backbone's pass and the LM head, what a Me
 demo for a chain of n tokens after a 200-token context, removes the n entries again, and prints the median
 wall time per pass with the lean step (attention by the compiled row kernel, and by SDPA calls per row group) and
 with transformers' forward, and with torch's int4-pack kernel in place of the compiled int4 product (every 4-bit
-layer, the LM head's first pass included), interleaved (the heads' proposal,
-sampling and the cache update are not in it: ``python -m medusa_core.bench profile --split-only`` has them).
+layer, the LM head's first pass included), interleaved. Each timed pass follows an untimed pass of the same kind
+and size, so that it finds the CPU's caches as a decoding loop leaves them (timed right after another kind of pass,
+a one-token pass found its weights evicted, which made it look dearer and a second row almost free: docs/BENCH.md).
+The heads' proposal, sampling and the cache update are not in it: ``python -m medusa_core.bench profile
+--split-only`` has them.
 
     python scripts/step_rows.py --threads 2
 """
@@ -65,10 +68,11 @@ def main() -> None:
                 Int4Linear.kernel = kernel
                 for n, tree in trees.items():
                     tokens = torch.arange(500, 500 + n)
-                    start = time.perf_counter()
-                    runner.tree_forward(tree, tokens, args.context, cache)
-                    spent = time.perf_counter() - start
-                    cache.crop(-n)
+                    for timed in (False, True):  # the timed pass follows the same pass, as in a decoding loop
+                        start = time.perf_counter()
+                        runner.tree_forward(tree, tokens, args.context, cache)
+                        spent = time.perf_counter() - start
+                        cache.crop(-n)
                     if repeat >= 3:
                         times[kind, n].append(spent)
     runner.lean = passes["lean"][0]
