@@ -59,11 +59,18 @@ def _tree_mask(tree, cur_len):
 WIDE = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}
 
 
+@pytest.mark.parametrize("kernel", ["compiled", "torch"], ids=["compiled-int4", "torch-int4"])
 @pytest.mark.parametrize("attention", [ATTENTION_KERNEL, ATTENTION], ids=["row-kernel", "sdpa-rows"])
 @pytest.mark.parametrize("shape", [{}, WIDE], ids=["narrow", "wide"])
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
-def test_the_lean_pass_gives_the_hidden_states_and_cache_entries_of_transformers_forward_bit_for_bit(extension, arch, shape, attention):
+def test_the_lean_pass_gives_the_hidden_states_and_cache_entries_of_transformers_forward_bit_for_bit(
+    extension, arch, shape, attention, kernel, monkeypatch
+):
     model = int4_backbone(arch, attention, **shape)
+    if kernel == "torch":  # torch's int4-pack kernel for every 4-bit layer (as on CPUs without AVX512-BF16)
+        monkeypatch.setattr(Int4Linear, "kernel", None)
+    elif Int4Linear.kernel is None:
+        pytest.skip("no compiled int4 product here (no AVX512-BF16)")
     if arch == "qwen2":
         assert model.model.layers[0].self_attn.q_proj.bias is not None  # biases go through the lean step too
     lean, why = LeanStep.for_backbone(model)
