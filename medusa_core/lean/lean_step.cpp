@@ -265,6 +265,15 @@ class LeanDecoder {
       layers_.push_back(std::move(layer));
     }
     own_mean_ = own_mean_matches(final_norm_.size(0));
+    // a pass's buffers per row (forward): a product's input (a norm's output, the attention's, the MLP's) and output
+    widest_in_ = std::max(final_norm_.size(0), num_heads_ * head_dim_);
+    for (const Layer& w : layers_) {
+      const int64_t inter = w.gate.out_features;
+      inter_max_ = std::max(inter_max_, inter);
+      widest_in_ = std::max(widest_in_, inter);
+      widest_out_ = std::max({widest_out_, w.q.out_features + w.k.out_features + w.v.out_features, w.o.out_features,
+                              2 * inter, w.down.out_features});
+    }
   }
 
   // hidden [1, N, H] (the token embeddings), cos / sin [1, N, Dh] (the model's rotary embedding), the cache's
@@ -299,22 +308,15 @@ class LeanDecoder {
     // the residual stream (updated in place), the norms' squares and variances, a product's input and output,
     // the queries, the attention's output and scratch, SiLU's input and output.
     const int64_t width = hidden.size(2), attn_width = num_heads_ * head_dim_;
-    int64_t widest_in = std::max(width, attn_width), widest_out = 0, inter_max = 0;
-    for (const Layer& w : layers_) {
-      const int64_t inter = w.gate.out_features;
-      inter_max = std::max(inter_max, inter);
-      widest_in = std::max(widest_in, inter);
-      widest_out = std::max({widest_out, w.q.out_features + w.k.out_features + w.v.out_features, w.o.out_features,
-                             2 * inter, w.down.out_features});
-    }
+    TORCH_CHECK(width == final_norm_.size(0), "hidden states of width ", final_norm_.size(0), ", got ", width);
     hidden = hidden.clone();
     Tensor squares, variance;  // ATen's pow / mean outputs, where the variance is not computed here
     if (!own_mean_) squares = at::empty_like(hidden), variance = at::empty({1, n, 1}, hidden.options());
-    std::vector<uint16_t> x(n * widest_in), product(n * widest_out);
+    std::vector<uint16_t> x(n * widest_in_), product(n * widest_out_);
     std::vector<float> var(n);
-    std::vector<float> scratch(std::max({width, head_dim_, inter_max})), attn_rows(row_kernel_ ? n * attn_width : 0), parts;
+    std::vector<float> scratch(std::max({width, head_dim_, inter_max_})), attn_rows(row_kernel_ ? n * attn_width : 0), parts;
     Tensor query = at::empty({n, num_heads_, head_dim_}, hidden.options());  // as RoPE's output is laid out
-    Tensor gate = at::empty({n, inter_max}, hidden.options());
+    Tensor gate = at::empty({n, inter_max_}, hidden.options());
     const Tensor extra_ids = extras.to(at::kLong).contiguous();  // the row kernel's extra key positions
     float* qp = query.data_ptr<float>();
     for (size_t i = 0; i < layers_.size(); ++i) {
@@ -401,7 +403,7 @@ class LeanDecoder {
       }
       // gate_proj's output as float32 (`.to(float32)` + bias), a contiguous [N, I], then ATen's SiLU in place (its
       // vectorised exp: the one elementwise op not written out here)
-      Tensor g = inter == inter_max ? gate : at::empty({n, inter}, hidden.options());
+      Tensor g = inter == inter_max_ ? gate : at::empty({n, inter}, hidden.options());
       float* gp = g.data_ptr<float>();
       for (int64_t r = 0; r < n; ++r) gate_in.load(r, 0, inter, gp + r * inter);
       at::silu_(g);
@@ -467,6 +469,7 @@ class LeanDecoder {
   double final_eps_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double scaling_;
+  int64_t widest_in_ = 0, widest_out_ = 0, inter_max_ = 0;  // a pass's buffer widths (the constructor)
   bool own_mean_;  // the norms' variance by sum_of_squares (ATen's bits, checked at construction), else ATen's calls
   bool row_kernel_;  // attention by row_attention (the model's attention is invariant.py kernel_attention)
 };

@@ -239,16 +239,6 @@ std::pair<BlockFn, CombineFn> item_for(int64_t chunks, std::integer_sequence<int
   return fn;
 }
 
-// Attention of N query rows [N, Hq, Dh] (float32, unit stride over Dh) over a cache's keys and values [Hkv, L, Dh]
-// (float32, unit stride over Dh). Row r sees positions 0 .. prefix[r]−1 and then extras[offsets[r] .. offsets[r+1]−1]
-// (ascending, each ≥ prefix[r]). Writes [N, Hq, Dh] float32 to out (contiguous); parts is scratch, grown as needed.
-//
-// A row's keys are cut by rank into blocks of kKeyBlock (flash-decoding's split): each block's partial softmax, then
-// the blocks combined in order, so a row's bits depend on its own keys only. A work item is one KV head and one block
-// rank for every row and every query head of that KV head: a key is read once for all the heads of its group (and
-// from the core's cache by the other rows: a tree's rows share the cached prefix), and long rows split into many
-// items for the threads. On this project's CPU a row over 2,000 cached keys of the demo's 30 layers took ~4 ms
-// as one item per (row, query head) (docs/BENCH.md, "Attention by key blocks").
 // The attention's operands as raw float32 pointers with their strides (unit stride over Dh everywhere): query
 // [N, Hq, Dh], keys and values [Hkv, L, Dh] (the same position stride), extras: int64.
 struct RowOperands {
@@ -260,6 +250,16 @@ struct RowOperands {
   const int64_t* extras;
 };
 
+// Attention of N query rows [N, Hq, Dh] (float32, unit stride over Dh) over a cache's keys and values [Hkv, L, Dh]
+// (float32, unit stride over Dh). Row r sees positions 0 .. prefix[r]−1 and then extras[offsets[r] .. offsets[r+1]−1]
+// (ascending, each ≥ prefix[r]). Writes [N, Hq, Dh] float32 to out (contiguous); parts is scratch, grown as needed.
+//
+// A row's keys are cut by rank into blocks of kKeyBlock (flash-decoding's split): each block's partial softmax, then
+// the blocks combined in order, so a row's bits depend on its own keys only. A work item is one KV head and one block
+// rank for every row and every query head of that KV head: a key is read once for all the heads of its group, and
+// once for all the rows whose prefix holds the whole block (a tree's rows share the cached context), and long rows
+// split into many items for the threads. On this project's CPU a row over 2,000 cached keys of the demo's 30 layers
+// took ~4 ms as one item per (row, query head) (docs/BENCH.md, "Attention by key blocks").
 inline void row_attention_into(const RowOperands& in, const std::vector<int64_t>& prefix, const std::vector<int64_t>& offsets,
                                double scaling, float* op, std::vector<float>& parts) {
   const int64_t n = in.n, hq = in.hq, dh = in.dh, hkv = in.hkv;
@@ -296,26 +296,24 @@ inline void row_attention_into(const RowOperands& in, const std::vector<int64_t>
       // the heads of every row whose whole block lies in its prefix (the same keys, positions lo .. lo + kKeyBlock − 1:
       // a tree's rows over the cached context) in one call, which reads each key once for all of them; then the
       // other rows that reach this block, one call each
+      auto add_row = [&](int64_t r, int64_t at) {  // row r's heads of this group as call heads at .. at + group − 1
+        for (int64_t a = 0; a < group; ++a) {
+          qs[at + a] = qp + r * in.q_row + (h + a) * in.q_head;
+          outs[at + a] = pp + ((r * hq + h + a) * blocks + b) * stride;
+        }
+      };
       int64_t shared = 0;
       for (int64_t r = 0; r < n; ++r) {
-        if (prefix[r] < lo + kKeyBlock) continue;
-        for (int64_t a = 0; a < group; ++a, ++shared) {
-          qs[shared] = qp + r * in.q_row + (h + a) * in.q_head;
-          outs[shared] = pp + ((r * hq + h + a) * blocks + b) * stride;
-        }
+        if (prefix[r] >= lo + kKeyBlock) add_row(r, shared), shared += group;
       }
       if (shared)
         attend(qs.data(), shared, kp + kv * in.k_head, vp + kv * in.v_head, pos_stride, lo + kKeyBlock, ex, lo,
                lo + kKeyBlock, static_cast<float>(scaling), outs.data(), scores.data());
       for (int64_t r = 0; r < n; ++r) {
         if (count[r] <= lo || prefix[r] >= lo + kKeyBlock) continue;
-        const int64_t hi = std::min(count[r], lo + kKeyBlock);
-        for (int64_t a = 0; a < group; ++a) {
-          qs[a] = qp + r * in.q_row + (h + a) * in.q_head;
-          outs[a] = pp + ((r * hq + h + a) * blocks + b) * stride;
-        }
+        add_row(r, 0);
         attend(qs.data(), group, kp + kv * in.k_head, vp + kv * in.v_head, pos_stride, prefix[r], ex + offsets[r],
-               lo, hi, static_cast<float>(scaling), outs.data(), scores.data());
+               lo, std::min(count[r], lo + kKeyBlock), static_cast<float>(scaling), outs.data(), scores.data());
       }
     }
   });
