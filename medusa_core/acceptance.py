@@ -10,7 +10,7 @@ walks the tree with them (``verify_tree``, the per-step verification the engine 
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -241,11 +241,18 @@ def verify_tree(
     return path, length, choose_token(scores.index_select(0, last)[0], greedy, generator)
 
 
+#: The compiled draw (``medusa_core.lean`` ``draw_index(values [V], u, logits)``), set by ``invariant.load_kernel``
+#: where the kernels build: [kernel] or empty (the ATen ops of ``draw``).
+DRAW_KERNEL: list[Callable[[torch.Tensor, float, bool], int]] = []
+
+
 def choose_token(scores: torch.Tensor, greedy: bool, generator: torch.Generator) -> torch.Tensor:
     """The next token from processed scores [V]: the argmax, or a sample of softmax(scores); a 0-d
-    tensor on the scores' device (no host sync)."""
+    tensor on the scores' device (no host sync, but for the compiled draw on a CPU)."""
     if greedy:
         return scores.argmax()
+    if DRAW_KERNEL and scores.device.type == "cpu" and scores.dtype == torch.float32:  # softmax's weights, in one call
+        return _drawn(DRAW_KERNEL[0](scores.contiguous(), _uniform(generator, scores.device), True))
     return draw(torch.softmax(scores, dim=-1), generator)
 
 
@@ -253,15 +260,29 @@ def draw(weights: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One index i drawn with probability ``weights[i] / weights.sum()``, by the inverse of the cumulative
     distribution: one uniform, a float64 cumulative sum, a binary search. ``torch.multinomial`` draws one
     exponential per entry even for a single sample (2 ms for 49,152 on this project's CPU, against 0.06).
+    Where the compiled kernels load (``DRAW_KERNEL``), float32 weights on a CPU take one call that sums them 16
+    at a time and walks one block (``sampling.h`` draw_index: the same law up to float rounding, from the same uniform).
 
     Args:
         weights: [V] finite, >= 0, not all zero (need not sum to 1).
 
-    Returns a 0-d long tensor on ``weights``' device (no host sync); an index of zero weight is never drawn.
+    Returns a 0-d long tensor on ``weights``' device (no host sync but for the compiled draw); an index of zero
+    weight is never drawn.
     """
+    if DRAW_KERNEL and weights.device.type == "cpu" and weights.dtype == torch.float32:
+        return _drawn(DRAW_KERNEL[0](weights.contiguous(), _uniform(generator, weights.device), False))
     cumulative = weights.cumsum(0, dtype=torch.float64)  # [V]
     total = cumulative[-1:]  # [1]
     u = torch.rand(1, dtype=torch.float64, generator=generator, device=weights.device) * total  # [1] in [0, total)
     index = torch.searchsorted(cumulative, u, right=True)  # first entry whose cumulative sum exceeds u
     last = torch.searchsorted(cumulative, total)  # the last entry of nonzero weight: where u * total rounds up to it
     return torch.minimum(index, last)[0]
+
+
+def _uniform(generator: torch.Generator, device: torch.device) -> float:
+    """The one uniform in [0, 1) a draw takes from ``generator`` (as ``draw`` takes it)."""
+    return float(torch.rand(1, dtype=torch.float64, generator=generator, device=device))
+
+
+def _drawn(index: int) -> torch.Tensor:
+    return torch.tensor(index, dtype=torch.long)

@@ -43,6 +43,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .acceptance import DRAW_KERNEL
+from .processors import NodeProcessors
 from .quant.layers import BF16Linear, Int4Linear, int4_lm_head
 
 #: Name of the attention implementation whose rows run as SDPA calls (``config._attn_implementation``).
@@ -274,7 +276,8 @@ def register() -> None:
 def load_kernel(report: Callable[[str], None] | None = None) -> tuple[bool, str]:
     """Load the compiled ``row_attention`` (``medusa_core.lean``, compiling it on a first start with ``report``
     told): ``(True, "")``, or ``(False, why)`` when ``$MEDUSA_LEAN_STEP`` is 0 or it cannot be built here. Where
-    the build has AVX512-BF16, also makes its ``int4_matmul`` every ``Int4Linear``'s product (``Int4Linear.kernel``)."""
+    the build has AVX512-BF16, also makes its ``int4_matmul`` every ``Int4Linear``'s product (``Int4Linear.kernel``), and
+    its sampling calls those of ``NodeProcessors`` and ``acceptance.draw`` (``sampling.h``)."""
     from .lean.build import ENV, enabled, load_extension  # the lean package imports this module
 
     if not enabled():
@@ -285,6 +288,8 @@ def load_kernel(report: Callable[[str], None] | None = None) -> tuple[bool, str]
     _kernel[:] = [module]
     if module.has_int4_matmul() and Int4Linear.kernel is None:  # every 4-bit layer's product, from now on
         Int4Linear.kernel = module.int4_matmul
+    NodeProcessors.slice_kernel = module.filter_slice  # sampling's filters and draws on CPU rows, from now on
+    DRAW_KERNEL[:] = [module.draw_index]
     return True, ""
 
 

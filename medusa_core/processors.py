@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,10 +121,17 @@ class NodeProcessors:
     the result equals HF's wherever the kept sets agree: everywhere but where a token's share is within
     float rounding of a threshold (the sums run in another order).
 
+    Where the compiled kernels load (``medusa_core.lean``; ``invariant.load_kernel`` sets ``slice_kernel``), the slice
+    and its decisions are one call on CPU rows, the same decisions in the same order (``sampling.h`` filter_slice).
+
     Args:
         config: the settings; greedy applies only the repetition penalty (as ``do_sample=False``).
         candidates: c, the tokens of a row the filters look at first (more when ``top_k`` needs them).
     """
+
+    #: The compiled slice filter (``medusa_core.lean`` ``filter_slice``: in place, False where a row's kept set may
+    #: reach past the slice), set by ``invariant.load_kernel`` where the kernels build; None: the ATen ops below.
+    slice_kernel: Callable[..., bool] | None = None
 
     def __init__(self, config: SamplingConfig, candidates: int = 64):
         self.config = config
@@ -187,6 +195,9 @@ class NodeProcessors:
         config, vocab = self.config, scores.shape[-1]
         top_k = min(config.top_k, vocab)
         width = min(max(self.candidates, top_k + 1), vocab)
+        if self.slice_kernel is not None and scores.device.type == "cpu" and scores.dtype == torch.float32:
+            scores = scores.contiguous()  # our own copy: the kernel filters it in place, or leaves it as it was
+            return scores if self.slice_kernel(scores, width, top_k, float(config.top_p), float(config.min_p)) else None
         whole = width == vocab  # the slice is the whole row: nothing lies past it
         top, index = top_slice(scores, width)  # [M, c] most likely first
         keep = torch.ones_like(top, dtype=torch.bool)  # [M, c]

@@ -90,6 +90,25 @@ class OracleHeads(nn.Module):
         return logits
 
 
+@pytest.fixture(params=["aten", "compiled"])
+def sampling_path(request, monkeypatch):
+    """Each sampling test twice: with the filters and draws of ATen ops, then with the compiled ones
+    (``medusa_core.lean`` ``sampling.h``, skipped where the extension cannot be built)."""
+    from medusa_core import acceptance
+    from medusa_core.lean.build import load_extension
+    from medusa_core.processors import NodeProcessors
+
+    slice_kernel, draw_kernel = None, []
+    if request.param == "compiled":
+        module, why = load_extension()
+        if module is None:
+            pytest.skip(f"no compiled kernels on this machine: {why}")
+        slice_kernel, draw_kernel = module.filter_slice, [module.draw_index]
+    monkeypatch.setattr(NodeProcessors, "slice_kernel", slice_kernel)
+    monkeypatch.setattr(acceptance, "DRAW_KERNEL", draw_kernel)
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def backbone_for():
     """``backbone_for(arch)``: the tiny random backbone of ``arch``, built once per session.

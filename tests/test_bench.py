@@ -606,6 +606,28 @@ def test_profile_split_only_times_each_stage_of_plain_medusa_and_hybrid_steps_an
     assert list(plain["ms"]) == list(STAGES)
 
 
+def test_profile_at_the_chat_preset_decodes_every_step_at_the_apps_chat_settings(tiny, tmp_path, monkeypatch):
+    import medusa_core.bench.profiling as profiling
+    from medusa_core.bench.stepsplit import step_split
+    from medusa_core.processors import CHAT_SAMPLING
+
+    heads, prompts = tiny
+    seen = []
+
+    def recording(model, prompts, **kwargs):
+        seen.append((kwargs["config"], kwargs["sampling"], model.chat_defaults))
+        return step_split(model, prompts, **kwargs)
+
+    monkeypatch.setattr(profiling, "step_split", recording)
+    out = tmp_path / "prof"
+    assert main(["profile", "--model", str(heads), "--quantization", "none", "--prompts", str(prompts), "--split-only",
+                 "--preset", "chat", "--tree", "chain_2", "--max-new-tokens", "6", "--rounds", "1", "--out", str(out),
+                 "--threads", "1"]) == 0
+    assert len(seen) == 1 + 3  # the warm-up, then plain, Medusa and hybrid steps
+    assert all(config == chat and not config.greedy and sampling == CHAT_SAMPLING for config, sampling, chat in seen)
+    assert f"the chat preset, {CHAT_SAMPLING} verification" in (out / "profile.md").read_text()
+
+
 def test_a_chat_preset_run_reports_the_tau_tuned_for_the_chat_preset_not_the_greedy_one(tmp_path):
     heads = write_tiny_medusa(tmp_path / "heads")
     (heads / "medusa_tuned.json").write_text(json.dumps({

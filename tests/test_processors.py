@@ -141,7 +141,7 @@ SLICE_CASES = [  # (settings, logit scale): which path each takes with 32 candid
 
 
 @pytest.mark.parametrize("config, scale", SLICE_CASES)
-def test_node_processors_equal_hfs_processors_in_generates_order_on_the_slice_and_in_the_fallback(config, scale):
+def test_node_processors_equal_hfs_processors_in_generates_order_on_the_slice_and_in_the_fallback(config, scale, sampling_path):
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(16, 5000, generator=gen) * scale
     prefix = torch.randint(5000, (16, 40), generator=gen)  # [M, L] each row's own prefix, repeats included
@@ -160,7 +160,7 @@ def test_the_top_slice_holds_topks_values_at_distinct_indices_ties_included(voca
         assert all(len(set(row)) == 32 for row in index.tolist())
 
 
-def test_the_slice_decides_where_it_holds_the_kept_tokens_and_hfs_sort_where_it_may_not(monkeypatch):
+def test_the_slice_decides_where_it_holds_the_kept_tokens_and_hfs_sort_where_it_may_not(monkeypatch, sampling_path):
     sorts = []
     monkeypatch.setattr(TopPLogitsWarper, "__call__", lambda self, ids, scores: sorts.append(1) or scores)
     peaked, flat = torch.randn(4, 5000) * 3.0, torch.randn(4, 5000) * 0.05

@@ -14,6 +14,7 @@ blind to the node's ancestors in the tree fails it (the power check). Part 3 che
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -34,6 +35,7 @@ from medusa_core import (
     residual_distributions,
     try_children,
 )
+from medusa_core.acceptance import choose_token
 
 # ------------------------------------------------------------------------------- the per-node rule
 P = torch.tensor([[0.4, 0.3, 0.2, 0.1]])  # [1, V] one parent's distribution
@@ -93,7 +95,7 @@ def test_node_status_marks_the_path_the_rejected_siblings_before_it_and_the_last
     assert node_status(parents, [0]) == ("accepted", "rejected", "rejected", "rejected") + ("untried",) * 3
 
 
-def test_a_draw_follows_the_weights_and_never_takes_an_index_of_zero_weight():
+def test_a_draw_follows_the_weights_and_never_takes_an_index_of_zero_weight(sampling_path):
     # Unnormalised weights with zeros first, inside and last: 20,000 seeded draws fit weights / sum.
     weights = torch.tensor([0.0, 3.0, 0.0, 1.0, 6.0, 0.0])
     generator = torch.Generator().manual_seed(0)
@@ -103,6 +105,23 @@ def test_a_draw_follows_the_weights_and_never_takes_an_index_of_zero_weight():
     # All the mass on the last index, or on the first: always that one.
     assert {int(draw(torch.tensor([0.0, 0.0, 2.0]), generator)) for _ in range(50)} == {2}
     assert {int(draw(torch.tensor([1e-30, 0.0, 0.0]), generator)) for _ in range(50)} == {0}
+    # Weights spread over several blocks of 16 and a ragged tail (the compiled draw walks block sums).
+    spread = torch.zeros(53)
+    spread[[3, 17, 18, 40, 52]] = torch.tensor([1.0, 2.0, 0.5, 4.0, 2.5])
+    counts = torch.bincount(torch.stack([draw(spread, generator) for _ in range(20000)]), minlength=53).double()
+    assert counts.nonzero().flatten().tolist() == [3, 17, 18, 40, 52]
+    assert chi_square(counts[[3, 17, 18, 40, 52]], spread[[3, 17, 18, 40, 52]] / 10)[2] > ALPHA
+
+
+def test_a_sampled_token_follows_the_softmax_of_the_scores_and_never_a_removed_one(sampling_path):
+    # choose_token over processed scores: -inf where a filter removed a token, spread over blocks of 16.
+    scores = torch.full((70,), -math.inf)
+    scores[[0, 15, 16, 33, 69]] = torch.tensor([1.0, 0.2, -0.5, 2.0, 0.7])
+    generator = torch.Generator().manual_seed(3)
+    counts = torch.bincount(torch.stack([choose_token(scores, False, generator) for _ in range(20000)]), minlength=70).double()
+    assert counts.nonzero().flatten().tolist() == [0, 15, 16, 33, 69]
+    assert chi_square(counts[[0, 15, 16, 33, 69]], torch.softmax(scores, -1)[[0, 15, 16, 33, 69]])[2] > ALPHA
+    assert int(choose_token(scores, True, generator)) == 33
 
 
 # ------------------------------------------------------------------------------ proof by statistics

@@ -23,7 +23,7 @@ from .profiling import cmd_profile
 from .prompts import load_prompts
 from .report import environment, write_report
 from .run import run_benchmark
-from .tune import TUNE_SIZES, cmd_tune
+from .tune import TUNE_SIZES, cmd_tune, preset_settings
 
 DESCRIPTION = "Speed, measured: the benchmark program and the hardware-aware tree tuner (paper appendix B.1, 2.3.3)."
 
@@ -58,6 +58,12 @@ def _presets(text: str) -> list[str]:
     return presets
 
 
+def _preset_arg(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--preset", default="greedy", choices=["greedy", "chat"],
+                   help=what + "greedy, or the app's chat defaults (the model's generation config, else "
+                               "medusa_core.CHAT_PRESET, with its verification mode) (default greedy)")
+
+
 def _positive_int(text: str) -> int:
     n = int(text)
     if n < 1:
@@ -84,9 +90,7 @@ def build_parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("--max-new-tokens", type=int, default=128)
         p.add_argument("--repeats", type=int, default=3)
         p.add_argument("--pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens of hf_pld (default 10)")
-        p.add_argument("--preset", default="greedy", choices=["greedy", "chat"],
-                       help="sampling settings the flags below start from: greedy, or the app's chat defaults (the model's "
-                            "generation config, else medusa_core.CHAT_PRESET, with its verification mode) (default greedy)")
+        _preset_arg(p, "sampling settings the flags below start from: ")
         p.add_argument("--temperature", type=float, default=None,
                        help="0: greedy, outputs compared with HF generate; > 0: every method samples (default: the preset's)")
         p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens, 0 = off (default: the preset's)")
@@ -142,7 +146,8 @@ def build_parser(command: str) -> argparse.ArgumentParser:
                        help="precisions compared with --quantization's greedy replies (default gguf,nf4)")
         p.add_argument("--max-new-tokens", type=int, default=128)
     elif command == "profile":
-        p.add_argument("--tree", default=None, help="tree to profile (default: the model's default tree)")
+        _preset_arg(p, "sampling settings of the split table's steps: ")
+        p.add_argument("--tree", default=None, help="tree to profile (default: the model's default tree, tuned at --preset)")
         p.add_argument("--max-new-tokens", type=int, default=64)
         p.add_argument("--runs", type=int, default=3, help="generations profiled (default 3)")
         p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of the split table (default 2)")
@@ -164,12 +169,11 @@ def load_model(args: argparse.Namespace) -> Any:
 def sampling_settings(model: Any, args: argparse.Namespace) -> tuple[SamplingConfig, str]:
     """(settings, Medusa verification mode) of a run: ``--preset``, overridden by the explicit flags.
     Raises ``ValueError`` (from ``SamplingConfig``) naming a value out of range."""
-    chat = args.preset == "chat"
-    base = model.chat_defaults if chat else SamplingConfig()
+    base, mode = preset_settings(model, args.preset)
     flags = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                  repetition_penalty=args.repetition_penalty)
     config = dataclasses.replace(base, **{k: v for k, v in flags.items() if v is not None})
-    return config, args.sampling or (CHAT_SAMPLING if chat else "typical")
+    return config, args.sampling or mode
 
 
 def cmd_run(model: Any, args: argparse.Namespace, command: str) -> int:

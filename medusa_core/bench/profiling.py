@@ -14,6 +14,7 @@ from .methods import TRANSFORMERS_PASS
 from .prompts import encode_prompt, load_prompts
 from .report import _fmt, markdown_table
 from .stepsplit import STAGES, step_split
+from .tune import preset_settings
 
 
 def cmd_profile(model: Any, args: argparse.Namespace, command: str) -> int:
@@ -24,14 +25,16 @@ def cmd_profile(model: Any, args: argparse.Namespace, command: str) -> int:
     ids = [encode_prompt(model.tokenizer, p, args.system) for p in prompts]
     tree = args.tree or model.default_tree
 
-    lines = [f"# Profile of {tree} on {model.name}", "", f"`{command}`", ""] + split_table(model, ids, args, tree)
+    config, sampling = preset_settings(model, args.preset)
+    settings = dict(config=config, sampling=sampling, seed=0)  # greedy, or the app's chat defaults
+    lines = [f"# Profile of {tree} on {model.name}", "", f"`{command}`", ""] + split_table(model, ids, args, tree, settings)
     if args.split_only:
         return _write(lines, args)
 
     def generate_all() -> tuple[int, int]:
         steps = tokens = 0
         for x in ids:
-            for rec in model.generate(x, max_new_tokens=args.max_new_tokens, tree=tree):
+            for rec in model.generate(x, max_new_tokens=args.max_new_tokens, tree=tree, **settings):
                 if rec.step > 0:  # decoding steps; step 0 is the prefill
                     steps, tokens = steps + 1, tokens + len(rec.token_ids)
         return steps, tokens
@@ -67,9 +70,10 @@ def cmd_profile(model: Any, args: argparse.Namespace, command: str) -> int:
     return 0
 
 
-def split_table(model: Any, ids: list, args: argparse.Namespace, tree: str) -> list[str]:
+def split_table(model: Any, ids: list, args: argparse.Namespace, tree: str, settings: dict[str, Any]) -> list[str]:
     """Markdown lines: ms per decoding step by stage (``stepsplit.STAGES``) for a plain, a Medusa (``tree``)
-    and a hybrid (``tree`` + n-gram chain) step, ``args.rounds`` interleaved rounds, greedy; with the lean pass
+    and a hybrid (``tree`` + n-gram chain) step, ``args.rounds`` interleaved rounds, each reply decoded with ``settings``
+    (``generate``'s config / sampling / seed: ``--preset``'s); with the lean pass
     (``medusa_core.lean``) also the plain and Medusa steps through transformers' forward (``@transformers``), whose
     split shows the int4 linears, attention and cache writes that the lean pass does in one call."""
     import contextlib
@@ -79,12 +83,12 @@ def split_table(model: Any, ids: list, args: argparse.Namespace, tree: str) -> l
     kinds = {"plain": dict(medusa=False), f"medusa:{tree}": dict(tree=tree), f"medusa+ngram:{tree}": dict(tree=tree, drafts="hybrid")}
     if model._steps.lean is not None:
         kinds |= {f"plain{TRANSFORMERS_PASS}": dict(medusa=False), f"medusa:{tree}{TRANSFORMERS_PASS}": dict(tree=tree)}
-    step_split(model, ids[:1], max_new_tokens=8, clock=clock)  # warm-up
+    step_split(model, ids[:1], max_new_tokens=8, clock=clock, **settings)  # warm-up
     totals: dict[str, list] = {k: [] for k in kinds}
     for _ in range(args.rounds):  # interleaved: each round times every kind once
         for kind, kwargs in kinds.items():
             with model._steps.transformers_pass() if kind.endswith(TRANSFORMERS_PASS) else contextlib.nullcontext():
-                totals[kind].append(step_split(model, ids, max_new_tokens=args.max_new_tokens, clock=clock, **kwargs))
+                totals[kind].append(step_split(model, ids, max_new_tokens=args.max_new_tokens, clock=clock, **kwargs, **settings))
     rows = []
     for kind, runs in totals.items():
         steps = sum(r["steps"] for r in runs)
@@ -93,7 +97,8 @@ def split_table(model: Any, ids: list, args: argparse.Namespace, tree: str) -> l
         tokens = sum(r["tokens"] for r in runs) / steps
         rows.append([kind, _fmt(step_ms, 2), _fmt(tokens, 2)] + [_fmt(ms[s], 2) for s in STAGES])
     what = "CPU ms of the decoding thread" if args.clock == "cpu" else "wall ms"
-    return [f"## {what} per decoding step, by stage ({args.rounds} interleaved rounds)", "",
+    at = "greedy" if settings["config"].greedy else f"the {args.preset} preset, {settings['sampling']} verification"
+    return [f"## {what} per decoding step, by stage ({args.rounds} interleaved rounds, {at})", "",
             markdown_table(rows, ["step", "ms/step", "tokens/step", *STAGES]), ""]
 
 

@@ -24,6 +24,7 @@
 #include "int4_matmul.h"
 #include "refine_top.h"
 #include "row_attention.h"
+#include "sampling.h"
 
 namespace {
 
@@ -490,4 +491,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_int4_matmul", &medusa_lean::has_int4_matmul);
   m.def("int4_matmul", &medusa_lean::int4_matmul, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("refine_top", &medusa_lean::refine_top, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("filter_slice", &medusa_lean::filter_slice, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("draw_index", &medusa_lean::draw_index, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

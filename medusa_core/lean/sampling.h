@@ -1,0 +1,176 @@
+// Sampling at the app's chat settings in compiled calls: the filters of processors.py NodeProcessors decided on each
+// row's top slice, and acceptance.py draw.
+//
+// Through ATen a one-row step at the chat preset (penalty, temperature, top-p) spent ~0.18 ms in the filters, two
+// dozen small ops on [M, 64] slices after a top-k over the row, and ~0.1 ms drawing the token: a softmax over the
+// 49,152 scores and a float64 cumulative sum over all of them, one dependent addition per token (docs/BENCH.md,
+// "Sampling in compiled calls"). Here the slice is one pass over the row (top_columns), its decisions a loop over
+// 64 values, and a draw sums the weights 16 at a time, then walks the sums of one block. The kept scores are the
+// input's own values, so the filtered rows are HF's wherever the kept sets agree; they can differ only where a
+// token's share lies within float rounding of a threshold (the sums run in another order), as with the ATen path.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "row_attention.h"
+#include "top_columns.h"
+
+namespace medusa_lean {
+
+// softmax over a slice's kept values, or over the whole row gathered at the slice: p[j] for j < c.
+//   best [c] (descending), keep [c], whole: over the kept values (those that remain of the row); else over the row,
+//   whose largest value is best[0] and whose Σ e^(x − best[0]) is row_total.
+inline void slice_probs(const float* best, const uint8_t* keep, int64_t c, bool whole, float row_total, float* p) {
+  if (!whole) {
+    for (int64_t j = 0; j < c; ++j) p[j] = std::exp(best[j] - best[0]) / row_total;
+    return;
+  }
+  float top = -INFINITY, total = 0.0f;
+  for (int64_t j = 0; j < c; ++j) top = keep[j] && best[j] > top ? best[j] : top;
+  for (int64_t j = 0; j < c; ++j) total += keep[j] ? std::exp(best[j] - top) : 0.0f;
+  for (int64_t j = 0; j < c; ++j) p[j] = keep[j] ? std::exp(best[j] - top) / total : 0.0f;
+}
+
+// Σ_j e^(row[j] − top) over a row of n values, 16 lanes (exp16) then a fixed tree.
+inline float row_exp_sum(const float* row, int64_t n, float top) {
+  f16v total{};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) total = total + exp16(load16(row + j) - top);
+  float tail = 0.0f;
+  for (; j < n; ++j) tail += std::exp(row[j] - top);
+  return lane_sum(total) + tail;
+}
+
+// NodeProcessors._filter_on_slice, in place on scores [M, V] float32 (after the penalty and the temperature): each
+// row's top-k (k = top_k, 0: off), top-p (top_p ≥ 1: off) and min-p (min_p ≤ 0: off) decided on its `width` largest
+// scores, in HF's order, every removed token set to −∞. Returns false, changing nothing, when some row's kept set may
+// reach past its slice (top-k: a tie with the k-th past the slice; top-p: the slice holds less than top_p of the
+// mass; min-p alone: the slice's last token passes); the caller then runs HF's filters over the whole rows.
+inline bool filter_slice(Tensor scores, int64_t width, int64_t top_k, double top_p, double min_p) {
+  TORCH_CHECK(scores.dim() == 2 && scores.scalar_type() == at::kFloat && scores.is_contiguous(),
+              "filter_slice: scores must be contiguous [M, V] float32");
+  const int64_t M = scores.size(0), V = scores.size(1);
+  TORCH_CHECK(width >= 1 && width <= V && top_k >= 0 && (top_k == 0 || top_k >= V || top_k < width),
+              "filter_slice: need 1 <= width <= V and 0 <= top_k < width (or top_k >= V)");
+  float* data = scores.data_ptr<float>();
+  const int64_t c = width;
+  std::vector<float> best(M * c), p(c);
+  std::vector<int64_t> where(M * c);
+  std::vector<uint8_t> keep(M * c, 1);
+  const float p_top = static_cast<float>(top_p), p_min = static_cast<float>(min_p);
+  for (int64_t r = 0; r < M; ++r) {
+    const float* row = data + r * V;
+    float* b = best.data() + r * c;
+    uint8_t* k = keep.data() + r * c;
+    top_columns(row, V, c, b, where.data() + r * c);
+    bool whole = c == V, cut_short = false;  // whole: nothing of the row that is still kept lies past the slice
+    const float row_total = (!whole && (top_p < 1 || min_p > 0) && !(top_k > 0 && top_k < V)) ? row_exp_sum(row, V, b[0]) : 0.0f;
+    if (top_k > 0 && top_k < V) {  // HF removes the scores below the k-th
+      const float kth = b[top_k - 1];
+      for (int64_t j = 0; j < c; ++j) k[j] = b[j] >= kth;
+      cut_short |= !whole && b[c - 1] >= kth;  // a tie with the k-th may lie past the slice
+      whole = true;
+    }
+    if (top_p < 1) {  // HF keeps a token while the mass of the more likely kept tokens is below top_p
+      slice_probs(b, k, c, whole, row_total, p.data());
+      float cumulative = 0.0f;
+      for (int64_t j = 0; j < c; ++j) {
+        const float above = cumulative;
+        cumulative += p[j];
+        k[j] = k[j] && above < p_top;
+      }
+      cut_short |= !whole && cumulative < p_top;
+      whole = true;
+    }
+    if (min_p > 0) {  // p over the kept tokens; the slice's first token is the most likely
+      slice_probs(b, k, c, whole, row_total, p.data());
+      const float floor = p_min * p[0];
+      cut_short |= !whole && p[c - 1] >= floor;  // min-p alone: a later token may pass too
+      for (int64_t j = 0; j < c; ++j) k[j] = k[j] && p[j] >= floor;
+    }
+    if (cut_short) return false;
+  }
+  for (int64_t r = 0; r < M; ++r) {
+    float* row = data + r * V;
+    std::fill(row, row + V, -INFINITY);
+    for (int64_t j = 0; j < c; ++j)
+      if (keep[r * c + j]) row[where[r * c + j]] = best[r * c + j];
+  }
+  return true;
+}
+
+// One index i of values [V] float32 drawn with probability w_i / Σ w: w = values (finite, ≥ 0, not all zero), or with
+// `logits` w = e^(values − max) (softmax's weights; −∞ gives 0), for u a uniform draw in [0, 1). The weights are summed
+// 16 at a time (float32, a fixed tree) into block sums, accumulated in float64; the block where the running sum passes
+// u · total is walked one weight at a time. An index of zero weight is never taken: where rounding leaves u · total at
+// or past the end, the last index of nonzero weight is.
+inline int64_t draw_index(const Tensor& values, double u, bool logits) {
+  TORCH_CHECK(values.dim() == 1 && values.scalar_type() == at::kFloat && values.is_contiguous() && values.numel() > 0,
+              "draw_index: values must be a contiguous [V] float32");
+  const float* x = values.data_ptr<float>();
+  const int64_t V = values.numel(), blocks = (V + kLanes - 1) / kLanes;
+  float top = 0.0f;
+  if (logits) {
+    f16v m = splat(-INFINITY);
+    int64_t j = 0;
+    for (; j + kLanes <= V; j += kLanes) {
+      const f16v v = load16(x + j);
+      m = v > m ? v : m;
+    }
+    top = -INFINITY;
+    for (int l = 0; l < kLanes; ++l) top = m[l] > top ? m[l] : top;
+    for (; j < V; ++j) top = x[j] > top ? x[j] : top;
+    TORCH_CHECK(std::isfinite(top), "draw_index: every score is -inf or the largest is not finite");
+  }
+  auto block_weights = [&](int64_t b, float* w) {  // the 16 weights of block b, zero past the end
+    const int64_t j0 = b * kLanes, n = std::min<int64_t>(kLanes, V - j0);
+    f16v wv;
+    if (n == kLanes) {
+      wv = load16(x + j0);
+    } else {
+      float v[kLanes];
+      for (int l = 0; l < kLanes; ++l) v[l] = l < n ? x[j0 + l] : (logits ? -INFINITY : 0.0f);
+      wv = load16(v);
+    }
+    if (logits) wv = exp16(wv - top);
+    std::memcpy(w, &wv, sizeof wv);
+  };
+  std::vector<double> sums(blocks);
+  double total = 0.0;
+  float w[kLanes];
+  for (int64_t b = 0; b < blocks; ++b) {
+    block_weights(b, w);
+    sums[b] = lane_sum(load16(w));
+    total += sums[b];
+  }
+  TORCH_CHECK(total > 0, "draw_index: the weights sum to zero");
+  const double target = u * total;
+  double running = 0.0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (running + sums[b] <= target) {
+      running += sums[b];
+      continue;
+    }
+    block_weights(b, w);
+    for (int l = 0; l < kLanes; ++l) {
+      running += w[l];
+      if (w[l] > 0 && running > target) return b * kLanes + l;
+    }  // rounding left the walk short of the block's sum: go on
+  }
+  for (int64_t b = blocks - 1; b >= 0; --b) {  // u · total at or past the end: the last index of nonzero weight
+    if (sums[b] <= 0) continue;
+    block_weights(b, w);
+    for (int l = kLanes - 1; l >= 0; --l)
+      if (w[l] > 0) return b * kLanes + l;
+  }
+  TORCH_CHECK(false, "draw_index: no index of nonzero weight");
+  return -1;
+}
+
+}  // namespace medusa_lean
