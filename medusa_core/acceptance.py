@@ -11,6 +11,7 @@ walks the tree with them (``verify_tree``, the per-step verification the engine 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -211,7 +212,9 @@ def verify_tree(
         eps, alpha: ε and δ of typical acceptance.
 
     Returns (path [D+1] node indices of a root-to-leaf path padded with -1, accept_length [] of its
-    accepted candidates, next root []), all on the device: the caller syncs once.
+    accepted candidates, next root []), all on the device: the caller syncs once. Where the compiled kernels load
+    (``SAMPLING_KERNELS``) the exact walk on a CPU is one call (``sampling.h`` exact_walk: the same rule from the same
+    uniforms, reading only the walked rows).
     """
     path0 = tree.retrieve_indices[0]  # [D+1]
     greedy = rule == "greedy"
@@ -219,8 +222,13 @@ def verify_tree(
         return path0, path0.new_zeros(()), choose_token(scores[0], greedy, generator)
     rows, cands = tree.parents[1:], tokens[1:]  # [N-1] each candidate's parent and token
     if rule == "exact":
+        uniforms = torch.rand(cands.shape, generator=generator, device=scores.device)  # [N-1]
+        if _compiled(scores):  # the same walk and residual draw in one call, reading only the walked rows
+            walk, token = SAMPLING_KERNELS["exact_walk"](scores.contiguous(), tree.parents, tokens, uniforms,
+                                                         _uniform(generator, scores.device))
+            best = (tree.retrieve_indices[:, len(walk) - 1] == walk[-1]).int().argmax()  # the first path through it
+            return tree.retrieve_indices[best], torch.tensor(len(walk) - 1), _drawn(token)
         probs = torch.softmax(scores, dim=-1)  # [N, V]
-        uniforms = torch.rand(cands.shape, generator=generator, device=probs.device)  # [N-1]
         taken = try_children(probs, rows, cands, uniforms)  # [N-1], at most one child per node
         walk = taken[tree.path_nodes]  # [P, D]
         # Every longest accepted prefix is the same walk (one child per node): the first such path will do.
@@ -241,9 +249,10 @@ def verify_tree(
     return path, length, choose_token(scores.index_select(0, last)[0], greedy, generator)
 
 
-#: The compiled draw (``medusa_core.lean`` ``draw_index(values [V], u, logits)``), set by ``invariant.load_kernel``
-#: where the kernels build: [kernel] or empty (the ATen ops of ``draw``).
-DRAW_KERNEL: list[Callable[[torch.Tensor, float, bool], int]] = []
+#: The compiled sampling calls (``medusa_core.lean`` ``sampling.h``): ``draw_index(values [V], u, logits)`` for ``draw``
+#: and ``choose_token``, ``exact_walk(scores, parents, tokens, uniforms, u)`` for ``verify_tree``'s exact walk; set by
+#: ``invariant.load_kernel`` where the kernels build, empty elsewhere (the ATen ops below).
+SAMPLING_KERNELS: dict[str, Callable[..., Any]] = {}
 
 
 def choose_token(scores: torch.Tensor, greedy: bool, generator: torch.Generator) -> torch.Tensor:
@@ -251,8 +260,8 @@ def choose_token(scores: torch.Tensor, greedy: bool, generator: torch.Generator)
     tensor on the scores' device (no host sync, but for the compiled draw on a CPU)."""
     if greedy:
         return scores.argmax()
-    if DRAW_KERNEL and scores.device.type == "cpu" and scores.dtype == torch.float32:  # softmax's weights, in one call
-        return _drawn(DRAW_KERNEL[0](scores.contiguous(), _uniform(generator, scores.device), True))
+    if _compiled(scores):  # softmax's weights, in one call
+        return _drawn(SAMPLING_KERNELS["draw_index"](scores.contiguous(), _uniform(generator, scores.device), True))
     return draw(torch.softmax(scores, dim=-1), generator)
 
 
@@ -260,7 +269,7 @@ def draw(weights: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One index i drawn with probability ``weights[i] / weights.sum()``, by the inverse of the cumulative
     distribution: one uniform, a float64 cumulative sum, a binary search. ``torch.multinomial`` draws one
     exponential per entry even for a single sample (2 ms for 49,152 on this project's CPU, against 0.06).
-    Where the compiled kernels load (``DRAW_KERNEL``), float32 weights on a CPU take one call that sums them 16
+    Where the compiled kernels load (``SAMPLING_KERNELS``), float32 weights on a CPU take one call that sums them 16
     at a time and walks one block (``sampling.h`` draw_index: the same law up to float rounding, from the same uniform).
 
     Args:
@@ -269,8 +278,8 @@ def draw(weights: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     Returns a 0-d long tensor on ``weights``' device (no host sync but for the compiled draw); an index of zero
     weight is never drawn.
     """
-    if DRAW_KERNEL and weights.device.type == "cpu" and weights.dtype == torch.float32:
-        return _drawn(DRAW_KERNEL[0](weights.contiguous(), _uniform(generator, weights.device), False))
+    if _compiled(weights):
+        return _drawn(SAMPLING_KERNELS["draw_index"](weights.contiguous(), _uniform(generator, weights.device), False))
     cumulative = weights.cumsum(0, dtype=torch.float64)  # [V]
     total = cumulative[-1:]  # [1]
     u = torch.rand(1, dtype=torch.float64, generator=generator, device=weights.device) * total  # [1] in [0, total)
@@ -286,3 +295,8 @@ def _uniform(generator: torch.Generator, device: torch.device) -> float:
 
 def _drawn(index: int) -> torch.Tensor:
     return torch.tensor(index, dtype=torch.long)
+
+
+def _compiled(values: torch.Tensor) -> bool:
+    """Whether the compiled sampling calls take ``values`` (loaded, float32 on a CPU)."""
+    return bool(SAMPLING_KERNELS) and values.device.type == "cpu" and values.dtype == torch.float32

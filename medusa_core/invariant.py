@@ -43,7 +43,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .acceptance import DRAW_KERNEL
+from .acceptance import SAMPLING_KERNELS
 from .processors import NodeProcessors
 from .quant.layers import BF16Linear, Int4Linear, int4_lm_head
 
@@ -289,7 +289,7 @@ def load_kernel(report: Callable[[str], None] | None = None) -> tuple[bool, str]
     if module.has_int4_matmul() and Int4Linear.kernel is None:  # every 4-bit layer's product, from now on
         Int4Linear.kernel = module.int4_matmul
     NodeProcessors.slice_kernel = module.filter_slice  # sampling's filters and draws on CPU rows, from now on
-    DRAW_KERNEL[:] = [module.draw_index]
+    SAMPLING_KERNELS.update(draw_index=module.draw_index, exact_walk=module.exact_walk)
     return True, ""
 
 

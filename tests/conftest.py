@@ -98,14 +98,14 @@ def sampling_path(request, monkeypatch):
     from medusa_core.lean.build import load_extension
     from medusa_core.processors import NodeProcessors
 
-    slice_kernel, draw_kernel = None, []
+    slice_kernel, kernels = None, {}
     if request.param == "compiled":
         module, why = load_extension()
         if module is None:
             pytest.skip(f"no compiled kernels on this machine: {why}")
-        slice_kernel, draw_kernel = module.filter_slice, [module.draw_index]
+        slice_kernel, kernels = module.filter_slice, {"draw_index": module.draw_index, "exact_walk": module.exact_walk}
     monkeypatch.setattr(NodeProcessors, "slice_kernel", slice_kernel)
-    monkeypatch.setattr(acceptance, "DRAW_KERNEL", draw_kernel)
+    monkeypatch.setattr(acceptance, "SAMPLING_KERNELS", kernels)
     return request.param
 
 

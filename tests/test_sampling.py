@@ -306,7 +306,7 @@ ALL_CASES = [(*case, "heads") for case in CASES] + DRAFT_CASES
                          ids=[f"{s}-{h or ''}-{'processed' if p else 'T'}{'' if d == 'heads' else '-' + d}".replace("--", "-")
                               for s, h, p, d in ALL_CASES])
 def test_the_first_three_tokens_follow_plain_sampling_in_exact_mode_and_not_in_typical_mode(
-    sampling, heads, processed, drafts, record_property, monkeypatch
+    sampling, heads, processed, drafts, record_property, monkeypatch, sampling_path
 ):
     backbone = tiny_vocab_backbone()
     target = plain_sampling_distribution(backbone, processed)  # [V, V, V]

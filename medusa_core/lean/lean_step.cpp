@@ -493,4 +493,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("refine_top", &medusa_lean::refine_top, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("filter_slice", &medusa_lean::filter_slice, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("draw_index", &medusa_lean::draw_index, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("exact_walk", &medusa_lean::exact_walk, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

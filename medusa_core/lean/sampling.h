@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 #include "row_attention.h"
@@ -35,6 +36,20 @@ inline void slice_probs(const float* best, const uint8_t* keep, int64_t c, bool 
   for (int64_t j = 0; j < c; ++j) top = keep[j] && best[j] > top ? best[j] : top;
   for (int64_t j = 0; j < c; ++j) total += keep[j] ? std::exp(best[j] - top) : 0.0f;
   for (int64_t j = 0; j < c; ++j) p[j] = keep[j] ? std::exp(best[j] - top) / total : 0.0f;
+}
+
+// The largest of a row of n values (−∞ for none), 16 lanes at a time.
+inline float row_max(const float* row, int64_t n) {
+  f16v m = splat(-INFINITY);
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    const f16v v = load16(row + j);
+    m = v > m ? v : m;
+  }
+  float top = -INFINITY;
+  for (int l = 0; l < kLanes; ++l) top = m[l] > top ? m[l] : top;
+  for (; j < n; ++j) top = row[j] > top ? row[j] : top;
+  return top;
 }
 
 // Σ_j e^(row[j] − top) over a row of n values, 16 lanes (exp16) then a fixed tree.
@@ -115,19 +130,8 @@ inline int64_t draw_index(const Tensor& values, double u, bool logits) {
               "draw_index: values must be a contiguous [V] float32");
   const float* x = values.data_ptr<float>();
   const int64_t V = values.numel(), blocks = (V + kLanes - 1) / kLanes;
-  float top = 0.0f;
-  if (logits) {
-    f16v m = splat(-INFINITY);
-    int64_t j = 0;
-    for (; j + kLanes <= V; j += kLanes) {
-      const f16v v = load16(x + j);
-      m = v > m ? v : m;
-    }
-    top = -INFINITY;
-    for (int l = 0; l < kLanes; ++l) top = m[l] > top ? m[l] : top;
-    for (; j < V; ++j) top = x[j] > top ? x[j] : top;
-    TORCH_CHECK(std::isfinite(top), "draw_index: every score is -inf or the largest is not finite");
-  }
+  const float top = logits ? row_max(x, V) : 0.0f;
+  TORCH_CHECK(std::isfinite(top), "draw_index: every score is -inf or the largest is not finite");
   auto block_weights = [&](int64_t b, float* w) {  // the 16 weights of block b, zero past the end
     const int64_t j0 = b * kLanes, n = std::min<int64_t>(kLanes, V - j0);
     f16v wv;
@@ -171,6 +175,55 @@ inline int64_t draw_index(const Tensor& values, double u, bool logits) {
   }
   TORCH_CHECK(false, "draw_index: no index of nonzero weight");
   return -1;
+}
+
+// acceptance.py verify_tree's exact walk (recursive rejection sampling of point-mass drafts, then the residual draw),
+// for processed scores [N, V] float32 (node i's distribution is softmax(scores[i])), parents [N] int64 (−1 for the
+// root; a node's children are the nodes naming it, tried in index order), tokens [N] int64, uniforms [N − 1] float32
+// (candidate c is node c + 1) and u, the residual draw's uniform. From the root: child c of node a is accepted when
+// u_c · (1 − Σ_{earlier siblings s} p_a(x_s)) < p_a(x_c) (try_children), the first accepted child is walked into;
+// at the walk's last node the next token is drawn from p with that node's children's tokens removed (or from p itself
+// where they held all of its mass). Only the walked rows are read. Returns (the walk's nodes, root first; the token).
+inline std::tuple<std::vector<int64_t>, int64_t> exact_walk(const Tensor& scores, const Tensor& parents_in,
+                                                            const Tensor& tokens_in, const Tensor& uniforms_in, double u) {
+  TORCH_CHECK(scores.dim() == 2 && scores.scalar_type() == at::kFloat && scores.is_contiguous(),
+              "exact_walk: scores must be contiguous [N, V] float32");
+  const int64_t N = scores.size(0), V = scores.size(1);
+  const Tensor parents = parents_in.to(at::kLong).contiguous(), tokens = tokens_in.to(at::kLong).contiguous();
+  const Tensor uniforms = uniforms_in.to(at::kFloat).contiguous();
+  TORCH_CHECK(parents.numel() == N && tokens.numel() == N && uniforms.numel() == N - 1,
+              "exact_walk: parents and tokens [N], uniforms [N - 1]");
+  const int64_t* parent = parents.data_ptr<int64_t>();
+  const int64_t* token = tokens.data_ptr<int64_t>();
+  const float* uniform = uniforms.data_ptr<float>();
+  const float* data = scores.data_ptr<float>();
+  std::vector<int64_t> walk{0};
+  int64_t node = 0;
+  while (true) {
+    const float* row = data + node * V;
+    const float top = row_max(row, V), total = row_exp_sum(row, V, top);
+    float rejected = 0.0f;  // Σ p(x_s) of the siblings tried so far
+    int64_t taken = -1;
+    for (int64_t c = node + 1; c < N && taken < 0; ++c) {
+      if (parent[c] != node) continue;
+      const int64_t x = token[c];
+      TORCH_CHECK(x >= 0 && x < V, "exact_walk: node ", c, "'s token ", x, " is not a column of the scores");
+      const float p = std::exp(row[x] - top) / total;
+      const float left = std::max(1.0f - rejected, 0.0f);
+      if (uniform[c - 1] * left < p) taken = c;
+      rejected += p;
+    }
+    if (taken < 0) break;
+    walk.push_back(taken);
+    node = taken;
+  }
+  // the residual: p at the last node without its children's tokens
+  std::vector<float> residual(data + node * V, data + (node + 1) * V);
+  for (int64_t c = node + 1; c < N; ++c)
+    if (parent[c] == node) residual[token[c]] = -INFINITY;
+  const bool left = row_exp_sum(residual.data(), V, row_max(data + node * V, V)) > 0;  // float rounding may leave none
+  const Tensor weights = left ? at::from_blob(residual.data(), {V}, at::TensorOptions().dtype(at::kFloat)) : scores[node];
+  return {walk, draw_index(weights, u, true)};
 }
 
 }  // namespace medusa_lean
