@@ -2,9 +2,11 @@
 prefix) and the verification (``verify_tree``) of one decoding step, on logits of the demo's size, per
 setting and per tree size. Synthetic logits (no model is loaded), so the figures are the sampling code
 alone; the "extra" columns are the cost above greedy without a penalty (the argmax of raw logits), which is
-what the settings add to a step: the median step and the fastest (the better estimate on a busy machine). Figures: docs/BENCH.md, "Sampling per tree row".
+what the settings add to a step: the median step and the fastest (the better estimate on a busy machine). The
+compiled sampling calls run where they build, as in the engine (``medusa_core.lean`` ``sampling.h``); ``--aten``
+keeps the ATen ops. Figures: docs/BENCH.md, "Sampling per tree row" and "Sampling in compiled calls".
 
-    python scripts/sampling_cost.py [--vocab 49152] [--context 600] [--threads 2] [--repeats 300]
+    python scripts/sampling_cost.py [--vocab 49152] [--context 600] [--threads 2] [--repeats 300] [--aten]
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 from medusa_core import CHAT_PRESET, SamplingConfig
 from medusa_core.acceptance import verify_tree
+from medusa_core.invariant import load_kernel
 from medusa_core.processors import NodeProcessors, tree_prefixes
 from medusa_core.steptree import static_tree
 
@@ -64,9 +67,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=300)
     parser.add_argument("--scale", type=float, default=3.0, help="std of the synthetic logits")
+    parser.add_argument("--aten", action="store_true", help="ATen ops only, not the compiled sampling calls")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"V {args.vocab}, context {args.context} ids, {args.threads} threads, logits N(0, {args.scale:g}²)")
+    compiled, why = (False, "--aten") if args.aten else load_kernel(print)
+    path = "compiled sampling calls" if compiled else f"ATen ops ({why})"
+    print(f"V {args.vocab}, context {args.context} ids, {args.threads} threads, logits N(0, {args.scale:g}²), {path}")
     print(f"{'setting':48s} {'rows':>4s} {'ms/step':>8s} {'extra ms/row':>12s} {'fastest: ms/step':>16s} {'extra ms/row':>12s}")
     for rows in TREES:
         floor = step_ms(SETTINGS["greedy"], rows, args.vocab, args.context, args.repeats, args.scale)

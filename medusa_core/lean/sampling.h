@@ -75,48 +75,57 @@ inline bool filter_slice(Tensor scores, int64_t width, int64_t top_k, double top
               "filter_slice: need 1 <= width <= V and 0 <= top_k < width (or top_k >= V)");
   float* data = scores.data_ptr<float>();
   const int64_t c = width;
-  std::vector<float> best(M * c), p(c);
+  std::vector<float> best(M * c);
   std::vector<int64_t> where(M * c);
-  std::vector<uint8_t> keep(M * c, 1);
+  std::vector<uint8_t> keep(M * c, 1), cut_short(M, 0);
   const float p_top = static_cast<float>(top_p), p_min = static_cast<float>(min_p);
-  for (int64_t r = 0; r < M; ++r) {
-    const float* row = data + r * V;
-    float* b = best.data() + r * c;
-    uint8_t* k = keep.data() + r * c;
-    top_columns(row, V, c, b, where.data() + r * c);
-    bool whole = c == V, cut_short = false;  // whole: nothing of the row that is still kept lies past the slice
-    const float row_total = (!whole && (top_p < 1 || min_p > 0) && !(top_k > 0 && top_k < V)) ? row_exp_sum(row, V, b[0]) : 0.0f;
-    if (top_k > 0 && top_k < V) {  // HF removes the scores below the k-th
-      const float kth = b[top_k - 1];
-      for (int64_t j = 0; j < c; ++j) k[j] = b[j] >= kth;
-      cut_short |= !whole && b[c - 1] >= kth;  // a tie with the k-th may lie past the slice
-      whole = true;
-    }
-    if (top_p < 1) {  // HF keeps a token while the mass of the more likely kept tokens is below top_p
-      slice_probs(b, k, c, whole, row_total, p.data());
-      float cumulative = 0.0f;
-      for (int64_t j = 0; j < c; ++j) {
-        const float above = cumulative;
-        cumulative += p[j];
-        k[j] = k[j] && above < p_top;
+  // rows over torch's threads (each row start to end by one thread: the split changes no value)
+  at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> p(c);
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = data + r * V;
+      float* b = best.data() + r * c;
+      uint8_t* k = keep.data() + r * c;
+      top_columns(row, V, c, b, where.data() + r * c);
+      bool whole = c == V, short_row = false;  // whole: nothing of the row that is still kept lies past the slice
+      const bool row_softmax = !whole && (top_p < 1 || min_p > 0) && !(top_k > 0 && top_k < V);
+      const float row_total = row_softmax ? row_exp_sum(row, V, b[0]) : 0.0f;
+      if (top_k > 0 && top_k < V) {  // HF removes the scores below the k-th
+        const float kth = b[top_k - 1];
+        for (int64_t j = 0; j < c; ++j) k[j] = b[j] >= kth;
+        short_row |= !whole && b[c - 1] >= kth;  // a tie with the k-th may lie past the slice
+        whole = true;
       }
-      cut_short |= !whole && cumulative < p_top;
-      whole = true;
+      if (top_p < 1) {  // HF keeps a token while the mass of the more likely kept tokens is below top_p
+        slice_probs(b, k, c, whole, row_total, p.data());
+        float cumulative = 0.0f;
+        for (int64_t j = 0; j < c; ++j) {
+          const float above = cumulative;
+          cumulative += p[j];
+          k[j] = k[j] && above < p_top;
+        }
+        short_row |= !whole && cumulative < p_top;
+        whole = true;
+      }
+      if (min_p > 0) {  // p over the kept tokens; the slice's first token is the most likely
+        slice_probs(b, k, c, whole, row_total, p.data());
+        const float floor = p_min * p[0];
+        short_row |= !whole && p[c - 1] >= floor;  // min-p alone: a later token may pass too
+        for (int64_t j = 0; j < c; ++j) k[j] = k[j] && p[j] >= floor;
+      }
+      cut_short[r] = short_row;
     }
-    if (min_p > 0) {  // p over the kept tokens; the slice's first token is the most likely
-      slice_probs(b, k, c, whole, row_total, p.data());
-      const float floor = p_min * p[0];
-      cut_short |= !whole && p[c - 1] >= floor;  // min-p alone: a later token may pass too
-      for (int64_t j = 0; j < c; ++j) k[j] = k[j] && p[j] >= floor;
+  });
+  for (int64_t r = 0; r < M; ++r)
+    if (cut_short[r]) return false;
+  at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* row = data + r * V;
+      std::fill(row, row + V, -INFINITY);
+      for (int64_t j = 0; j < c; ++j)
+        if (keep[r * c + j]) row[where[r * c + j]] = best[r * c + j];
     }
-    if (cut_short) return false;
-  }
-  for (int64_t r = 0; r < M; ++r) {
-    float* row = data + r * V;
-    std::fill(row, row + V, -INFINITY);
-    for (int64_t j = 0; j < c; ++j)
-      if (keep[r * c + j]) row[where[r * c + j]] = best[r * c + j];
-  }
+  });
   return true;
 }
 
