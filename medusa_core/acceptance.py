@@ -294,6 +294,7 @@ def _uniform(generator: torch.Generator, device: torch.device) -> float:
 
 
 def _drawn(index: int) -> torch.Tensor:
+    """A compiled call's index as ``draw`` returns it: a 0-d long tensor (on the CPU, where those calls run)."""
     return torch.tensor(index, dtype=torch.long)
 
 
