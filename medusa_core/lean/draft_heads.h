@@ -123,14 +123,10 @@ inline std::tuple<Tensor, Tensor> draft_top(const Tensor& logits, int64_t k, con
     const float* row = z.data_ptr<float>() + d * S;
     top_columns(row, S, k, best.data(), where.data());
     const float inv_t = 1.0f / t.data_ptr<float>()[d];
-    float top = -INFINITY;
-    for (int64_t j = 0; j < S; ++j) {
-      scaled[j] = row[j] * inv_t;
-      top = scaled[j] > top ? scaled[j] : top;
-    }
-    f16v total{};
-    for (size_t j = 0; j < scaled.size(); j += kLanes) total = total + exp16(load16(scaled.data() + j) - top);
-    const float lse = top + std::log(lane_sum(total));
+    for (int64_t j = 0; j < S; ++j) scaled[j] = row[j] * inv_t;
+    const int64_t padded = static_cast<int64_t>(scaled.size());  // a whole number of 16 lanes, −∞ past S
+    const float top = row_max(scaled.data(), padded);
+    const float lse = top + std::log(row_exp_sum(scaled.data(), padded, top));
     for (int64_t j = 0; j < k; ++j) {
       indices_out[d * k + j] = where[j];
       log_p_out[d * k + j] = row[where[j]] * inv_t - lse;

@@ -99,6 +99,30 @@ inline f16v exp16(f16v x) {
   return under ? splat(0.0f) : y * scale;
 }
 
+// The largest of a row of n values (−∞ for none), 16 lanes at a time.
+inline float row_max(const float* row, int64_t n) {
+  f16v m = splat(-INFINITY);
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    const f16v v = load16(row + j);
+    m = v > m ? v : m;
+  }
+  float top = -INFINITY;
+  for (int l = 0; l < kLanes; ++l) top = m[l] > top ? m[l] : top;
+  for (; j < n; ++j) top = row[j] > top ? row[j] : top;
+  return top;
+}
+
+// Σ_j e^(row[j] − top) over a row of n values, 16 lanes (exp16) then a fixed tree.
+inline float row_exp_sum(const float* row, int64_t n, float top) {
+  f16v total{};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) total = total + exp16(load16(row + j) - top);
+  float tail = 0.0f;
+  for (; j < n; ++j) tail += std::exp(row[j] - top);
+  return lane_sum(total) + tail;
+}
+
 // a · b + c in one rounding where the CPU has AVX-512 (its fused multiply-add), else as a product then a sum: either way
 // one fixed operation per lane, the same for every row.
 inline f16v mul_add(f16v a, f16v b, f16v c) {

@@ -38,30 +38,6 @@ inline void slice_probs(const float* best, const uint8_t* keep, int64_t c, bool 
   for (int64_t j = 0; j < c; ++j) p[j] = keep[j] ? std::exp(best[j] - top) / total : 0.0f;
 }
 
-// The largest of a row of n values (−∞ for none), 16 lanes at a time.
-inline float row_max(const float* row, int64_t n) {
-  f16v m = splat(-INFINITY);
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) {
-    const f16v v = load16(row + j);
-    m = v > m ? v : m;
-  }
-  float top = -INFINITY;
-  for (int l = 0; l < kLanes; ++l) top = m[l] > top ? m[l] : top;
-  for (; j < n; ++j) top = row[j] > top ? row[j] : top;
-  return top;
-}
-
-// Σ_j e^(row[j] − top) over a row of n values, 16 lanes (exp16) then a fixed tree.
-inline float row_exp_sum(const float* row, int64_t n, float top) {
-  f16v total{};
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) total = total + exp16(load16(row + j) - top);
-  float tail = 0.0f;
-  for (; j < n; ++j) tail += std::exp(row[j] - top);
-  return lane_sum(total) + tail;
-}
-
 // NodeProcessors._filter_on_slice, in place on scores [M, V] float32 (after the penalty and the temperature): each
 // row's top-k (k = top_k, 0: off), top-p (top_p ≥ 1: off) and min-p (min_p ≤ 0: off) decided on its `width` largest
 // scores, in HF's order, every removed token set to −∞. Returns false, changing nothing, when some row's kept set may
@@ -208,9 +184,11 @@ inline std::tuple<std::vector<int64_t>, int64_t> exact_walk(const Tensor& scores
   const float* data = scores.data_ptr<float>();
   std::vector<int64_t> walk{0};
   int64_t node = 0;
+  float top;  // the walked node's largest score
   while (true) {
     const float* row = data + node * V;
-    const float top = row_max(row, V), total = row_exp_sum(row, V, top);
+    top = row_max(row, V);
+    const float total = row_exp_sum(row, V, top);
     float rejected = 0.0f;  // Σ p(x_s) of the siblings tried so far
     int64_t taken = -1;
     for (int64_t c = node + 1; c < N && taken < 0; ++c) {
@@ -230,7 +208,7 @@ inline std::tuple<std::vector<int64_t>, int64_t> exact_walk(const Tensor& scores
   std::vector<float> residual(data + node * V, data + (node + 1) * V);
   for (int64_t c = node + 1; c < N; ++c)
     if (parent[c] == node) residual[token[c]] = -INFINITY;
-  const bool left = row_exp_sum(residual.data(), V, row_max(data + node * V, V)) > 0;  // float rounding may leave none
+  const bool left = row_exp_sum(residual.data(), V, top) > 0;  // float rounding may leave none
   const Tensor weights = left ? at::from_blob(residual.data(), {V}, at::TensorOptions().dtype(at::kFloat)) : scores[node];
   return {walk, draw_index(weights, u, true)};
 }
