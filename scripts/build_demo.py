@@ -15,7 +15,8 @@ The backbone is Hugging Face's SmolLM2-135M-Instruct as the Q4_1 GGUF file insid
 1. ``convert``       — the GGUF file's config, tokenizer and tensor index, once into the cache folder.
 2. ``self_instruct`` — the backbone writes its own questions about seed topics (self-instruct).
 3. ``prompts``       — the seed prompt set (``scripts/demo_prompts.py``) into ``assets/demo/prompts``:
-   held-out prompts, round-1 training prompts (``train``) and round-2 training prompts (``train_more``).
+   held-out prompts, round-1 training prompts (``train``) and round-2 training prompts (``train_more``);
+   round 3 (``train_wide``) is written by ``python scripts/demo_prompts.py --wide``.
 4. ``distill``       — self-distillation: the backbone's greedy replies (paper 2.3.2), batched, on plain
    bfloat16 (default: about 3× faster than float32 on this CPU) or float32 weights; the held-out
    prompts also by the served backbone (``--quantization``, NF4 by default), whose greedy replies
@@ -27,6 +28,8 @@ The backbone is Hugging Face's SmolLM2-135M-Instruct as the Q4_1 GGUF file insid
    (``--served-settings``: ``chat``, the app's default sampling settings, and/or ``greedy``), batched,
    to the held-out and both training rounds' prompts, ≤ ``--served-reply-tokens`` tokens, gzip JSONL in
    ``assets/demo/distill`` (kept in the repository: the run takes hours and resumes in a later session).
+   With ``--device cuda`` the GGUF file's weights are dequantized to float32 on the GPU (the CPU's int4
+   kernels compute the same products, in another order and on bfloat16 activations).
 5. ``heads``         — "version 2" Medusa heads sharing the backbone's LM head (paper 2.2.1) on the
    frozen served backbone, with ``medusa_core.train`` (softmax over the replies' vocabulary during
    training), on the replies of ``--train-rounds`` prompt rounds (the frozen backbone's hidden
@@ -36,7 +39,11 @@ The backbone is Hugging Face's SmolLM2-135M-Instruct as the Q4_1 GGUF file insid
    distribution there instead (paper 2.3.2); ``--warm-start`` begins from the shipped heads (a
    root-conditioned run then starts exactly at them, its R_k at zero). Calibration on the served backbone's
    held-out replies over the whole vocabulary (paper 2.3.3), with each tree's acceleration replayed
-   on them (exact for greedy decoding, ``simulated_acceleration``).
+   on them (exact for greedy decoding, ``simulated_acceleration``). ``--device cuda`` computes the
+   hidden states and trains on a GPU (``train_heads(device=...)``).
+   ``calibrate``     — (not in the default run) the held-out evaluation and calibration of a trained heads
+   folder again, on this machine's served backbone: heads trained on a GPU are measured on the CPU's
+   own int4 hidden states before they ship.
    ``ranking``       — (not in the default run) the draft vocabulary's frequency ranking from the training
    splits' ``distill_served`` replies (``medusa_core.train.ranking``): ``draft_ranking.json`` beside the heads.
 6. ``export``        — heads, config and calibration into ``assets/demo`` (heads for the plain weights and
@@ -68,8 +75,8 @@ PROMPTS = ASSET / "prompts"
 SEED = 0
 BASE_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-#: Training prompt files in ``assets/demo/prompts`` (rounds 1 and 2 of ``scripts/demo_prompts.py``).
-TRAIN_SPLITS = ("train", "train_more")
+#: Training prompt files in ``assets/demo/prompts`` (rounds 1-3 of ``scripts/demo_prompts.py``).
+TRAIN_SPLITS = ("train", "train_more", "train_wide")
 
 
 def log(msg: str) -> None:
@@ -80,19 +87,27 @@ def load(dtype: torch.dtype = torch.float32):
     """The plain (float) backbone in ``dtype``, read from the demo GGUF file, and its tokenizer."""
     from transformers import AutoTokenizer
 
-    from medusa_core.gguf import demo_gguf_file
     from medusa_core.loading import backbone_source, load_backbone
 
-    path = str(demo_gguf_file())
+    path = str(gguf_file())
     return load_backbone(path, None, dtype, batch_invariant=False), AutoTokenizer.from_pretrained(backbone_source(path))
 
 
-def load_served(args):
-    """The backbone as the app serves it (``--quantization``: the GGUF file's own 4-bit blocks by default)."""
+def gguf_file() -> Path:
+    """The demo GGUF file: ``$MEDUSA_DEMO_GGUF`` (a copy of it, e.g. on a GPU machine without the wheel) or the wheel's."""
     from medusa_core.gguf import demo_gguf_file
+
+    return Path(os.environ["MEDUSA_DEMO_GGUF"]) if os.environ.get("MEDUSA_DEMO_GGUF") else demo_gguf_file()
+
+
+def load_served(args):
+    """The backbone as the app serves it (``--quantization``: the GGUF file's own 4-bit blocks by default);
+    with ``--device cuda`` the same weights dequantized to float32 on the GPU (the 4-bit kernels run on CPUs)."""
     from medusa_core.loading import load_backbone
 
-    return load_backbone(str(demo_gguf_file()), None if args.quantization == "none" else args.quantization,
+    if args.device != "cpu":
+        return load_backbone(str(gguf_file()), None, torch.float32, device=args.device, batch_invariant=False)
+    return load_backbone(str(gguf_file()), None if args.quantization == "none" else args.quantization,
                          batch_invariant=False)
 
 
@@ -126,9 +141,9 @@ def save_figures(**update) -> None:
 # ------------------------------------------------------------------------------------------ stages
 def backbone_folder() -> Path:
     """The demo GGUF file's cached config and tokenizer folder."""
-    from medusa_core.gguf import demo_gguf_file, gguf_model_folder
+    from medusa_core.gguf import gguf_model_folder
 
-    return gguf_model_folder(demo_gguf_file())
+    return gguf_model_folder(gguf_file())
 
 
 def stage_convert(args) -> None:
@@ -241,67 +256,86 @@ def stage_distill_served(args) -> None:
                     "settings": settings, "batch_size": args.distill_batch, "threads": torch.get_num_threads()}})
 
 
+def head_config(args):
+    """The ``HeadTrainingConfig`` of the heads stage's arguments."""
+    from medusa_core.train import HeadTrainingConfig
+
+    return HeadTrainingConfig(num_heads=args.num_heads, num_layers=args.head_layers, share_lm_head=True,
+                              vocab="data", epochs=args.head_epochs, batch_size=512, lr=args.head_lr,
+                              warmup_steps=30, seed=SEED, checkpoint_every=50, soft_targets=args.soft_targets,
+                              root_conditioned=args.root_conditioned)
+
+
+def positions(model, file: Path, name: str, num_heads: int, **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The frozen backbone's states on the replies in ``file``: (hidden [M, H], labels [M, K], roots [M]),
+    cached as ``build/demo/positions_{name}_K.pt`` and extended when the file has grown since."""
+    from medusa_core.train import cached_positions, read_distilled
+
+    return cached_positions(WORK / f"positions_{name}_{num_heads}.pt", model, read_distilled(file), num_heads, **kwargs)
+
+
 def stage_heads(args) -> None:
     from safetensors.torch import load_file
 
-    from medusa_core.loading import CALIBRATION_FILE
-    from medusa_core.train import (
-        HeadTrainingConfig,
-        accuracy_from_ranks,
-        cached_positions,
-        calibration,
-        head_temperatures,
-        rank_accuracy,
-        read_distilled,
-        target_ranks,
-        train_heads,
-    )
+    from medusa_core.train import rank_accuracy, train_heads
 
     out = heads_folder(args)
     if (out / "train_stats.json").exists():
         return
     t0 = time.time()
     model = load_served(args)
-    cfg = HeadTrainingConfig(num_heads=args.num_heads, num_layers=args.head_layers, share_lm_head=True,
-                             vocab="data", epochs=args.head_epochs, batch_size=512, lr=args.head_lr,
-                             warmup_steps=30, seed=SEED, checkpoint_every=50, soft_targets=args.soft_targets,
-                             root_conditioned=args.root_conditioned)
-
-    def positions(file: Path, name: str, **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The frozen backbone's states on the replies in ``file``: (hidden [M, H], labels [M, K], roots [M]),
-        cached as ``positions_{name}_K.pt`` and extended when the file has grown since."""
-        return cached_positions(WORK / f"positions_{name}_{cfg.num_heads}.pt", model, read_distilled(file),
-                                cfg.num_heads, **kwargs)
-
-    (train_files, train_targets), (held_file, held_name) = heads_data(args)
-    parts = [positions(file, name, bf16=True, targets=train_targets) for file, name in train_files]
+    cfg = head_config(args)
+    (train_files, train_targets), _ = heads_data(args)
+    parts = [positions(model, file, name, cfg.num_heads, bf16=True, targets=train_targets) for file, name in train_files]
     hidden, labels, roots = (torch.cat(column) for column in zip(*parts))
     log(f"heads: {len(hidden)} training positions from {len(parts)} reply file(s) in {time.time() - t0:.0f} s")
     init = load_file(asset_folder(args) / "medusa_lm_head.safetensors") if args.warm_start else None  # the shipped heads
-    heads, stats = train_heads(model, hidden, labels, out, cfg, base_model_name_or_path=BASE_MODEL_ID, roots=roots, init=init)
-    held_h, held_l, held_r = positions(held_file, held_name)  # the served backbone's replies, float32 states
-    rooted = {"roots": held_r} if cfg.root_conditioned else {}
+    heads, stats = train_heads(model, hidden, labels, out, cfg, base_model_name_or_path=BASE_MODEL_ID, roots=roots, init=init,
+                               device=args.device)
+    train_acc = rank_accuracy(heads, hidden[:50_000], labels[:50_000], roots=roots[:50_000] if cfg.root_conditioned else None)
+    stats.update(backbone_quantization=args.quantization, targets=train_targets, heads_data=args.heads_data,
+                 training_files=[name for _, name in train_files], device=args.device,
+                 train_top1=[round(r[0], 4) for r in train_acc])
+    evaluate_heads(args, model, heads, out, stats)
+    stats["seconds_total"] = round(time.time() - t0)
+    (out / "train_stats.json").write_text(json.dumps(stats, indent=2))
+    log(f"heads: {json.dumps({k: v for k, v in stats.items() if k != 'config'})}")
+
+
+def evaluate_heads(args, model, heads, out: Path, stats: dict) -> None:
+    """Held-out ranks of ``heads`` on ``model``'s states (over the whole vocabulary), calibration and replayed
+    acceleration (paper 2.3.3) into ``out``'s calibration file, the figures into ``stats``."""
+    from medusa_core.loading import CALIBRATION_FILE
+    from medusa_core.train import accuracy_from_ranks, calibration, head_temperatures, target_ranks
+
+    _, (held_file, held_name) = heads_data(args)
+    held_h, held_l, held_r = positions(model, held_file, held_name, heads.num_heads)  # the served backbone's replies, float32 states
+    rooted = {"roots": held_r} if heads.root_conditioned else {}
     ranks = target_ranks(heads, held_h, held_l, **rooted)
     temperatures = head_temperatures(heads, held_h, held_l, **rooted)  # calibrated path probabilities shape the trees
     record = calibration(accuracy_from_ranks(ranks), budgets=(4, 8, 12, 16, 32, 64), default=16, replayed=(ranks, held_l),
                          temperatures=temperatures)
-    train_acc = rank_accuracy(heads, hidden[:50_000], labels[:50_000], roots=roots[:50_000] if rooted else None)
     (out / CALIBRATION_FILE).write_text(json.dumps(record, indent=1) + "\n")
-    stats.update(
-        backbone_quantization=args.quantization,
-        targets=train_targets,
-        heads_data=args.heads_data,
-        heldout_replies=held_file.name,
-        heldout_positions=len(held_h),
-        heldout_top1=record["top1"],
-        heldout_top5=record["top5"],
-        train_top1=[round(r[0], 4) for r in train_acc],
-        expected_acceleration=record["expected_acceleration"],
-        simulated_acceleration=record["simulated_acceleration"],
-        seconds_total=round(time.time() - t0),
-    )
+    stats.update(heldout_replies=held_file.name, heldout_positions=len(held_h), heldout_backbone=f"{args.quantization} on {args.device}",
+                 heldout_top1=record["top1"], heldout_top5=record["top5"],
+                 expected_acceleration=record["expected_acceleration"], simulated_acceleration=record["simulated_acceleration"])
+
+
+def stage_calibrate(args) -> None:
+    """``evaluate_heads`` of the trained heads folder again, on this machine's served backbone (``train_stats.json``
+    keeps the earlier figures under ``heldout_before``)."""
+    from safetensors.torch import load_file
+
+    from medusa_core.loading import heads_from_state_dict
+
+    out = heads_folder(args)
+    stats = json.loads((out / "train_stats.json").read_text())
+    model = load_served(args)
+    heads = heads_from_state_dict(load_file(out / "medusa_lm_head.safetensors"), model, source=str(out)).float()  # as shipped (float16 values)
+    stats["heldout_before"] = {k: stats[k] for k in ("heldout_backbone", "heldout_top1", "heldout_top5", "simulated_acceleration") if k in stats}
+    evaluate_heads(args, model, heads, out, stats)
     (out / "train_stats.json").write_text(json.dumps(stats, indent=2))
-    log(f"heads: {json.dumps({k: v for k, v in stats.items() if k != 'config'})}")
+    log(f"calibrate: held-out top-1 {stats['heldout_top1']}, replayed {stats['simulated_acceleration']}")
 
 
 def heads_data(args) -> tuple[tuple[list[tuple[Path, str]], str], tuple[Path, str]]:
@@ -462,6 +496,7 @@ STAGES = {
     "distill": stage_distill,
     "distill_served": stage_distill_served,
     "heads": stage_heads,
+    "calibrate": stage_calibrate,
     "ranking": stage_ranking,
     "export": stage_export,
     "evaluate": stage_evaluate,
@@ -470,15 +505,16 @@ STAGES = {
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--stages", nargs="+", choices=list(STAGES), default=[s for s in STAGES if s not in ("distill_served", "ranking")])
+    p.add_argument("--stages", nargs="+", choices=list(STAGES),
+                   default=[s for s in STAGES if s not in ("distill_served", "ranking", "calibrate")])
     p.add_argument("--distill-dtype", choices=list(DTYPES), default="bfloat16")
     p.add_argument("--distill-batch", type=int, default=64)
     p.add_argument("--max-reply-tokens", type=int, default=128, help="distilled reply length limit")
     p.add_argument("--served-settings", nargs="+", choices=SERVED_SETTINGS, default=["chat", "greedy"],
                    help="distill_served: the sampling settings replies are written with (chat: the app's defaults)")
     p.add_argument("--served-reply-tokens", type=int, default=256, help="distill_served: reply length limit")
-    p.add_argument("--train-rounds", type=int, choices=[1, 2], default=2,
-                   help="prompt rounds the heads train on (1: train.jsonl; 2: also train_more.jsonl)")
+    p.add_argument("--train-rounds", type=int, choices=[1, 2, 3], default=2,
+                   help="prompt rounds the heads train on (1: train.jsonl; 2: also train_more.jsonl; 3: also train_wide.jsonl)")
     p.add_argument("--num-heads", type=int, default=4)
     p.add_argument("--head-layers", type=int, default=2, help="residual blocks per head")
     p.add_argument("--head-epochs", type=float, default=3.0)
@@ -502,6 +538,8 @@ def main() -> None:
                    help="the backbone the heads are trained for and evaluated on (default none: the shipped heads "
                         "were trained on the float32 weights, which the app's default gguf backbone computes up to bf16 rounding)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch CPU threads")
+    p.add_argument("--device", default="cpu", help="distill_served and heads: where the backbone runs and the heads train "
+                   "(cuda: the GGUF weights dequantized to float32 on the GPU)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     WORK.mkdir(parents=True, exist_ok=True)

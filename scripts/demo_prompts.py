@@ -11,6 +11,12 @@ No dataset can be downloaded here, so prompts come from four sources, all on thi
 4. self-instruct: questions the backbone itself writes about seed topics (``--self-instruct FILE``,
    made by ``scripts/build_demo.py --stages self_instruct``).
 
+Round 3 (``--wide``, ``train_wide.jsonl``; distilled on a GPU) widens the training set without touching
+rounds 1-2: every pairing of the seed topics with every task template, more drawn problems and texts,
+docstrings of the whole standard library, and the short descriptions of the ~63,000 packages in the
+Debian archive's index (``/var/lib/apt/lists``, read with ``lz4cat``); prompts already in a round, and
+every prompt of a held-out group, are left out.
+
 About one prompt in seven gets a follow-up turn (``"followup"``), which distillation answers after
 the model's own first reply, so the heads also see multi-turn conversations.
 
@@ -19,6 +25,7 @@ Held-out prompts never share a *topic group* with training prompts: the split ha
 inflated by near-duplicates. Output rows: ``{"id", "category", "source", "messages", "followup"?}``.
 
     python scripts/demo_prompts.py --out assets/demo/prompts [--self-instruct build/demo/self_instruct.jsonl]
+    python scripts/demo_prompts.py --wide   # round 3 only: assets/demo/prompts/train_wide.jsonl
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import inspect
 import json
 import random
 import re
+import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -125,6 +133,37 @@ def more_template_prompts(rng: random.Random):
             yield "coding", f"ch:{howto}", f"How do I {howto} in {lang}?"
 
 
+def wide_template_prompts(rng: random.Random):
+    """Round 3 (category, group, prompt): every seed topic with every task template of its category."""
+    for topic in WRITING_TOPICS + MORE_WRITING_TOPICS:
+        for form in WRITING_FORMS:
+            template = rng.choice(MORE_WRITING_TASKS + ["Write a {form} about {topic}."])
+            yield "writing", f"w:{topic}", template.format(form=form, topic=topic, audience=rng.choice(AUDIENCES))
+    for situation in EMAIL_SITUATIONS:
+        for person in AUDIENCES:
+            yield "writing", f"e:{situation}", f"Write an email to {person} {situation}."
+    for role in ROLES + MORE_ROLES:
+        for request in ROLE_REQUESTS + MORE_ROLE_REQUESTS:
+            yield "roleplay", f"r:{role}", f"Pretend you are {role}. {request}"
+    for concept in STEM_CONCEPTS + MORE_STEM_CONCEPTS:
+        for template in MORE_STEM_TASKS + ["Explain {c} in simple terms.", "How does {c} work?", "Explain {c} to a ten-year-old."]:
+            yield "stem", f"s:{concept}", template.format(c=concept)
+    for topic in HUMANITIES + MORE_HUMANITIES:
+        for template in MORE_HUMANITIES_TASKS + ["Tell me about {c}.", "What can we learn today from {c}?"]:
+            yield "humanities", f"h:{topic}", template.format(c=topic)
+    for goal in EVERYDAY + MORE_EVERYDAY:
+        for template in MORE_EVERYDAY_TASKS + ["Give me three tips to {g}.", "I want to {g}. Where should I start?"]:
+            yield "everyday", f"d:{goal}", template.format(g=goal)
+    for task in CODING_TASKS + MORE_CODING_TASKS:
+        for lang in CODING_LANGS:
+            yield "coding", f"c:{task}", f"Write a {lang} function that {task}."
+        for template in MORE_CODING_TEMPLATES:
+            yield "coding", f"c:{task}", template.format(t=task, lang=rng.choice(CODING_LANGS[1:]))
+    for howto in CODING_HOWTO + MORE_CODING_HOWTO:
+        for lang in CODING_LANGS:
+            yield "coding", f"ch:{howto}", f"How do I {howto} in {lang}?"
+
+
 def reasoning_and_math(rng: random.Random, n: int, start: int = 0):
     """Fresh reasoning and math problems with drawn names and numbers; each its own group (numbered from ``start``)."""
     for i in range(start, start + n):
@@ -210,6 +249,35 @@ def debian_doc_prompts(rng: random.Random, n: int, status: Path = Path("/var/lib
     for name, short, text in entries[:n]:
         category, template = rng.choice(DEBIAN_DOC_TASKS)
         yield category, f"deb:{name}", template.format(name=name, short=short, text=text)
+
+
+#: (category, template) of the tasks on a package of the Debian archive's index (short description only).
+DEBIAN_INDEX_TASKS = [
+    ("stem", "What is a tool like '{name}' ({short}) used for?"),
+    ("everyday", "I need {lower}. What should I look for in such a program?"),
+    ("stem", "Explain what '{short}' means to someone new to computers."),
+    ("coding", "How would I install and start using the Debian package '{name}'?"),
+]
+
+
+def debian_index_prompts(rng: random.Random, n: int, lists: Path = Path("/var/lib/apt/lists")):
+    """Prompts about packages of the Debian archive's index (``*_Packages.lz4``, read with ``lz4cat``);
+    nothing when the index or ``lz4cat`` is missing."""
+    entries = {}
+    for index in sorted(lists.glob("*_Packages.lz4")):
+        try:
+            text = subprocess.run(["lz4cat", str(index)], capture_output=True, text=True, check=True).stdout
+        except (OSError, subprocess.CalledProcessError):
+            continue
+        for name, short in re.findall(r"^Package: (.+)\n(?:.+\n)*?Description: (.+)$", text, re.M):
+            if 12 <= len(short) <= 90 and not re.search(r"\b(data|transitional|dummy|debug|development files|library)\b", short, re.I):
+                entries[name] = short
+    items = sorted(entries.items())
+    rng.shuffle(items)
+    for name, short in items[:n]:
+        category, template = rng.choice(DEBIAN_INDEX_TASKS)
+        lower = short[0].lower() + short[1:] if short[:2].isalpha() and not short[:2].isupper() else short
+        yield category, f"deb:{name}", template.format(name=name, short=short, lower=lower)
 
 
 def extraction_prompts(rng: random.Random, n: int, start: int = 0):
@@ -307,11 +375,45 @@ def build(self_instruct: Path | None = None) -> tuple[list[dict], list[dict], li
     return train, heldout, train_more
 
 
+def build_wide(existing: list[Path]) -> list[dict]:
+    """Round-3 training rows: prompts of none of the ``existing`` prompt files and of no held-out group."""
+    seen = {m["content"] for path in existing for line in path.read_text(encoding="utf-8").splitlines() if line.strip()
+            for m in json.loads(line)["messages"] if m["role"] == "user"}
+    rng = random.Random(SEED + 2)
+    stdlib = sorted(m for m in sys.stdlib_module_names if not m.startswith("_") and m not in ("antigravity", "this", "idlelib", "turtledemo"))
+    modules = []
+    for name in stdlib:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                importlib.import_module(name)
+            modules.append(name)
+        except Exception:  # platform-only or broken modules (msvcrt, tkinter without Tk...)
+            continue
+    sources = [("template", wide_template_prompts(rng)), ("generated", reasoning_and_math(rng, 2000, start=1320)),
+               ("generated", extraction_prompts(rng, 800, start=460)), ("python-docs", python_doc_prompts(rng, 2500, modules)),
+               ("debian-index", debian_index_prompts(rng, 2500))]
+    train, _ = _rows(sources, rng, seen)
+    return train
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "assets" / "demo" / "prompts")
     p.add_argument("--self-instruct", type=Path, help="questions the backbone wrote (JSONL)")
+    p.add_argument("--wide", action="store_true", help="write round 3 only (train_wide.jsonl), next to the other rounds")
     args = p.parse_args(argv)
+    if args.wide:
+        rows = build_wide([args.out / f"{name}.jsonl" for name in ("train", "heldout", "train_more")])
+        with open(args.out / "train_wide.jsonl", "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps({"id": row.pop("id"), **row}, ensure_ascii=False) + "\n")
+        counts: dict[str, int] = {}
+        for row in rows:
+            counts[row["category"]] = counts.get(row["category"], 0) + 1
+        print(f"{len(rows)} round-3 training prompts ({sum('followup' in r for r in rows)} with a follow-up turn): "
+              + ", ".join(f"{c} {n}" for c, n in sorted(counts.items())), file=sys.stderr)
+        return
     train, heldout, train_more = build(args.self_instruct)
     args.out.mkdir(parents=True, exist_ok=True)
     for name, rows in (("train", train), ("heldout", heldout), ("train_more", train_more)):

@@ -243,6 +243,26 @@ def test_read_prompts_accepts_chats_prompts_and_text(tmp_path):
     assert chats[2] == [{"role": "user", "content": "p"}, MODEL_TURN, {"role": "user", "content": "f"}]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_root_conditioned_heads_train_on_a_gpu_like_on_the_cpu(tmp_path):
+    """The same batches and schedule on a CUDA device: heads within float32 rounding of the CPU's, saved as CPU tensors."""
+    backbone, _, rows = _distilled_rows(tmp_path, n=8)
+    hidden, labels, roots = collect_positions(backbone, rows, num_heads=2, with_roots=True)
+    cfg = HeadTrainingConfig(num_heads=2, share_lm_head=True, vocab="data", epochs=6, batch_size=32, warmup_steps=1,
+                             lr=1e-2, checkpoint_every=0, bf16=False, soft_targets=True, root_conditioned=True)
+    on_cpu, cpu_stats = train_heads(backbone, hidden, labels, tmp_path / "cpu", cfg, base_model_name_or_path="b", roots=roots)
+    gpu_backbone = backbone.to("cuda")
+    on_gpu, gpu_stats = train_heads(gpu_backbone, hidden, labels, tmp_path / "gpu", cfg, base_model_name_or_path="b",
+                                    roots=roots, device="cuda")
+    assert next(on_gpu.parameters()).is_cuda and gpu_stats["steps"] == cpu_stats["steps"]
+    for k, v in on_cpu.state_dict().items():
+        assert torch.allclose(on_gpu.state_dict()[k].cpu(), v, atol=1e-3), k
+    assert torch.equal(load_file(tmp_path / "gpu" / "medusa_lm_head.safetensors")["0.0.linear.weight"],
+                       on_gpu.state_dict()["0.0.linear.weight"].to("cpu", torch.float16))
+    ranks = target_ranks(on_gpu, hidden, labels, roots=roots)  # GPU heads, CPU positions
+    assert (ranks == target_ranks(on_cpu, hidden, labels, roots=roots)).float().mean() > 0.95
+
+
 def test_version_2_heads_train_only_their_blocks_and_save_without_projections(tmp_path):
     backbone, _, rows = _distilled_rows(tmp_path, n=6)
     hidden, labels = collect_positions(backbone, rows, num_heads=2)

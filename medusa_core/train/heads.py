@@ -92,7 +92,7 @@ def backbone_targets(hidden: torch.Tensor, idx: torch.Tensor, lm_weight: torch.T
     vocabulary). Returns [K, B, V] float32 softmax; rows past the end of ``hidden`` repeat its last
     row (those rows have no label for that head and are masked out by ``head_loss``).
     """
-    rows = (idx[None, :] + torch.arange(1, num_heads + 1)[:, None]).clamp(max=len(hidden) - 1)  # [K, B]
+    rows = (idx[None, :] + torch.arange(1, num_heads + 1, device=idx.device)[:, None]).clamp(max=len(hidden) - 1)  # [K, B]
     return torch.softmax((hidden[rows].to(lm_weight.dtype) @ lm_weight.T).float(), dim=-1)
 
 
@@ -115,6 +115,7 @@ def train_heads(
     resume: bool = True,
     roots: torch.Tensor | None = None,
     init: dict[str, torch.Tensor] | None = None,
+    device: torch.device | str = "cpu",
 ) -> tuple[MedusaHeads, dict]:
     """Train K Medusa-1 heads on precomputed positions of a frozen backbone (paper 2.2.1).
 
@@ -127,6 +128,10 @@ def train_heads(
         init: head tensors to start from (a warm start, e.g. the shipped heads' ``medusa_lm_head.safetensors``),
             keyed as ``MedusaHeads.state_dict()`` for ``cfg``'s K heads of L blocks; root-conditioned heads may
             start from plain ones: their ``root_weight`` then starts at zero, so step 0 equals the plain heads.
+        device: where the heads train (``"cuda"``: the positions, labels and roots are copied there once; the
+            batches, learning-rate schedule and seed are the same as on the CPU); the backbone's LM head and
+            embedding, which the heads read, must be there too. The returned heads are on ``device``; the
+            saved files hold CPU tensors.
 
     With ``cfg.vocab == "data"`` the softmax runs over the label vocabulary only (the training
     replies' tokens); the heads are the same module and are evaluated over the whole vocabulary.
@@ -148,6 +153,7 @@ def train_heads(
         found = None if roots is None else list(roots.shape)
         raise ValueError(f"root_conditioned heads need roots of shape [{len(hidden)}] (one per position), got {found}")
     torch.manual_seed(cfg.seed)
+    device = torch.device(device)
     embedding = backbone.get_input_embeddings() if cfg.root_conditioned else None
     if cfg.share_lm_head:
         lm_head = backbone.get_output_embeddings()
@@ -158,16 +164,19 @@ def train_heads(
     heads = heads.float().cpu().train()
     if init is not None:
         _warm_start(heads, init)
+    heads = heads.to(device)
     weight = None  # [V', H] rows of the frozen LM head with vocab="data"
     if cfg.vocab == "data":
         tokens = labels[labels != -100].unique()  # [V'] the label vocabulary, sorted
         remap = torch.full((heads.vocab_size,), -100, dtype=torch.long)
         remap[tokens] = torch.arange(len(tokens))
         labels = torch.where(labels == -100, labels, remap[labels.clamp(min=0)])
-        weight = lm_head.weight.detach()[tokens].float().cpu()
+        weight = lm_head.weight.detach()[tokens].float().to(device)
     lm_weight = None  # [V or V', H] the softmax vocabulary's LM head rows, for soft targets
     if cfg.soft_targets:
-        lm_weight = weight if weight is not None else lm_head.weight.detach().float().cpu()
+        lm_weight = weight if weight is not None else lm_head.weight.detach().float().to(device)
+    hidden, labels = hidden.to(device), labels.to(device)
+    roots = roots.to(device) if roots is not None else None
 
     def forward(h: torch.Tensor, root: torch.Tensor | None) -> torch.Tensor:  # [B, H] -> [K, B, V] (V' with vocab="data")
         return heads(h, root=root) if weight is None else heads.states(h, root=root) @ weight.T
@@ -177,14 +186,14 @@ def train_heads(
     step = resumed_from = 0
     state_file = out / TRAINER_STATE
     if resume and state_file.exists():
-        state = torch.load(state_file, map_location="cpu", weights_only=True)
+        state = torch.load(state_file, map_location=device, weights_only=True)
         heads.load_state_dict(state["heads"])
         opt.load_state_dict(state["optimizer"])
         step = resumed_from = int(state["step"])
         tqdm.write(f"resuming head training at step {step}/{total_steps}")
     generator = torch.Generator().manual_seed(cfg.seed)
     order = torch.cat([torch.randperm(len(hidden), generator=generator) for _ in range(math.ceil(cfg.epochs) + 1)])
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if cfg.bf16 else nullcontext()
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if cfg.bf16 else nullcontext()
     bar = tqdm(range(step, total_steps), desc="heads", unit="step", initial=step, total=total_steps)
     loss_value, top1 = float("nan"), torch.zeros(cfg.num_heads)
     t0 = time.time()
@@ -193,7 +202,7 @@ def train_heads(
             g["lr"] = lr_at(step, total_steps, cfg)
         for a in range(cfg.grad_accum):
             start = (step * cfg.grad_accum + a) * micro
-            idx = order[start : start + micro]
+            idx = order[start : start + micro].to(device)
             with autocast:
                 logits = forward(hidden[idx].float(), roots[idx] if cfg.root_conditioned else None)  # [K, B, V]
                 soft = backbone_targets(hidden, idx, lm_weight, cfg.num_heads) if cfg.soft_targets else None
@@ -236,5 +245,5 @@ def _warm_start(heads: MedusaHeads, init: dict[str, torch.Tensor]) -> None:
 
 
 def _checkpoint(heads, opt, step, out, base) -> None:
-    save_medusa_heads(heads, out, base_model_name_or_path=base)
+    save_medusa_heads(heads, out, base_model_name_or_path=base)  # copies each tensor to the CPU
     torch.save({"heads": heads.state_dict(), "optimizer": opt.state_dict(), "step": step}, out / TRAINER_STATE)
