@@ -239,3 +239,21 @@ def test_the_compiled_int4_product_is_batch_invariant_side_by_side_and_within_on
 def test_loading_the_kernels_makes_every_int4_layer_use_the_compiled_product(extension):
     int4_backbone("llama")  # loading makes the model batch-invariant, which loads the kernels
     assert (Int4Linear.kernel is not None) == extension.has_int4_matmul()
+
+
+def test_a_build_killed_midway_does_not_leave_the_next_start_waiting_forever(extension):
+    """A first start stopped during the compile (Ctrl+C, a closed terminal) leaves torch's build ``lock`` file behind;
+    torch then waits for it to go, for ever. The next load must notice that no process is building and go on."""
+    import subprocess
+    import sys
+
+    stale = build.build_folder() / "lock"
+    stale.touch()  # what a killed build leaves
+    try:
+        done = subprocess.run([sys.executable, "-c", "from medusa_core.lean import build; m, why = build.load_extension(); "
+                               "print('loaded' if m is not None else why)"], capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired:
+        pytest.fail("load_extension waited on a stale build lock")
+    finally:
+        stale.unlink(missing_ok=True)
+    assert done.stdout.strip() == "loaded", done.stderr[-2000:]

@@ -3,7 +3,10 @@
 The extension is compiled once per source, torch version and CPU (about a minute on two cores) into
 ``<cache>/lean/<hash>/``, beside the converted GGUF backbones (``gguf.cache_dir``); later starts load the
 built module in well under a second. Where no C++ compiler (or ``ninja``) is found, or the build fails,
-``load_extension`` returns None with the reason, and the engine keeps transformers' forward.
+``load_extension`` returns None with the reason, and the engine keeps transformers' forward. Processes build one
+at a time under an operating-system lock (``filelock``), which a killed process releases; torch's own build
+lock is a plain file that a build killed midway (Ctrl+C during a first start) leaves behind, and torch would wait
+for it to go for ever, so whoever holds the OS lock removes it.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+from filelock import FileLock
 
 from ..gguf import cache_dir
 
@@ -109,10 +113,12 @@ def _build(folder: Path, report: Callable[[str], None]) -> ModuleType | str:
     start = time.perf_counter()
     _building.set()
     try:
-        module = cpp_extension.load(
-            name="medusa_lean", sources=[str(SOURCE)], build_directory=str(folder), extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-            verbose=False
-        )
+        with FileLock(folder / "build.lock"):  # no other process builds here now
+            (folder / "lock").unlink(missing_ok=True)  # torch's baton, left by a build killed midway
+            module = cpp_extension.load(
+                name="medusa_lean", sources=[str(SOURCE)], build_directory=str(folder), extra_cflags=CFLAGS,
+                extra_ldflags=["-fopenmp"], verbose=False
+            )
     except (RuntimeError, OSError, ImportError) as e:  # a compiler error, a broken toolchain
         log.warning("the lean step could not be built: %s", e)
         return f"the lean step could not be built ({str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__})"
