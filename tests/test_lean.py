@@ -257,3 +257,11 @@ def test_a_build_killed_midway_does_not_leave_the_next_start_waiting_forever(ext
     finally:
         stale.unlink(missing_ok=True)
     assert done.stdout.strip() == "loaded", done.stderr[-2000:]
+
+
+def test_a_torch_installed_elsewhere_builds_into_its_own_folder_and_is_announced(monkeypatch):
+    """The build reads torch's headers from where torch is installed: another environment (a second clone's venv)
+    must not reuse, and silently rebuild, this one's folder, but build its own and say so."""
+    here = build.build_folder()
+    monkeypatch.setattr(torch, "__file__", "/elsewhere/site-packages/torch/__init__.py")
+    assert build.build_folder() != here

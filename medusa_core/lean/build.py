@@ -1,6 +1,6 @@
 """Building and loading the lean step's C++ extension (``lean_step.cpp``) with ``torch.utils.cpp_extension``.
 
-The extension is compiled once per source, torch version and CPU (about a minute on two cores) into
+The extension is compiled once per source, torch version and install folder, and CPU (about a minute on two cores) into
 ``<cache>/lean/<hash>/``, beside the converted GGUF backbones (``gguf.cache_dir``); later starts load the
 built module in well under a second. Where no C++ compiler (or ``ninja``) is found, or the build fails,
 ``load_extension`` returns None with the reason, and the engine keeps transformers' forward. Processes build one
@@ -60,12 +60,16 @@ def _cpu() -> bytes:
 
 
 def _digest() -> str:
-    payload = b"".join(f.read_bytes() for f in FILES) + torch.__version__.encode() + " ".join(CFLAGS).encode() + _cpu()
+    # torch's install folder too: the build compiles against its headers there, and torch rebuilds (unannounced) when
+    # another environment's torch points the same folder at other headers
+    where = str(Path(torch.__file__).resolve().parent).encode()
+    payload = b"".join(f.read_bytes() for f in FILES) + torch.__version__.encode() + where + " ".join(CFLAGS).encode() + _cpu()
     return hashlib.sha256(payload).hexdigest()[:16]
 
 
 def build_folder() -> Path:
-    """``<cache>/lean/<hash of the sources, torch's version, the flags and the CPU>``: any change builds anew."""
+    """``<cache>/lean/<hash of the sources, torch's version and install folder, the flags and the CPU>``: any change
+    builds anew (and says so)."""
     return cache_dir().parent / "lean" / _digest()
 
 
