@@ -256,35 +256,31 @@ def stage_distill_served(args) -> None:
                     "settings": settings, "batch_size": args.distill_batch, "threads": torch.get_num_threads()}})
 
 
-def head_config(args):
-    """The ``HeadTrainingConfig`` of the heads stage's arguments."""
-    from medusa_core.train import HeadTrainingConfig
-
-    return HeadTrainingConfig(num_heads=args.num_heads, num_layers=args.head_layers, share_lm_head=True,
-                              vocab="data", epochs=args.head_epochs, batch_size=512, lr=args.head_lr,
-                              warmup_steps=30, seed=SEED, checkpoint_every=50, soft_targets=args.soft_targets,
-                              root_conditioned=args.root_conditioned)
-
-
 def positions(model, file: Path, name: str, num_heads: int, **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The frozen backbone's states on the replies in ``file``: (hidden [M, H], labels [M, K], roots [M]),
-    cached as ``build/demo/positions_{name}_K.pt`` and extended when the file has grown since."""
+    cached as ``build/demo/positions_{name}_K.pt`` (``..._K-cuda.pt`` for a GPU's float32 states, which are not the
+    CPU's int4 ones) and extended when the file has grown since."""
     from medusa_core.train import cached_positions, read_distilled
 
-    return cached_positions(WORK / f"positions_{name}_{num_heads}.pt", model, read_distilled(file), num_heads, **kwargs)
+    device = next(model.parameters()).device.type
+    cache = WORK / f"positions_{name}_{num_heads}{'' if device == 'cpu' else '-' + device}.pt"
+    return cached_positions(cache, model, read_distilled(file), num_heads, **kwargs)
 
 
 def stage_heads(args) -> None:
     from safetensors.torch import load_file
 
-    from medusa_core.train import rank_accuracy, train_heads
+    from medusa_core.train import HeadTrainingConfig, rank_accuracy, train_heads
 
     out = heads_folder(args)
     if (out / "train_stats.json").exists():
         return
     t0 = time.time()
     model = load_served(args)
-    cfg = head_config(args)
+    cfg = HeadTrainingConfig(num_heads=args.num_heads, num_layers=args.head_layers, share_lm_head=True,
+                             vocab="data", epochs=args.head_epochs, batch_size=512, lr=args.head_lr,
+                             warmup_steps=30, seed=SEED, checkpoint_every=50, soft_targets=args.soft_targets,
+                             root_conditioned=args.root_conditioned)
     (train_files, train_targets), _ = heads_data(args)
     parts = [positions(model, file, name, cfg.num_heads, bf16=True, targets=train_targets) for file, name in train_files]
     hidden, labels, roots = (torch.cat(column) for column in zip(*parts))

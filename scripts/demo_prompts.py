@@ -397,6 +397,13 @@ def build_wide(existing: list[Path]) -> list[dict]:
     return train
 
 
+def write_rows(path: Path, rows: list[dict]) -> None:
+    """Prompt rows as JSONL, each row's ``id`` first."""
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps({"id": row.pop("id"), **row}, ensure_ascii=False) + "\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "assets" / "demo" / "prompts")
@@ -405,9 +412,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.wide:
         rows = build_wide([args.out / f"{name}.jsonl" for name in ("train", "heldout", "train_more")])
-        with open(args.out / "train_wide.jsonl", "w", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps({"id": row.pop("id"), **row}, ensure_ascii=False) + "\n")
+        write_rows(args.out / "train_wide.jsonl", rows)
         counts: dict[str, int] = {}
         for row in rows:
             counts[row["category"]] = counts.get(row["category"], 0) + 1
@@ -417,9 +422,7 @@ def main(argv: list[str] | None = None) -> None:
     train, heldout, train_more = build(args.self_instruct)
     args.out.mkdir(parents=True, exist_ok=True)
     for name, rows in (("train", train), ("heldout", heldout), ("train_more", train_more)):
-        with open(args.out / f"{name}.jsonl", "w", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps({"id": row.pop("id"), **row}, ensure_ascii=False) + "\n")
+        write_rows(args.out / f"{name}.jsonl", rows)
     counts: dict[str, list[int]] = {}
     for split, rows in ((0, train), (1, heldout), (2, train_more)):
         for row in rows:

@@ -161,10 +161,9 @@ def train_heads(
                             root_embedding=embedding)
     else:
         heads = MedusaHeads.from_backbone(backbone, cfg.num_heads, cfg.num_layers, root_conditioned=cfg.root_conditioned)
-    heads = heads.float().cpu().train()
+    heads = heads.float().to(device).train()
     if init is not None:
         _warm_start(heads, init)
-    heads = heads.to(device)
     weight = None  # [V', H] rows of the frozen LM head with vocab="data"
     if cfg.vocab == "data":
         tokens = labels[labels != -100].unique()  # [V'] the label vocabulary, sorted
