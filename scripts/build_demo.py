@@ -305,7 +305,7 @@ def evaluate_heads(args, model, heads, out: Path, stats: dict) -> None:
     from medusa_core.train import accuracy_from_ranks, calibration, head_temperatures, target_ranks
 
     _, (held_file, held_name) = heads_data(args)
-    held_h, held_l, held_r = positions(model, held_file, held_name, heads.num_heads)  # the served backbone's replies, float32 states
+    held_h, held_l, held_r = positions(model, held_file, held_name, heads.num_heads)  # the served backbone's replies, its states
     rooted = {"roots": held_r} if heads.root_conditioned else {}
     ranks = target_ranks(heads, held_h, held_l, **rooted)
     temperatures = head_temperatures(heads, held_h, held_l, **rooted)  # calibrated path probabilities shape the trees

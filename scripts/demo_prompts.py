@@ -40,6 +40,7 @@ import re
 import subprocess
 import sys
 import warnings
+from collections import Counter
 from pathlib import Path
 
 SEED = 0
@@ -413,9 +414,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.wide:
         rows = build_wide([args.out / f"{name}.jsonl" for name in ("train", "heldout", "train_more")])
         write_rows(args.out / "train_wide.jsonl", rows)
-        counts: dict[str, int] = {}
-        for row in rows:
-            counts[row["category"]] = counts.get(row["category"], 0) + 1
+        counts = Counter(row["category"] for row in rows)
         print(f"{len(rows)} round-3 training prompts ({sum('followup' in r for r in rows)} with a follow-up turn): "
               + ", ".join(f"{c} {n}" for c, n in sorted(counts.items())), file=sys.stderr)
         return

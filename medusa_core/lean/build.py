@@ -1,6 +1,6 @@
 """Building and loading the lean step's C++ extension (``lean_step.cpp``) with ``torch.utils.cpp_extension``.
 
-The extension is compiled once per source, torch version and install folder, and CPU (about a minute on two cores) into
+The extension is compiled once per source, torch version, torch install folder and CPU (about a minute on two cores) into
 ``<cache>/lean/<hash>/``, beside the converted GGUF backbones (``gguf.cache_dir``); later starts load the
 built module in well under a second. Where no C++ compiler (or ``ninja``) is found, or the build fails,
 ``load_extension`` returns None with the reason, and the engine keeps transformers' forward. Processes build one
