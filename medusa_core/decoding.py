@@ -104,7 +104,7 @@ class StepRunner:
                 drafter.extend(record.token_ids)  # the context now ends with the root
                 if tree is full:  # room for a chain: the token limit and the context window cap it
                     chain = drafter.propose(min(remaining - 1, self.model.max_context - cur_len - tree.num_nodes))
-                    if 0 < drafter.config.chain_only_from <= len(chain):  # a long copy: verify it alone
+                    if drafter.verify_alone:  # a long copy or a corpus chain: verify it alone
                         tree = self.model._tree("ngram")
             with torch.inference_mode():
                 tokens, log_p = self.candidates(tree, hidden, root, shape_at > 0)  # [N], [N] or None

@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
+from .datastore import CorpusRule, Datastore
+
 
 @dataclass(frozen=True)
 class DraftConfig:
@@ -65,10 +67,23 @@ class NgramDrafter:
         tokens: the context so far (prompt ids), as ``extend`` would add them.
         earlier: token ids of earlier replies that are not in the context (a session's index, as
             SuffixDecoding keeps one): looked up when the context itself has no match of that length.
+        corpus: an index of the model's own replies (``datastore.Datastore``, SuffixDecoding's global tree),
+            drafted from when the context offers no long copy; ``corpus_rule`` says when.
+        copy: False: no copies from the context or the earlier replies, the corpus alone (``drafts="corpus"``).
     """
 
-    def __init__(self, config: DraftConfig = DraftConfig(), tokens: Iterable[int] = (), earlier: Iterable[Iterable[int]] = ()):
+    def __init__(
+        self,
+        config: DraftConfig = DraftConfig(),
+        tokens: Iterable[int] = (),
+        earlier: Iterable[Iterable[int]] = (),
+        corpus: Datastore | None = None,
+        corpus_rule: CorpusRule = CorpusRule(),
+        copy: bool = True,
+    ):
         self.config = config
+        self.corpus, self.corpus_rule, self.copy = corpus, corpus_rule, copy
+        self.verify_alone = False  # whether the last proposal is to be verified without the heads' tree
         self.tokens: list[int] = []
         sizes = range(config.min_ngram, config.max_ngram + 1)
         # size n -> {n-gram: start of its latest occurrence that has a next token}
@@ -120,10 +135,28 @@ class NgramDrafter:
         The copy may run into the suffix itself (the match overlaps it): then it goes on with the tokens
         it has just copied, as an LZ77 copy does, so a repeating pattern is continued with its period.
         ``limit`` is where the caller caps the chain, e.g. at the room left in the context window.
+
+        With a ``corpus``, a copy shorter than ``config.chain_only_from`` gives way to the corpus's chain
+        when the corpus has one (``Datastore.chain`` under ``corpus_rule``). ``verify_alone`` then says
+        whether the step should verify the chain without the heads' tree: a corpus chain always, a copy
+        from the context when it is at least ``chain_only_from`` tokens long.
         """
         length = min(limit, self.config.max_tokens)
+        self.verify_alone = False
         if length < 1:
             return []
+        n, copy = self._copy(length) if self.copy else (0, [])
+        long_copy = 0 < self.config.chain_only_from <= len(copy)
+        if self.corpus is not None and not long_copy:
+            drafted = self.corpus.chain(self.tokens, length, self.corpus_rule)
+            if drafted:
+                self._pending, self.verify_alone = None, True
+                return drafted
+        self._pending, self.verify_alone = ((n, copy) if copy else None), long_copy
+        return copy
+
+    def _copy(self, length: int) -> tuple[int, list[int]]:
+        """(suffix length matched, the copied tokens) of prompt lookup; (0, []) without a match."""
         end = len(self.tokens)
         for n in range(self.config.max_ngram, self.config.min_ngram - 1, -1):
             suffix = tuple(self.tokens[end - n :]) if end >= n else None
@@ -143,6 +176,5 @@ class NgramDrafter:
                     break
                 j = source + i
                 copy.append(text[j] if j < len(text) else copy[j - len(text)])
-            self._pending = (n, copy) if copy else None
-            return copy
-        return []
+            return n, copy
+        return 0, []

@@ -29,7 +29,8 @@ from torch import nn
 
 from .errors import MedusaCheckpointError
 from .generation import check_head_temperatures
-from .gguf import demo_gguf_file, gguf_model_folder
+from .datastore import Datastore
+from .gguf import cache_dir, demo_gguf_file, gguf_model_folder
 from .heads import DRAFT_RANKING_FILE, DRAFT_VOCABULARY, RANKED_DRAFT_VOCABULARY, MedusaHeads
 from .invariant import make_batch_invariant
 from .model import MedusaModel
@@ -99,7 +100,13 @@ def load_medusa_model(
             None: all V.
         trust_remote_code: passed to transformers; off unless the caller asks.
         report: told, one line at a time, of slow first-start work: compiling the lean decoding step
-            (``medusa_core.lean``, about a minute once per install).
+            (``medusa_core.lean``, about a minute once per install) and indexing the model's replies.
+
+    A head-only folder with a ``distill/`` folder of this backbone's own replies (``train.distill`` files named
+    ``<split>-<quantization>-<settings>.jsonl.gz``) gets them as its corpus (``MedusaModel.corpus``,
+    ``datastore.Datastore``): the replies of every split but ``heldout*`` at this precision, indexed at the first
+    ``generate(drafts="corpus")`` and kept in ``corpus/`` of the cache folder, beside ``gguf.cache_dir()`` (on the demo
+    ~20 s once and ~30 MB).
 
     Heads learn the hidden states of the backbone they were trained on, and a 4-bit backbone's differ
     from the plain one's (on the demo, NF4's greedy tokens agree with the plain weights' at ~80 % of
@@ -199,10 +206,26 @@ def load_medusa_model(
         tuned={p: TunedSettings(p, names[p], _tuned_threshold(tuned_file, key, entry), measured_at,
                                 entry.get("measured_speedup"), entry.get("device_name"))
                for p, (key, entry, measured_at) in entries.items() if names[p] in trees},
+        corpus=_corpus(folder, quantization, report) if head_only else None,
         report=report,
     )
     model.backbone_file = base if str(base).lower().endswith(".gguf") else None  # what llama.cpp can read (bench)
     return model
+
+
+def _corpus(folder: Path, quantization: str | None, report: Callable[[str], None] | None) -> Callable[[], Datastore] | None:
+    """What makes the index of ``folder/distill``'s replies of this precision's backbone (held-out splits left
+    out) when first asked for, or None when there are none."""
+    files = sorted(f for f in (folder / "distill").glob(f"*-{quantization or 'none'}-*.jsonl.gz") if not f.name.startswith("heldout"))
+    if not files:
+        return None
+
+    def index() -> Datastore:
+        if report is not None and not Datastore.is_cached(files, cache_dir().parent / "corpus"):
+            report(f"Indexing the model's own replies ({len(files)} files) for corpus drafts, once…")
+        return Datastore.cached(files, cache_dir().parent / "corpus")
+
+    return index
 
 
 def resolve_quantization(quantization: str | None, base: str, device: torch.device) -> str | None:

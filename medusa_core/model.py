@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import threading
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -25,6 +26,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from .decoding import StepRunner
+from .datastore import Datastore
 from .drafts import DraftConfig, NgramDrafter
 from .generation import StepRecord, check_generate_args, check_head_temperatures, eos_ids
 from .invariant import ATTENTION, ATTENTION_KERNEL
@@ -59,6 +61,9 @@ class MedusaModel:
             ``generate``'s ``draft_config`` leaves it unset (``bench tune``'s choice; 0 = every node).
         tuned: ``bench tune``'s choices per settings preset (``medusa_core.tuned``): a reply's settings
             take their preset's tree when ``generate(tree=None)`` and its τ when ``draft_config`` leaves it unset.
+        corpus: an index of this backbone's own replies (``datastore.Datastore``), or a function that makes it
+            (called once, at the first ``generate(drafts="corpus")``, which drafts chains from it); None: the model
+            has none (that draft source then raises ``ValueError``).
         report: told of slow first-start work (compiling the lean decoding step, ``medusa_core.lean``).
 
     Raises ``ValueError`` when the heads do not match the backbone's hidden size, when one of
@@ -81,6 +86,7 @@ class MedusaModel:
         head_temperatures: Sequence[float] | None = None,
         min_head_probability: float = 0.0,
         tuned: Mapping[str, TunedSettings] | None = None,
+        corpus: Datastore | Callable[[], Datastore] | None = None,
         report: Callable[[str], None] | None = None,
     ):
         self.backbone = backbone.eval()
@@ -103,6 +109,8 @@ class MedusaModel:
             raise ValueError(f"min_head_probability must be in [0, 1], got {min_head_probability}")
         self.min_head_probability = float(min_head_probability)
         self.tuned = dict(tuned or {})
+        self._corpus = corpus
+        self._corpus_lock = threading.Lock()  # one build when a warm-up thread and a reply ask at once
         self._trees: dict[str, StepTree] = {}
         self._default_tree = default_tree
         for tree in [*self.trees, *([default_tree] if default_tree else []), *(t.tree for t in self.tuned.values())]:
@@ -113,6 +121,20 @@ class MedusaModel:
         self._steps = StepRunner(self, report)  # the decoding loop and the stages of a step (``medusa_core.decoding``)
 
     # ----------------------------------------------------------------------------------- properties
+    @property
+    def has_corpus(self) -> bool:
+        """Whether the model has a corpus of its own replies (``generate(drafts="corpus")``)."""
+        return self._corpus is not None
+
+    @property
+    def corpus(self) -> Datastore | None:
+        """The index of the model's own replies (``datastore.Datastore``), made on first use (thread-safe: a
+        caller may warm it in the background); None without one."""
+        with self._corpus_lock:
+            if callable(self._corpus):
+                self._corpus = self._corpus()
+            return self._corpus
+
     @property
     def device(self) -> torch.device:
         """Device of the backbone's input embeddings."""
@@ -240,7 +262,11 @@ class MedusaModel:
                 of the context's last tokens (``drafts.NgramDrafter`` over the prompt and the reply so
                 far), as one chain; a step without a match verifies the root alone;
                 ``"hybrid"``: the heads' tree with the n-gram chain grafted on (``steptree.graft``), both
-                verified in the same pass. Drafts are point masses like the heads' candidates, so greedy
+                verified in the same pass;
+                ``"corpus"``: the heads' tree, but a step where the model's ``corpus`` of its own replies
+                has a confident chain (the tokens that most often followed the context's last tokens there,
+                ``Datastore.chain``) verifies the root and that chain alone (REST, SuffixDecoding); needs a
+                model with a corpus. Drafts are point masses like the heads' candidates, so greedy
                 output stays plain greedy output and exact sampling stays exact. Ignored with
                 ``medusa=False``.
             draft_config: n-gram sizes and the longest chain (``DraftConfig``); the chain is also cut so
@@ -294,9 +320,13 @@ class MedusaModel:
         sampling setting outside its range (``SamplingConfig``: temperature a finite number >= 0,
         top_k an integer >= 0, top_p in (0, 1], min_p in [0, 1], repetition_penalty > 0), ε or δ
         outside (0, 1], a seed outside [0, 2**63), an unknown ``sampling`` or ``drafts``, a tree that
-        ``resolve_tree`` refuses, or ``prefill_chunk`` not an integer >= 1.
+        ``resolve_tree`` refuses, ``drafts="corpus"`` for a model without a corpus, or ``prefill_chunk`` not an
+        integer >= 1.
         """
         check_generate_args(max_new_tokens, posterior_threshold, posterior_alpha, seed, sampling, drafts)
+        if drafts == "corpus" and medusa and not self.has_corpus:
+            raise ValueError("drafts='corpus' needs a model with a corpus of its own replies (a distill/ folder beside "
+                             f"its heads, load_medusa_model); {self.name} has none: use 'heads', 'hybrid' or 'ngram'")
         if not isinstance(prefill_chunk, int) or isinstance(prefill_chunk, bool) or prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be an integer >= 1 (prompt tokens per pass), got {prefill_chunk!r}")
         overrides = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty)
@@ -321,7 +351,11 @@ class MedusaModel:
         if seed is None:
             seed = random.SystemRandom().randrange(2**63)
         rule = "greedy" if settings.greedy else sampling if medusa else "sample"
-        drafter = NgramDrafter(draft_config, input_ids[0].tolist(), earlier_replies) if medusa and drafts != "heads" else None
+        drafter = None
+        if medusa and drafts == "corpus":
+            drafter = NgramDrafter(draft_config, input_ids[0].tolist(), corpus=self.corpus, copy=False)
+        elif medusa and drafts != "heads":
+            drafter = NgramDrafter(draft_config, input_ids[0].tolist(), earlier_replies)
         shape_at = draft_config.min_head_probability
         if shape_at is None:
             shape_at = self.shaping_threshold(settings)

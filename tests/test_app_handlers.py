@@ -286,6 +286,25 @@ def test_compare_runs_medusa_off_then_heads_n_gram_and_hybrid_drafts_and_reports
     assert updates[-1]["summary"].count("–") < summary_markdown(summarize([], 4)).count("–")
 
 
+
+def test_compare_also_runs_corpus_drafts_for_a_model_with_a_corpus_of_its_replies(engine, settings, controls):
+    from medusa_core import MedusaModel
+    from medusa_core.datastore import Datastore
+
+    from app.engine import Engine
+
+    session = Session()
+    send(engine, settings, session, controls)
+    reply = [t for r in session.last_records for t in r.token_ids]
+    prompt_ids = list(range(1, 5))
+    model = engine.model
+    with_corpus = MedusaModel(model.backbone, model.heads, model.tokenizer, name="tiny with a corpus", trees=model.trees,
+                              corpus=Datastore.build([(prompt_ids + reply, len(prompt_ids))] * 2))
+    updates = list(handlers.compare(Engine.of(with_corpus), settings, session, controls))
+    table = updates[-1]["compare_result"]
+    assert "| corpus |" in table and table.count("**yes** ✓") == 4  # heads, n-gram, hybrid, corpus: identical to Medusa off
+    assert {r.drafts for r in session.rows if r.source == "compare"} == {"", "heads", "ngram", "hybrid", "corpus"}
+
 def test_compare_without_a_message_says_what_to_do(engine, settings, controls):
     (update,) = handlers.compare(engine, settings, Session(), controls)
     assert "Send a message first" in update["compare_result"]

@@ -185,6 +185,7 @@ class ScriptedDrafter:
 
     def propose(self, limit):
         chain = self.full[len(self.tokens) : len(self.tokens) + min(limit, 6)]
+        self.verify_alone = 0 < self.config.chain_only_from <= len(chain)
         return chain if self.right else [(t + 1) % self.vocab for t in chain]
 
 
@@ -284,9 +285,9 @@ def test_an_earlier_reply_to_the_same_prompt_is_copied_and_the_new_reply_stays_e
 
 def test_an_unknown_draft_source_is_refused_before_any_work(random_model, backbone_for):
     model = random_model(backbone_for("llama"))
-    with pytest.raises(ValueError, match="drafts must be one of 'hybrid', 'heads', 'ngram'"):
+    with pytest.raises(ValueError, match="drafts must be one of 'hybrid', 'heads', 'ngram', 'corpus'"):
         model.generate(PROMPT, max_new_tokens=4, drafts="lookup")
-    assert DRAFT_SOURCES == ("hybrid", "heads", "ngram")
+    assert DRAFT_SOURCES == ("hybrid", "heads", "ngram", "corpus")
 
 
 # ------------------------------------------------------------ calibrated shaping (issue 20, part 2)

@@ -12,7 +12,7 @@ nothing still returns a name (with ``gr.skip()``): Gradio reads an empty dict as
 | ``views`` | chat messages, status line, live view, model panel |
 | ``generation`` | the prompt that fits the context, recording the engine's steps |
 | ``chat`` | send, reply, Stop, Regenerate, edit and resend, Clear, restore after a reload, step slider, highlight |
-| ``compare`` | Compare Medusa off and its three draft sources |
+| ``compare`` | Compare Medusa off and its draft sources |
 | ``export`` | CSV statistics, Markdown and JSON transcripts |
 | ``loading`` | the page while the model loads |
 """

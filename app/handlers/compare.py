@@ -29,12 +29,13 @@ log = logging.getLogger(__name__)
 
 OFF = "Medusa off"
 #: The runs of a Compare: its label, and ``generate``'s ``drafts`` (None: Medusa off), in the order they run.
-VARIANTS = {OFF: None, "heads": "heads", "n-gram": "ngram", "hybrid": "hybrid"}
+VARIANTS = {OFF: None, "heads": "heads", "n-gram": "ngram", "hybrid": "hybrid", "corpus": "corpus"}
 
 
 def compare(engine: Engine, settings: AppSettings, session: Session, controls: Controls) -> Iterator[Updates]:
     """Re-run the last prompt greedily (with the controls' repetition penalty) with Medusa off, then with
-    heads, n-gram and hybrid drafts; report tokens/s, speedup and identity of each."""
+    heads, n-gram, hybrid and (for a model with a corpus of its replies) corpus drafts; report tokens/s, speedup and
+    identity of each."""
     index = next((i for i in range(len(session.turns) - 1, -1, -1) if session.turns[i].state != "pending"), None)
     if engine.model is None or index is None:
         yield {"compare_result": "Send a message first: Compare re-runs the last prompt."}
@@ -51,7 +52,7 @@ def compare(engine: Engine, settings: AppSettings, session: Session, controls: C
         runs = {mode: model.generate(ids, max_new_tokens=greedy.max_new_tokens, tree=tree, config=config,
                                      medusa=drafts is not None, drafts=drafts or "heads", progress=True,
                                      prefill_chunk=settings.prefill_chunk)
-                for mode, drafts in VARIANTS.items()}
+                for mode, drafts in VARIANTS.items() if drafts != "corpus" or model.has_corpus}
     except (ValueError, TemplateError) as e:
         yield {"compare_result": f"⚠ {html.escape(str(e))}"}
         return
@@ -68,12 +69,12 @@ def compare(engine: Engine, settings: AppSettings, session: Session, controls: C
             with closing(record_steps(engine, session, steps, greedy, "compare", session.new_reply(), ReplyText())) as records:
                 for record in records:
                     if isinstance(record, ReadProgress):  # a long prompt is being read: Stop ends it after this chunk
-                        yield {"compare_result": compare_table(results, running=mode, reading=record)}
+                        yield {"compare_result": compare_table(results, running=mode, reading=record, planned=len(runs))}
                         continue
                     done.append(record)
                     if time.monotonic() - last_plot >= settings.redraw_interval_s:
                         last_plot = time.monotonic()
-                        yield {"compare_result": compare_table(results, running=mode), **live_view(engine, session)}
+                        yield {"compare_result": compare_table(results, running=mode, planned=len(runs)), **live_view(engine, session)}
     except Exception as e:  # noqa: BLE001 - shown in the panel; the app keeps serving
         log.exception("compare failed")
         yield {"compare_result": f"⚠ Compare failed: {type(e).__name__}: {html.escape(str(e))}"}
@@ -82,15 +83,18 @@ def compare(engine: Engine, settings: AppSettings, session: Session, controls: C
         for steps in runs.values():
             steps.close()
         session.end()
-    yield {"compare_result": compare_table(results, running=None), **live_view(engine, session, final=True), "model_panel": model_panel(engine, session)}
+    yield {"compare_result": compare_table(results, running=None, planned=len(runs)), **live_view(engine, session, final=True), "model_panel": model_panel(engine, session)}
 
 
-def compare_table(results: dict[str, list[StepRecord]], running: str | None, reading: ReadProgress | None = None) -> str:
+def compare_table(
+    results: dict[str, list[StepRecord]], running: str | None, reading: ReadProgress | None = None, planned: int | None = None
+) -> str:
     """The Compare panel: a row per run so far (with the tokens the heads and the n-gram lookup
-    proposed; ``reading``: how far the running one has read its prompt); once every run ended by itself (EOS, token limit, context), each variant's speedup over
-    Medusa off and whether its reply is identical. A stopped Compare draws no verdict: a partial run's
-    speed and text say nothing about the whole reply."""
-    lines = ["| | tokens | steps | tok/step | from heads | from n-gram | time (s) | tok/s |", "|---|---|---|---|---|---|---|---|"]
+    proposed; ``reading``: how far the running one has read its prompt); once all ``planned`` runs ended by themselves
+    (EOS, token limit, context), each variant's speedup over Medusa off and whether its reply is identical. A stopped
+    Compare (``planned`` None: Stop's report) draws no verdict: a partial run's speed and text say nothing about the
+    whole reply."""
+    lines = ["| | tokens | steps | tok/step | from heads | from n-gram or corpus | time (s) | tok/s |", "|---|---|---|---|---|---|---|---|"]
     speed: dict[str, float] = {}
     for mode, records in results.items():
         tokens = sum(len(r.token_ids) for r in records)
@@ -106,7 +110,7 @@ def compare_table(results: dict[str, list[StepRecord]], running: str | None, rea
             f"| {mode}{suffix} | {tokens} | {len(decode)} | {per_step:.2f} | {heads} | {ngram} | {total_s:.2f} "
             f"| {speed.get(mode, 0.0):.1f} |"
         )
-    finished = len(results) == len(VARIANTS) and all(records and records[-1].stop_reason for records in results.values())
+    finished = len(results) == planned and all(records and records[-1].stop_reason for records in results.values())
     if running is None and finished:
         plain = [t for r in results[OFF] for t in r.token_ids]
         lines += ["", "| vs Medusa off | speedup | identical reply |", "|---|---|---|"]

@@ -195,10 +195,12 @@ def chat_preset(engine: Engine, settings: AppSettings) -> Updates:
 
 TREE_INFO = "the candidate tree verified at each step: the model's own trees first"
 DRAFTS_INFO = ("where each step's candidates come from: heads = the heads only (the paper's Medusa); hybrid = the heads' tree "
-               "plus a chain copied from the conversation (prompt lookup), both verified in one pass; n-gram = the copied chain only. "
+               "plus a chain copied from the conversation (prompt lookup), both verified in one pass; n-gram = the copied chain only; "
+               "heads + corpus = the heads' tree, or where the model's corpus of its own replies is confident a chain from it. "
                "The heads' tree is shaped per step by the model's tuned τ (Model panel: tree shaping)")
 #: The Drafts control's choices: (label, ``generate(drafts=...)`` value), the default first.
-DRAFT_CHOICES = [("heads only", "heads"), ("hybrid (heads + n-gram)", "hybrid"), ("n-gram only", "ngram")]
+DRAFT_CHOICES = [("heads only", "heads"), ("hybrid (heads + n-gram)", "hybrid"), ("n-gram only", "ngram"),
+                 ("heads + corpus", "corpus")]
 PUBLISHED_TREE_NODES = 64  # the Medusa paper's published trees: 63 candidates + root, tuned for 7B–33B models on GPUs
 
 

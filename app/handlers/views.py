@@ -93,9 +93,11 @@ def turn_stats(session: Session, turn: Turn) -> str:
     if rows[0].mode == "medusa":  # also a reply that ended in its first step (the prefill's token)
         # The tree asked for, not a step's: a hybrid step may verify the n-gram chain alone ("ngram").
         drafts = rows[0].drafts
-        tree = "n-gram drafts" if drafts == "ngram" else f"tree {turn.tree}" + (" + n-gram" if drafts == "hybrid" else "")
+        extra = {"hybrid": " + n-gram", "corpus": " + corpus"}.get(drafts, "")
+        tree = "n-gram drafts" if drafts == "ngram" else f"tree {turn.tree}{extra}"
         heads, ngram = sum(r.head_tokens for r in rows), sum(r.ngram_tokens for r in rows)
-        sources = {"heads": f"{heads} from heads", "ngram": f"{ngram} from n-gram"}
+        sources = {"heads": f"{heads} from heads", "ngram": f"{ngram} from n-gram",
+                   "corpus": f"{heads} from heads, {ngram} from the corpus"}
         parts += [tree, sources.get(drafts, f"{heads} from heads, {ngram} from n-gram")]  # hybrid: both
     else:
         parts.append("Medusa off")

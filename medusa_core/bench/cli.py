@@ -83,8 +83,9 @@ def build_parser(command: str) -> argparse.ArgumentParser:
                             f"interleaved prompt by prompt (default: {cores}, the physical cores this process may use)")
         p.add_argument("--methods", type=_csv_list, default=list(METHOD_KINDS + DRAFT_METHODS),
                        help="comma list of hf, hf_pld, llama_cpp, baseline, medusa, medusa:<tree>, ngram (this engine's n-gram "
-                            "drafts alone), medusa+ngram, medusa+ngram:<tree> (the hybrid: heads and n-gram drafts in one tree) "
-                            "(default: hf, hf_pld, llama_cpp, baseline, medusa, ngram, medusa+ngram)")
+                            "drafts alone), medusa+ngram, medusa+ngram:<tree> (the hybrid: heads and n-gram drafts in one tree), "
+                            "medusa+corpus[:<tree>] (the heads, and chains from the model's corpus of its replies) "
+                            "(default: hf, hf_pld, llama_cpp, baseline, medusa, ngram, medusa+ngram, medusa+corpus)")
         p.add_argument("--trees", type=_csv_list, default=None,
                        help="trees for 'medusa' (default: the model's own trees, else chain_4,sparse_8,sparse_16,sparse_32)")
         p.add_argument("--max-new-tokens", type=int, default=128)

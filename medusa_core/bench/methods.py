@@ -13,7 +13,7 @@ from . import llama_cpp
 #: Method kinds: HF greedy ``generate``, HF prompt lookup decoding, this project's plain loop, Medusa.
 METHOD_KINDS = ("hf", "hf_pld", "llama_cpp", "baseline", "medusa")
 #: Method names that run this engine's n-gram drafts: alone (kind ``medusa``, no heads) or beside each tree.
-DRAFT_METHODS = ("ngram", "medusa+ngram")
+DRAFT_METHODS = ("ngram", "medusa+ngram", "medusa+corpus")
 #: Suffix of a ``baseline`` or Medusa method name that runs it with transformers' forward, not the lean pass.
 TRANSFORMERS_PASS = "@transformers"
 #: Small trees benchmarked when the model ships none of its own.
@@ -25,11 +25,11 @@ class Method:
     """A decoding method under test.
 
     Attributes:
-        name: its label in tables: ``hf``, ``hf_pld``, ``baseline``, ``medusa:<tree>``, ``ngram`` or
-            ``medusa+ngram:<tree>``.
+        name: its label in tables: ``hf``, ``hf_pld``, ``baseline``, ``medusa:<tree>``, ``ngram``,
+            ``medusa+ngram:<tree>`` or ``medusa+corpus:<tree>``.
         kind: one of ``METHOD_KINDS``.
         choices: the Medusa tree's paths (kind ``medusa`` only; empty for ``ngram``).
-        drafts: ``generate(drafts=...)`` of kind ``medusa``: ``heads``, ``ngram`` or ``hybrid``.
+        drafts: ``generate(drafts=...)`` of kind ``medusa``: ``heads``, ``ngram``, ``hybrid`` or ``corpus``.
         source: the GGUF file llama.cpp decodes (kind ``llama_cpp`` only).
         lean: kinds ``baseline`` and ``medusa``: False runs transformers' forward instead of the compiled
             decoding pass (``medusa_core.lean``): a name ending in ``TRANSFORMERS_PASS``, for before/after figures.
@@ -51,14 +51,15 @@ class Method:
 
 def build_methods(model: Any, methods: Sequence[str], trees: Sequence[str]) -> list[Method]:
     """Methods from names: ``hf``, ``hf_pld``, ``baseline``, ``medusa`` (one per tree in ``trees``),
-    ``medusa:<tree>``, ``ngram`` (n-gram drafts only), ``medusa+ngram`` (the hybrid, one per tree) or
-    ``medusa+ngram:<tree>``; ``baseline`` and the Medusa names may end in ``TRANSFORMERS_PASS`` (transformers'
+    ``medusa:<tree>``, ``ngram`` (n-gram drafts only), ``medusa+ngram`` (the hybrid, one per tree),
+    ``medusa+ngram:<tree>``, ``medusa+corpus`` / ``medusa+corpus:<tree>`` (the heads and the model's corpus of its
+    replies; skipped, with a line saying so, for a model without one); ``baseline`` and the Medusa names may end in ``TRANSFORMERS_PASS`` (transformers'
     forward instead of the lean pass). Raises ``ValueError`` for an unknown method or a tree the model cannot run."""
     out: list[Method] = []
     for full_name in methods:
         name = full_name.removesuffix(TRANSFORMERS_PASS)
         if name != full_name:
-            if name == "baseline" or name.split(":", 1)[0] in ("medusa", "medusa+ngram", "ngram"):
+            if name == "baseline" or name.split(":", 1)[0] in ("medusa", "medusa+ngram", "medusa+corpus", "ngram"):
                 out += [dataclasses.replace(m, name=m.name + TRANSFORMERS_PASS, lean=False) for m in build_methods(model, [name], trees)]
                 continue
             raise ValueError(f"{TRANSFORMERS_PASS} applies to baseline and Medusa methods, not {name!r}")
@@ -75,14 +76,19 @@ def build_methods(model: Any, methods: Sequence[str], trees: Sequence[str]) -> l
             out.append(Method(name, name, source=str(path)))
         elif name == "ngram":
             out.append(Method(name, "medusa", drafts="ngram"))
-        elif name.split(":", 1)[0] in ("medusa", "medusa+ngram"):
-            prefix, drafts = ("medusa", "heads") if name.startswith("medusa:") or name == "medusa" else ("medusa+ngram", "hybrid")
+        elif name.split(":", 1)[0] in ("medusa", "medusa+ngram", "medusa+corpus"):
+            prefix = name.split(":", 1)[0]
+            drafts = {"medusa": "heads", "medusa+ngram": "hybrid", "medusa+corpus": "corpus"}[prefix]
+            if drafts == "corpus" and not getattr(model, "has_corpus", False):
+                print(f"skipped {name}: the model has no corpus of its own replies (a distill/ folder beside its heads)")
+                continue
             for tree in trees if ":" not in name else [name.split(":", 1)[1]]:
                 tree_name, choices = model.resolve_tree(tree)
                 out.append(Method(f"{prefix}:{tree_name}", "medusa", tuple(map(tuple, choices)), drafts=drafts))
         else:
             raise ValueError(
-                f"unknown method {name!r}: use {', '.join(METHOD_KINDS + DRAFT_METHODS)}, medusa:<tree> or medusa+ngram:<tree>"
+                f"unknown method {name!r}: use {', '.join(METHOD_KINDS + DRAFT_METHODS)}, medusa:<tree>, medusa+ngram:<tree> "
+                "or medusa+corpus:<tree>"
             )
     names = [m.name for m in out]
     if len(set(names)) != len(names):

@@ -223,6 +223,7 @@ def test_a_new_users_session_in_headless_chromium(app_url, tmp_path):
         result = page.locator("#compare-result")
         expect(result).to_contain_text("identical reply", timeout=REPLY_TIMEOUT_S * 4_000)
         expect(result).to_contain_text(re.compile(r"hybrid\s+[\d.]+×"))
+        expect(result).to_contain_text(re.compile(r"corpus\s+[\d.]+×"))
         page.screenshot(path=str(SCREENSHOTS / "3-compare.png"), full_page=True)
 
         # The statistics CSV: one row per step of the session, and a saved copy whose path is shown.
@@ -235,8 +236,8 @@ def test_a_new_users_session_in_headless_chromium(app_url, tmp_path):
         replies: dict[int, list[dict[str, str]]] = {}
         for r in rows:
             replies.setdefault(int(r["reply_index"]), []).append(r)
-        assert sorted(replies) == list(range(8))  # four chat replies (one regenerated), then compare's four runs
-        assert [r["source"] for r in rows if r["step"] == "0"] == ["chat"] * 4 + ["compare"] * 4
+        assert sorted(replies) == list(range(9))  # four chat replies (one regenerated), then compare's five runs
+        assert [r["source"] for r in rows if r["step"] == "0"] == ["chat"] * 4 + ["compare"] * 5
         assert len(replies[0]) == steps
         assert {r["mode"] for r in replies[1]} == {r["mode"] for r in replies[4]} == {"baseline"}
         assert (replies[2][-1]["stop_reason"] == "stopped") == stopped
