@@ -41,7 +41,8 @@ class StepRecord:
         mode: ``"medusa"`` or ``"baseline"`` (plain decoding, one token per step).
         tree_name: name of the Medusa tree used; ``"prefill"`` for step 0; ``"baseline"`` for a root-only
             step (baseline mode, or a Medusa step when one token remains or the context is nearly full);
-            ``"ngram"`` for a step of ``drafts="ngram"`` (no heads: the root and the n-gram chain, if any).
+            ``"ngram"`` for a step that verifies the root and an n-gram chain alone (``drafts="ngram"``, a long
+            copy of ``"hybrid"``, a corpus chain of ``"corpus"``).
         tree_nodes: N, nodes of the tree verified this step, root included.
         node_token_ids: token id of every node.
         node_parents: parent node index of every node (-1 for the root).
@@ -50,7 +51,8 @@ class StepRecord:
         node_ranks: rank of every node's token in its head's top-k (0 for the root and n-gram nodes).
         node_sources: where every node's token comes from, one of ``steptree.NODE_SOURCES``:
             ``"root"``, ``"head"`` (head ``node_heads[i]``, rank ``node_ranks[i]``) or ``"ngram"`` (copied
-            from the context by prompt lookup; a drafted token that a head also proposed stays ``"head"``).
+            from the context by prompt lookup, or drafted from the model's corpus; a drafted token that a head
+            also proposed stays ``"head"``).
         drafts: the reply's ``generate(drafts=...)``, one of ``DRAFT_SOURCES``; ``""`` in baseline mode.
         accepted_nodes: node indices of the accepted path, root first.
         sampling: the rule the step used, one of ``SAMPLING_RULES``: ``"greedy"`` (temperature 0:
@@ -103,7 +105,7 @@ class StepRecord:
 
     @property
     def ngram_tokens(self) -> int:
-        """Of ``draft_tokens``, those copied by n-gram lookup (``node_sources`` ``"ngram"``)."""
+        """Of ``draft_tokens``, those of n-gram drafts, prompt lookup's or the corpus's (``node_sources`` ``"ngram"``)."""
         if not self.node_sources:
             return 0
         kept = self.accepted_nodes[1 : 1 + self.draft_tokens]
