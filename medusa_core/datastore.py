@@ -25,6 +25,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 _MULT = np.uint64(0x9E3779B97F4A7C15)
+_MIX = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)  # splitmix64's finaliser
 _MASK = (1 << 64) - 1
 #: Bumped when the index's layout changes, so that a cached index of an older layout is built again, not read.
 _LAYOUT = 3
@@ -59,8 +60,8 @@ def _context_hash(tokens: Sequence[int]) -> int:
     h = len(tokens)
     for t in tokens:
         h = (h * 0x9E3779B97F4A7C15 + t + 1) & _MASK
-    h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & _MASK
+    h = ((h ^ (h >> 30)) * _MIX[0]) & _MASK
+    h = ((h ^ (h >> 27)) * _MIX[1]) & _MASK
     return h ^ (h >> 31)
 
 
@@ -70,8 +71,8 @@ def _context_hashes(seq: np.ndarray, targets: np.ndarray, n: int) -> np.ndarray:
     with np.errstate(over="ignore"):
         for back in range(n, 0, -1):
             h = h * _MULT + (seq[targets - back] + 1).astype(np.uint64)
-        h = (h ^ (h >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        h = (h ^ (h >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        h = (h ^ (h >> np.uint64(30))) * np.uint64(_MIX[0])
+        h = (h ^ (h >> np.uint64(27))) * np.uint64(_MIX[1])
     return h ^ (h >> np.uint64(31))
 
 
@@ -99,8 +100,9 @@ class Datastore:
         continuation of the 1..``max_context`` tokens before it (which may reach into the prompt). Contexts seen
         fewer than ``min_total`` times, or whose top token's share is below ``min_share``, are left out (no rule
         would propose them). A context's key keeps the high 64 − b bits of its hash, b the bits of the largest
-        token id, so that (context, next token) sorts as one 64-bit number (two contexts share a key about once in
-        2^(63 − b) / contexts² tries; a shared key only mixes two contexts' drafts, which the backbone verifies).
+        token id, so that (context, next token) sorts as one 64-bit number: of C contexts about C² / 2^(65 − b)
+        pairs share a key (under one for the demo's ~14 M contexts and b = 16), and a shared key only mixes two
+        contexts' drafts, which the backbone verifies.
         Raises ``ValueError`` for ``max_context`` < 1."""
         if max_context < 1:
             raise ValueError(f"max_context must be >= 1 (tokens), got {max_context}")

@@ -243,6 +243,16 @@ def test_an_invalid_custom_tree_gets_the_validators_message(engine, settings, co
     assert too_deep["tree_status"].startswith("⚠") and "4" in too_deep["tree_status"]
 
 
+def test_corpus_drafts_on_a_model_without_a_corpus_are_refused_and_the_message_is_kept(engine, settings, controls):
+    session = Session()
+    send(engine, settings, session, dataclasses.replace(controls, drafts="corpus"), "keep me")
+    turn = session.turns[0]
+    assert turn.state == "error" and turn.user == "keep me" and not session.busy
+    assert "drafts='corpus' needs a model with a corpus" in turn.error and "'heads'" in turn.error
+    send(engine, settings, session, controls, "again")  # the chat goes on with another draft source
+    assert session.turns[1].state == "done"
+
+
 def test_a_valid_custom_tree_is_used_for_the_reply(engine, settings, controls):
     session = Session()
     custom = dataclasses.replace(controls, tree=CUSTOM_TREE, custom_tree="[[0], [1], [0, 0]]")
