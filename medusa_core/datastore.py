@@ -28,7 +28,7 @@ _MULT = np.uint64(0x9E3779B97F4A7C15)
 _MIX = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)  # splitmix64's finaliser
 _MASK = (1 << 64) - 1
 #: Bumped when the index's layout changes, so that a cached index of an older layout is built again, not read.
-_LAYOUT = 3
+_LAYOUT = 4
 
 
 @dataclass(frozen=True)
@@ -139,11 +139,11 @@ class Datastore:
         return cls(context[group_start][keep], nexts[keep], counts[keep], totals[keep], max_context, bits)
 
     def save(self, path: str | Path) -> None:
-        """Write the index as a safetensors file."""
+        """Write the index as a safetensors file (keys as int64 bits, the rest int32: 20 bytes a context)."""
         import torch
         from safetensors.torch import save_file
 
-        tensors = {name: torch.from_numpy(getattr(self, name).astype(np.int64)) for name in ("tokens", "counts", "totals")}
+        tensors = {name: torch.from_numpy(getattr(self, name).astype(np.int32)) for name in ("tokens", "counts", "totals")}
         tensors["keys"] = torch.from_numpy(self.keys.view(np.int64))
         save_file(tensors, str(path), metadata={"max_context": str(self.max_context), "bits": str(self.bits)})
 
@@ -162,11 +162,13 @@ class Datastore:
 
     @staticmethod
     def _cache_path(files: Sequence[Path], folder: Path, build_kwargs: dict) -> Path:
-        digest = hashlib.sha256(repr((_LAYOUT, sorted(build_kwargs.items()))).encode())
+        """``folder/corpus-<these files>-<their sizes and times, the layout, build_kwargs>.safetensors``."""
+        which = hashlib.sha256(repr(sorted(str(Path(f).resolve()) for f in files)).encode())
+        state = hashlib.sha256(repr((_LAYOUT, sorted(build_kwargs.items()))).encode())
         for f in files:
             st = Path(f).stat()
-            digest.update(f"{Path(f).name}:{st.st_size}:{st.st_mtime_ns}".encode())
-        return Path(folder) / f"corpus-{digest.hexdigest()[:16]}.safetensors"
+            state.update(f"{Path(f).name}:{st.st_size}:{st.st_mtime_ns}".encode())
+        return Path(folder) / f"corpus-{which.hexdigest()[:8]}-{state.hexdigest()[:12]}.safetensors"
 
     @classmethod
     def is_cached(cls, files: Sequence[Path], folder: Path, **build_kwargs) -> bool:
@@ -176,8 +178,8 @@ class Datastore:
     @classmethod
     def cached(cls, files: Sequence[Path], folder: Path, **build_kwargs) -> "Datastore":
         """The index of the replies in distillation ``files`` (``medusa_core.train.read_distilled`` rows),
-        built once and kept in ``folder`` under a name from the files' names, sizes and modification times
-        (and ``build_kwargs``, passed to ``build``)."""
+        built once and kept in ``folder`` under a name from the files' paths, sizes and modification times
+        (and ``build_kwargs``, passed to ``build``); a new index of the same files replaces the older ones."""
         from .train.distill import read_distilled
 
         path = cls._cache_path(files, folder, build_kwargs)
@@ -189,6 +191,9 @@ class Datastore:
         partial = path.with_suffix(".partial")
         store.save(partial)
         partial.replace(path)
+        for older in path.parent.glob(f"{path.name.rsplit('-', 1)[0]}-*.safetensors"):
+            if older != path:
+                older.unlink(missing_ok=True)
         return store
 
     def next_token(self, context: Sequence[int]) -> tuple[int, float, int] | None:

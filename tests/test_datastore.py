@@ -111,6 +111,9 @@ def test_the_cache_builds_once_and_again_when_a_file_changes(tmp_path, monkeypat
     with gzip.open(replies, "at") as f:  # the distillation file grew
         f.write(json.dumps(rows[0] | {"id": 9}) + "\n")
     assert not Datastore.is_cached([replies], tmp_path / "cache", min_total=1)
+    monkeypatch.undo()
+    assert Datastore.cached([replies], tmp_path / "cache", min_total=1).next_token([8, 2, 3]) == (4, 3 / 4, 2)
+    assert len(list((tmp_path / "cache").glob("corpus-*.safetensors"))) == 1  # the older index was replaced
 
 
 # ------------------------------------------------------------------------ the engine with corpus drafts
