@@ -15,7 +15,8 @@ Works on token ids and knows no UI. Public API:
 - Reading the prompt (``prefill``): a conversation's KV cache kept between turns, ``ConversationCache``
   (``generate(kept=...)``), and ``ReadProgress`` records while a long prompt is read in ``PREFILL_CHUNK``-token
   chunks (``generate(progress=True)``).
-- N-gram drafts in the tree (prompt lookup beside the heads, issue 20): ``NgramDrafter``, ``DraftConfig``.
+- N-gram drafts in the tree (prompt lookup beside the heads, issue 20): ``NgramDrafter``, ``DraftConfig``; drafts
+  from the model's own replies (REST, SuffixDecoding; ``generate(drafts="corpus")``): ``Datastore``, ``CorpusRule``.
 - Sampling settings with HF ``generate`` semantics, applied at every tree node: ``SamplingConfig``
   (temperature, top-k, top-p, min-p, repetition penalty) and ``CHAT_PRESET``.
 - Trees tuned per machine and settings preset by ``bench tune``: ``TunedSettings``, ``TUNED_PRESETS``
@@ -26,6 +27,7 @@ Works on token ids and knows no UI. Public API:
 from .acceptance import NODE_STATUSES, draw, evaluate_posterior, node_status, residual_distributions, try_children
 from .cpu import physical_cores
 from .export import export_vllm, save_medusa_heads
+from .datastore import CorpusRule, Datastore
 from .drafts import DraftConfig, NgramDrafter
 from .generation import DRAFT_SOURCES, SAMPLING_MODES, SAMPLING_RULES, STOP_REASONS, StepRecord
 from .heads import MedusaHeads
@@ -60,6 +62,8 @@ __all__ = [
     "STOP_REASONS",
     "TREE_PRESETS",
     "ConversationCache",
+    "CorpusRule",
+    "Datastore",
     "DraftConfig",
     "MedusaCheckpointError",
     "MedusaHeads",
