@@ -606,6 +606,34 @@ def test_profile_split_only_times_each_stage_of_plain_medusa_and_hybrid_steps_an
     assert list(plain["ms"]) == list(STAGES)
 
 
+def test_corpus_drafts_run_in_the_bench_and_the_profile_for_a_model_with_a_corpus_and_stay_identical_to_hf(tmp_path, monkeypatch):
+    import gzip
+
+    from medusa_core import gguf
+
+    monkeypatch.setenv(gguf.CACHE_ENV, str(tmp_path / "cache"))
+    heads = write_tiny_medusa(tmp_path / "tiny")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):", "category": "python"}\n')
+    model = load_medusa_model(heads, quantization="none")
+    ids = encode_prompt(model.tokenizer, "def add(a, b):")
+    reply = [t for r in model.generate(ids, max_new_tokens=12, temperature=0.0, medusa=False) for t in r.token_ids]
+    (heads / "distill").mkdir()
+    with gzip.open(heads / "distill" / "train-none-greedy.jsonl.gz", "wt") as f:  # the model's own reply, twice
+        for i in range(2):
+            f.write(json.dumps({"id": i, "messages": [], "prompt_ids": ids[0].tolist(), "reply_ids": reply, "reply": ""}) + "\n")
+    out = tmp_path / "out"
+    assert main(["--model", str(heads), "--quantization", "none", "--prompts", str(prompts), "--methods", "hf,medusa+corpus:chain_2",
+                 "--max-new-tokens", "12", "--repeats", "1", "--out", str(out), "--no-progress", "--threads", "1"]) == 0
+    markdown = (out / "summary.md").read_text()
+    assert "| medusa+corpus:chain_2 |" in markdown and "No divergence" in markdown
+    rows = list(csv.DictReader((out / "runs.csv").open()))
+    assert int(next(r for r in rows if r["method"] == "medusa+corpus:chain_2")["ngram_tokens"]) > 0  # the corpus's chains accepted
+    assert main(["profile", "--model", str(heads), "--quantization", "none", "--prompts", str(prompts), "--split-only",
+                 "--tree", "chain_2", "--max-new-tokens", "8", "--rounds", "1", "--out", str(tmp_path / "prof"), "--threads", "1"]) == 0
+    assert "| medusa+corpus:chain_2 |" in (tmp_path / "prof" / "profile.md").read_text()
+
+
 def test_profile_at_the_chat_preset_decodes_every_step_at_the_apps_chat_settings(tiny, tmp_path, monkeypatch):
     import medusa_core.bench.profiling as profiling
     from medusa_core.bench.stepsplit import step_split
