@@ -109,7 +109,7 @@ class AppSettings(BaseSettings):
         "heads", description="initial source of each step's candidates: heads (the paper's Medusa; the fastest on the demo at the "
                              "chat preset, docs/BENCH.md), hybrid (the heads' tree plus a chain copied from the conversation by prompt "
                              "lookup), ngram (prompt lookup only) or corpus (the heads' tree, or a chain from the model's corpus of "
-                             "its own replies where that is confident; the fastest at greedy on the demo)"
+                             "its own replies where that is confident; the fastest at greedy on the demo, not at the chat preset)"
     )
     # ---- live view and files
     redraw_interval_s: float = Field(0.25, ge=0.0, allow_inf_nan=False, description="seconds between redraws of the plots while a reply streams")
