@@ -167,8 +167,8 @@ def tree_figure(record: StepRecord, labels: Sequence[str], height: int = 380) ->
     added, kept = len(record.token_ids), record.draft_tokens
     cut = record.accept_length - kept
     where = "after EOS" if record.stop_reason == "eos" else "at the token limit"
-    copied = f", {record.ngram_tokens} from n-gram" if record.drafts in ("hybrid", "ngram") else ""
-    copied = f", {record.ngram_tokens} from the corpus" if record.drafts == "corpus" else copied
+    copied = {"hybrid": "n-gram", "ngram": "n-gram", "corpus": "the corpus"}.get(record.drafts)
+    copied = f", {record.ngram_tokens} from {copied}" if copied else ""
     # the prefill verifies no tree; a hybrid step with a long chain verifies the chain alone (tree "ngram")
     drafts = " + n-gram" if record.drafts == "hybrid" and record.step > 0 and record.tree_name != "ngram" else ""
     title = (

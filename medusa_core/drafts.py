@@ -85,7 +85,7 @@ class NgramDrafter:
         self.corpus, self.corpus_rule, self.copy = corpus, corpus_rule, copy
         self.verify_alone = False  # whether the last proposal is to be verified without the heads' tree
         self.tokens: list[int] = []
-        sizes = range(config.min_ngram, config.max_ngram + 1)
+        sizes = range(config.min_ngram, config.max_ngram + 1) if copy else range(0)  # nothing to index without copies
         # size n -> {n-gram: start of its latest occurrence that has a next token}
         self._latest: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in sizes}
         # the same over the earlier replies: size n -> {n-gram: (reply, start)}, later replies winning

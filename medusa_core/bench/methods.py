@@ -14,6 +14,8 @@ from . import llama_cpp
 METHOD_KINDS = ("hf", "hf_pld", "llama_cpp", "baseline", "medusa")
 #: Method names that run this engine's n-gram drafts: alone (kind ``medusa``, no heads) or beside each tree.
 DRAFT_METHODS = ("ngram", "medusa+ngram", "medusa+corpus")
+#: Prefix of a Medusa method name (before ``:<tree>``) -> its ``generate(drafts=...)``.
+MEDUSA_PREFIXES = {"medusa": "heads", "medusa+ngram": "hybrid", "medusa+corpus": "corpus"}
 #: Suffix of a ``baseline`` or Medusa method name that runs it with transformers' forward, not the lean pass.
 TRANSFORMERS_PASS = "@transformers"
 #: Small trees benchmarked when the model ships none of its own.
@@ -59,7 +61,7 @@ def build_methods(model: Any, methods: Sequence[str], trees: Sequence[str]) -> l
     for full_name in methods:
         name = full_name.removesuffix(TRANSFORMERS_PASS)
         if name != full_name:
-            if name == "baseline" or name.split(":", 1)[0] in ("medusa", "medusa+ngram", "medusa+corpus", "ngram"):
+            if name in ("baseline", "ngram") or name.split(":", 1)[0] in MEDUSA_PREFIXES:
                 out += [dataclasses.replace(m, name=m.name + TRANSFORMERS_PASS, lean=False) for m in build_methods(model, [name], trees)]
                 continue
             raise ValueError(f"{TRANSFORMERS_PASS} applies to baseline and Medusa methods, not {name!r}")
@@ -76,9 +78,9 @@ def build_methods(model: Any, methods: Sequence[str], trees: Sequence[str]) -> l
             out.append(Method(name, name, source=str(path)))
         elif name == "ngram":
             out.append(Method(name, "medusa", drafts="ngram"))
-        elif name.split(":", 1)[0] in ("medusa", "medusa+ngram", "medusa+corpus"):
+        elif name.split(":", 1)[0] in MEDUSA_PREFIXES:
             prefix = name.split(":", 1)[0]
-            drafts = {"medusa": "heads", "medusa+ngram": "hybrid", "medusa+corpus": "corpus"}[prefix]
+            drafts = MEDUSA_PREFIXES[prefix]
             if drafts == "corpus" and not getattr(model, "has_corpus", False):
                 print(f"skipped {name}: the model has no corpus of its own replies (a distill/ folder beside its heads)")
                 continue
