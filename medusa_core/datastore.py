@@ -80,14 +80,31 @@ class Datastore:
     """Most frequent next token per context of the model's replies.
 
     Args (use ``build`` or ``load``): ``keys`` [E] uint64 sorted context keys (a context's hash shifted right by
-    ``bits``), ``tokens`` [E] int64 the most frequent next token, ``counts`` [E] int64 how often it followed,
-    ``totals`` [E] int64 how often the context occurred before a reply token; ``max_context``: the longest context
+    ``bits``), ``tokens`` [E] the most frequent next token, ``counts`` [E] how often it followed, ``totals`` [E] how
+    often the context occurred before a reply token (the three kept as int32); ``max_context``: the longest context
     indexed (tokens).
+
+    ``chain`` walks the index in Python, or in one compiled call after ``use_kernel`` (the same drafts).
     """
 
     def __init__(self, keys: np.ndarray, tokens: np.ndarray, counts: np.ndarray, totals: np.ndarray, max_context: int, bits: int):
-        self.keys, self.tokens, self.counts, self.totals = keys, tokens, counts, totals
+        self.keys = keys
+        self.tokens, self.counts, self.totals = (np.ascontiguousarray(a, dtype=np.int32) for a in (tokens, counts, totals))
         self.max_context, self.bits = max_context, bits
+        self.kernel = None  # the compiled walk and its columns as tensors (``use_kernel``), or None
+
+    def use_kernel(self, module) -> None:
+        """Walk chains with ``module.corpus_chain`` (``medusa_core.lean``'s extension: ``lean/corpus_chain.h``), which
+        proposes the same tokens as the Python walk at a small fraction of its cost; None keeps the Python walk. The
+        columns are shared with the arrays, not copied."""
+        import torch
+
+        if module is None:
+            self.kernel = None
+            return
+        columns = [torch.from_numpy(np.ascontiguousarray(self.keys).view(np.int64))]
+        columns += [torch.from_numpy(a) for a in (self.tokens, self.counts, self.totals)]
+        self.kernel = (module.corpus_chain, columns)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -143,7 +160,7 @@ class Datastore:
         import torch
         from safetensors.torch import save_file
 
-        tensors = {name: torch.from_numpy(getattr(self, name).astype(np.int32)) for name in ("tokens", "counts", "totals")}
+        tensors = {name: torch.from_numpy(getattr(self, name)) for name in ("tokens", "counts", "totals")}
         tensors["keys"] = torch.from_numpy(self.keys.view(np.int64))
         save_file(tensors, str(path), metadata={"max_context": str(self.max_context), "bits": str(self.bits)})
 
@@ -215,6 +232,10 @@ class Datastore:
         share and matched context reach ``rule.first_share`` and ``rule.first_context``, each next while its share
         reaches ``rule.next_share``; ``[]`` when the first does not qualify."""
         context, chain = list(context[len(context) - self.max_context :]), []
+        if self.kernel is not None:
+            walk, columns = self.kernel
+            return walk(*columns, context, self.bits, self.max_context, limit, rule.max_tokens, rule.first_share,
+                        rule.first_context, rule.next_share)
         while len(chain) < min(limit, rule.max_tokens):
             found = self.next_token(context)
             if found is None:

@@ -19,11 +19,12 @@ from transformers import DynamicCache
 from .acceptance import choose_token, verify_tree
 from .generation import StepRecord, step_record
 from .kvcache import compact_cache
+from .lean.build import load_extension
 from .lean.drafting import LeanDrafts
 from .lean.step import LeanStep
 from .prefill import ReadProgress, read_prompt
 from .processors import tree_prefixes
-from .steptree import StepTree, confident_nodes, graft, prune
+from .steptree import StepTree, confident_nodes, graft, hang, prune
 
 
 class StepRunner:
@@ -37,7 +38,8 @@ class StepRunner:
     ``head_dtype`` and ``temperatures`` ([K, 1]) are the parts a step uses; ``bench.stepsplit`` times the stages.
     ``lean`` is the compiled decoding pass (``medusa_core.lean``) when the backbone has one, else None, with
     ``lean_reason`` saying why; ``lean_drafts`` the compiled proposal of the heads (``medusa_core.lean.drafting``)
-    or None, with ``lean_drafts_reason``; ``report`` (optional) is told when they are compiled (a first start).
+    or None, with ``lean_drafts_reason``; ``extension`` the compiled module either of them loaded, else None;
+    ``report`` (optional) is told when they are compiled (a first start).
     """
 
     def __init__(self, model: Any, report: Callable[[str], None] | None = None):
@@ -51,7 +53,9 @@ class StepRunner:
         self.head_dtype = next(heads.parameters(), backbone.get_input_embeddings().weight).dtype
         self.draft_logits = getattr(heads, "draft_logits", heads)
         self.lean_drafts, self.lean_drafts_reason = LeanDrafts.for_heads(heads, report)  # compiled proposal, or why not
-        self._pruned_trees: dict[tuple[str, int, tuple[int, ...]], StepTree] = {}
+        # the extension either of them loaded (corpus chains use it too), never a build of its own
+        self.extension = load_extension()[0] if self.lean is not None or self.lean_drafts is not None else None
+        self._derived_trees: dict[tuple, StepTree] = {}  # pruned and grafted trees (``pruned``, ``grafted``)
 
     def run(
         self, input_ids, max_new_tokens, full, processors, eps, alpha, seed, rule, drafter, drafts, shape_at, reading
@@ -112,7 +116,7 @@ class StepRunner:
                     keep = confident_nodes(tree, log_p, shape_at)
                     tree, tokens = self.pruned(tree, keep), tokens[keep] if len(keep) < tokens.shape[0] else tokens
                 if chain:  # host sync of N tokens: the chain shares the nodes that hold its tokens
-                    tree, token_ids = graft(tree, tokens.tolist(), chain)
+                    tree, token_ids = self.grafted(tree, tokens.tolist(), chain)
                     tokens = torch.tensor(token_ids, device=self.model.device) if tree.num_nodes > tokens.shape[0] else tokens
                 logits, hidden_all = self.tree_forward(tree, tokens, cur_len, cache)  # [N, V], [N, H]
                 prefixes = tree_prefixes(context, tokens, tree.parents, tree.depth) if processors.needs_prefix else None
@@ -174,12 +178,20 @@ class StepRunner:
 
     def pruned(self, tree: StepTree, keep: list[int]) -> StepTree:
         """``steptree.prune(tree, keep)``, built once per (tree, kept nodes)."""
-        key = (tree.name, id(tree), tuple(keep))
-        if key not in self._pruned_trees:
-            if len(self._pruned_trees) > 4096:  # shapes of a few small trees: this bound is never reached in practice
-                self._pruned_trees.clear()
-            self._pruned_trees[key] = prune(tree, keep)
-        return self._pruned_trees[key]
+        return self._built_once((tree, "prune", tuple(keep)), lambda: prune(tree, keep))
+
+    def grafted(self, tree: StepTree, tokens: list[int], chain: list[int]) -> tuple[StepTree, list[int]]:
+        """``steptree.graft(tree, tokens, chain)``, each grafted tree built once per (tree, node, new nodes)."""
+        return graft(tree, tokens, chain, lambda *key: self._built_once((*key, "hang"), lambda: hang(*key)))
+
+    def _built_once(self, key: tuple, build: Callable[[], StepTree]) -> StepTree:
+        """The tree ``build`` makes, kept under ``key`` (which holds the tree it derives from, so that no other
+        tree can take its place)."""
+        if key not in self._derived_trees:
+            if len(self._derived_trees) > 4096:  # shapes of a few small trees: this bound is never reached in practice
+                self._derived_trees.clear()
+            self._derived_trees[key] = build()
+        return self._derived_trees[key]
 
     def tree_forward(
         self, tree: StepTree, tokens: torch.Tensor, cur_len: int, cache: DynamicCache

@@ -133,6 +133,8 @@ class MedusaModel:
         with self._corpus_lock:
             if callable(self._corpus):
                 self._corpus = self._corpus()
+            if self._corpus is not None and self._corpus.kernel is None:  # chains in one compiled call where built
+                self._corpus.use_kernel(self._steps.extension)
             return self._corpus
 
     @property

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -83,29 +83,37 @@ def static_tree(name: str, choices: Sequence[Sequence[int]], dtype: torch.dtype,
     )
 
 
-def graft(tree: StepTree, tokens: list[int], chain: Sequence[int]) -> tuple[StepTree, list[int]]:
+def graft(
+    tree: StepTree, tokens: list[int], chain: Sequence[int], build: Callable[[StepTree, int, int], StepTree] | None = None
+) -> tuple[StepTree, list[int]]:
     """``tree`` with the drafted ``chain`` (tokens after the root) added, and the tokens of its nodes.
 
     Args:
         tree: the step's tree before grafting.
         tokens: [N] host token ids of its nodes, root first.
         chain: [L] drafted tokens, the first one following the root.
+        build: what builds the grafted tree's structure from (tree, node, new nodes): ``hang`` (the default) or
+            one that keeps what it built.
 
     Returns:
         (tree, tokens [N + new]): the chain walks down through nodes that already hold its tokens
-        (they keep their source) and its remaining tokens become new nodes, appended in chain order.
-        ``tree`` itself when every token is already in it.
+        (they keep their source) and its remaining tokens become new nodes, appended in chain order
+        (``hang``). ``tree`` itself when every token is already in it.
     """
-    node, i = 0, 0
-    while i < len(chain):
-        match = next((c for c in tree.children[node] if tokens[c] == chain[i]), None)
+    node, shared = 0, 0
+    while shared < len(chain):
+        match = next((c for c in tree.children[node] if tokens[c] == chain[shared]), None)
         if match is None:
             break
-        node, i = match, i + 1
-    rest = list(chain[i:])
-    if not rest:
-        return tree, tokens
-    n, new = tree.num_nodes, len(rest)
+        node, shared = match, shared + 1
+    rest = list(chain[shared:])
+    return ((build or hang)(tree, node, len(rest)), tokens + rest) if rest else (tree, tokens)
+
+
+def hang(tree: StepTree, node: int, new: int) -> StepTree:
+    """``tree`` with a chain of ``new`` >= 1 n-gram nodes below ``node``, appended after every existing node: the
+    structure ``graft`` gives (it depends on ``node`` and ``new`` only, not on the tokens)."""
+    n = tree.num_nodes
     device = tree.parents.device
     parents = tree.node_parents + (node,) + tuple(range(n, n + new - 1))
     ancestry = [node]  # node, its parent, ..., the root
@@ -132,7 +140,7 @@ def graft(tree: StepTree, tokens: list[int], chain: Sequence[int]) -> tuple[Step
         node_ranks=tree.node_ranks + (0,) * new, node_sources=tree.node_sources + ("ngram",) * new,
         children=_children(parents), depth=max(tree.depth, above + new),
     )
-    return grafted, tokens + rest
+    return grafted
 
 
 def confident_nodes(tree: StepTree, log_p: torch.Tensor, min_probability: float) -> list[int]:

@@ -88,6 +88,31 @@ def test_the_chain_follows_the_rule():
             CorpusRule(**bad)
 
 
+@pytest.mark.parametrize("vocab", [5, 70_000])
+def test_the_compiled_walk_drafts_the_python_walks_chains(vocab):
+    from medusa_core.lean.build import load_extension
+
+    module, why = load_extension()
+    if module is None:
+        pytest.skip(f"no compiled extension on this machine: {why}")  # the README's install gives CI a compiler
+    rng = np.random.default_rng(vocab)
+    # few distinct contexts repeat often, so that long confident chains occur beside misses and weak shares
+    phrases = [rng.integers(0, vocab, 6).tolist() for _ in range(8)]
+    sequences = [(sum((phrases[i] for i in rng.integers(0, 8, 4)), []), int(rng.integers(0, 4))) for _ in range(80)]
+    store = Datastore.build(sequences, max_context=4, min_total=1, min_share=0.0)
+    contexts = [ids[:j] for ids, _ in sequences[:30] for j in range(0, len(ids) + 1, 3)] + [[vocab + 7]]
+    rules = [CorpusRule(), CorpusRule(0.3, 1, 0.3, 6), CorpusRule(0.9, 3, 0.5, 2)]
+    python = [store.chain(c, limit, rule) for c in contexts for rule in rules for limit in (1, 3, 8)]
+    store.use_kernel(module)
+    compiled = [store.chain(c, limit, rule) for c in contexts for rule in rules for limit in (1, 3, 8)]
+    assert compiled == python
+    assert sum(len(chain) > 1 for chain in python) > 20 and sum(not chain for chain in python) > 20  # both kinds met
+    assert Datastore.build([], max_context=2).chain([1, 2], 4) == []  # an empty index, Python walk
+    empty = Datastore.build([], max_context=2)
+    empty.use_kernel(module)
+    assert empty.chain([1, 2], 4) == [] and empty.chain([], 4) == []
+
+
 def test_the_index_round_trips_through_a_file_and_a_foreign_file_is_refused(tmp_path):
     store = Datastore.build(SEQUENCES, max_context=3, min_total=1, min_share=0.0)
     store.save(tmp_path / "corpus.safetensors")
@@ -117,8 +142,24 @@ def test_the_cache_builds_once_and_again_when_a_file_changes(tmp_path, monkeypat
 
 
 # ------------------------------------------------------------------------ the engine with corpus drafts
+@pytest.fixture
+def compiled_or_not(request):
+    """None (the Python walk) or the compiled extension (skipped where it cannot be built)."""
+    if not request.param:
+        return None
+    from medusa_core.lean.build import load_extension
+
+    module, why = load_extension()
+    if module is None:
+        pytest.skip(f"no compiled extension on this machine: {why}")
+    return module
+
+
+@pytest.mark.parametrize("compiled_or_not", [False, True], indirect=True, ids=["python-walk", "compiled-walk"])
 @pytest.mark.parametrize("right", [True, False])
-def test_greedy_decoding_with_corpus_drafts_equals_plain_greedy_decoding(right, backbone_for, reference_for, random_heads_model):
+def test_greedy_decoding_with_corpus_drafts_equals_plain_greedy_decoding(
+    right, compiled_or_not, backbone_for, reference_for, random_heads_model
+):
     backbone = backbone_for("llama")
     expected = reference_for("llama", N_NEW)
     prompt = PROMPT[0].tolist()
@@ -130,6 +171,8 @@ def test_greedy_decoding_with_corpus_drafts_equals_plain_greedy_decoding(right, 
         replies = [(full[:j] + [(full[j] + 1) % vocab], j) for j in range(len(prompt), len(full))] * 2
     corpus = Datastore.build(replies, max_context=3)
     model = random_heads_model(backbone, corpus)
+    model._steps.extension = compiled_or_not  # as a model whose step loaded the extension (or none) has it
+    assert (model.corpus.kernel is not None) == (compiled_or_not is not None)
     records = list(model.generate(PROMPT, max_new_tokens=N_NEW, tree="sparse_16", drafts="corpus"))
     assert reply(records) == expected
     chains = [r for r in records[1:] if r.tree_name == "ngram"]  # steps that verified a corpus chain alone

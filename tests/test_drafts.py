@@ -129,6 +129,21 @@ def test_a_chain_already_in_the_tree_leaves_the_tree_unchanged():
     assert graft(tree, [10, 11, 12, 13], [11, 13]) == (tree, [10, 11, 12, 13])
 
 
+def test_the_decoding_loop_builds_each_grafted_tree_once_as_graft_builds_it(backbone_for, random_model):
+    steps = random_model(backbone_for("llama"))._steps
+    tree = static_tree("t", TREE, torch.float32, torch.device("cpu"))
+    tokens = [10, 11, 12, 13]
+    first, ids = steps.grafted(tree, tokens, [11, 13, 20, 21])
+    again, other_ids = steps.grafted(tree, tokens, [11, 13, 40, 41])  # the same graft point and length
+    assert again is first and ids[4:] == [20, 21] and other_ids[4:] == [40, 41]
+    expected, expected_ids = graft(tree, tokens, [11, 13, 20, 21])
+    assert ids == expected_ids and first.node_parents == expected.node_parents and first.node_sources == expected.node_sources
+    for name in ("bias", "position_ids", "retrieve_indices", "path_nodes", "path_valid", "parents"):
+        assert torch.equal(getattr(first, name), getattr(expected, name)), name
+    assert steps.grafted(tree, tokens, [30, 31])[0].node_parents == (-1, 0, 0, 1, 0, 4)  # another point: another tree
+    assert steps.grafted(tree, tokens, [11, 13]) == (tree, tokens)
+
+
 def test_a_pruned_tree_keeps_the_chosen_nodes_in_order_with_their_ancestry_and_paths():
     tree = static_tree("t", [[0], [1], [0, 0], [0, 1], [1, 0]], torch.float32, torch.device("cpu"))
     # nodes: 0 root, 1 [0], 2 [1], 3 [0,0], 4 [0,1], 5 [1,0]; keep the root, [0], [1], [0, 1]

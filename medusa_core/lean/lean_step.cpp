@@ -20,6 +20,7 @@
 #include <cstring>
 #include <vector>
 
+#include "corpus_chain.h"
 #include "draft_heads.h"
 #include "int4_matmul.h"
 #include "refine_top.h"
@@ -494,4 +495,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("filter_slice", &medusa_lean::filter_slice, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("draw_index", &medusa_lean::draw_index, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("exact_walk", &medusa_lean::exact_walk, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("corpus_chain", &medusa_lean::corpus_chain);
 }
