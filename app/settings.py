@@ -105,11 +105,12 @@ class AppSettings(BaseSettings):
                              "sampling distribution) or typical acceptance (paper 2.3.1)"
     )
     tree: str | None = Field(None, description="initial tree name; default: the model's own default tree")
-    drafts: Literal["heads", "hybrid", "ngram", "corpus"] = Field(
-        "heads", description="initial source of each step's candidates: heads (the paper's Medusa; the fastest on the demo at the "
-                             "chat preset, docs/BENCH.md), hybrid (the heads' tree plus a chain copied from the conversation by prompt "
-                             "lookup), ngram (prompt lookup only) or corpus (the heads' tree, or a chain from the model's corpus of "
-                             "its own replies where that is confident; the fastest at greedy on the demo, not at the chat preset)"
+    drafts: Literal["heads", "hybrid", "ngram", "corpus"] | None = Field(
+        None, description="initial source of each step's candidates; default: corpus for a model with a corpus of its own "
+                          "replies (the demo: the fastest at both presets, README Speed), else heads. heads (the paper's "
+                          "Medusa), hybrid (the heads' tree plus a chain copied from the conversation by prompt lookup), "
+                          "ngram (prompt lookup only) or corpus (the heads' tree, or a chain from the model's corpus of its "
+                          "own replies where that is confident)"
     )
     # ---- live view and files
     redraw_interval_s: float = Field(0.25, ge=0.0, allow_inf_nan=False, description="seconds between redraws of the plots while a reply streams")

@@ -315,6 +315,25 @@ def test_compare_also_runs_corpus_drafts_for_a_model_with_a_corpus_of_its_replie
     assert "| corpus |" in table and table.count("**yes** ✓") == 4  # heads, n-gram, hybrid, corpus: identical to Medusa off
     assert {r.drafts for r in session.rows if r.source == "compare"} == {"", "heads", "ngram", "hybrid", "corpus"}
 
+def test_a_model_with_a_corpus_of_its_replies_starts_with_heads_plus_corpus_drafts_unless_the_settings_say_otherwise(
+    engine, settings
+):
+    from medusa_core import MedusaModel
+    from medusa_core.datastore import Datastore
+
+    from app.engine import Engine
+
+    model = engine.model
+    with_corpus = Engine.of(MedusaModel(model.backbone, model.heads, model.tokenizer, name="tiny with a corpus",
+                                        trees=model.trees, corpus=Datastore.build([([1, 2, 3, 4], 1)] * 2)))
+    assert Controls.from_settings(settings).drafts == "heads"  # while no model is loaded
+    assert Controls.from_settings(settings, with_corpus.model).drafts == "corpus"
+    assert handlers.page_status(with_corpus, settings)["drafts"].value == "corpus"  # the page once the model is ready
+    chosen = settings.model_copy(update={"drafts": "hybrid"})
+    assert Controls.from_settings(chosen, with_corpus.model).drafts == "hybrid"
+    assert handlers.page_status(with_corpus, chosen)["drafts"].value == "hybrid"
+
+
 def test_compare_without_a_message_says_what_to_do(engine, settings, controls):
     (update,) = handlers.compare(engine, settings, Session(), controls)
     assert "Send a message first" in update["compare_result"]
@@ -716,8 +735,9 @@ def test_while_loading_the_page_shows_a_progress_bar_against_the_last_load_time(
 
 
 def test_replies_use_the_heads_drafts_by_default_and_the_drafts_control_reaches_the_engine(engine, settings, controls):
-    assert Controls.from_settings(settings).drafts == "heads" and controls.drafts == "heads"
-    assert handlers.controls.DRAFT_CHOICES[0][1] == "heads"  # the default first
+    assert not engine.model.has_corpus
+    assert Controls.from_settings(settings, engine.model).drafts == "heads" and controls.drafts == "heads"
+    assert handlers.page_status(engine, settings)["drafts"].value == "heads"  # once the model is ready
     session = Session()
     send(engine, settings, session, controls)
     assert {r.drafts for r in session.reply_rows(0)} == {"heads"}

@@ -44,7 +44,7 @@ SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "sam
 #: browser's storage (``gr.BrowserState``), written when a message is sent, about once a second while its
 #: reply streams (``settings.save_interval_s``) and when the reply ends.
 OUTPUTS: dict[str, tuple[str, ...]] = {
-    "page_status": ("banner", "timer", "tree", "model_panel", "tree_status", "medusa", *SAMPLING),
+    "page_status": ("banner", "timer", "tree", "model_panel", "tree_status", "drafts", "medusa", *SAMPLING),
     "restore_chat": ("chatbot", "reply_status"),
     "add_user": ("message", "chatbot", "reply_status", "send", "saved"),
     "respond": ("chatbot", "tree_status", "reply_status", "model_panel", "send", "saved", *LIVE_VIEW),

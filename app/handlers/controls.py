@@ -49,7 +49,7 @@ class Controls:
         """The controls as the page first shows them (``model``: None while it loads; see ``chat_defaults``)."""
         return cls(
             medusa=True,
-            drafts=settings.drafts,
+            drafts=drafts_default(settings, model),
             **sampling_fields(chat_defaults(settings, model)),
             sampling=settings.sampling,
             posterior_threshold=settings.posterior_threshold,
@@ -161,6 +161,15 @@ def chat_defaults(settings: AppSettings, model: MedusaModel | None) -> SamplingC
     return dataclasses.replace(base, **{n: getattr(settings, n) for n in names if getattr(settings, n) is not None})
 
 
+def drafts_default(settings: AppSettings, model: MedusaModel | None) -> str:
+    """The Drafts control's first value: the settings' ``drafts``, else ``"corpus"`` (heads + corpus) for a model with a
+    corpus of its own replies, the fastest drafts on the demo at the chat preset and at greedy (README, Speed), else
+    ``"heads"`` (also while no model is loaded)."""
+    if settings.drafts is not None:
+        return settings.drafts
+    return "corpus" if model is not None and model.has_corpus else "heads"
+
+
 def sampling_fields(config: SamplingConfig) -> dict[str, float | int]:
     """``config`` as ``Controls`` field values."""
     return dataclasses.asdict(config)
@@ -198,9 +207,9 @@ DRAFTS_INFO = ("where each step's candidates come from: heads = the heads only (
                "plus a chain copied from the conversation (prompt lookup), both verified in one pass; n-gram = the copied chain only; "
                "heads + corpus = the heads' tree, or where the model's corpus of its own replies is confident a chain from it. "
                "The heads' tree is shaped per step by the model's tuned τ (Model panel: tree shaping)")
-#: The Drafts control's choices: (label, ``generate(drafts=...)`` value), the default first.
-DRAFT_CHOICES = [("heads only", "heads"), ("hybrid (heads + n-gram)", "hybrid"), ("n-gram only", "ngram"),
-                 ("heads + corpus", "corpus")]
+#: The Drafts control's choices: (label, ``generate(drafts=...)`` value); the first value is ``drafts_default``'s.
+DRAFT_CHOICES = [("heads only", "heads"), ("heads + corpus", "corpus"), ("hybrid (heads + n-gram)", "hybrid"),
+                 ("n-gram only", "ngram")]
 PUBLISHED_TREE_NODES = 64  # the Medusa paper's published trees: 63 candidates + root, tuned for 7B–33B models on GPUs
 
 

@@ -15,7 +15,7 @@ import gradio as gr
 
 from ..engine import Engine
 from ..settings import AppSettings
-from .controls import chat_defaults, chat_preset, medusa_notice, tree_choices
+from .controls import chat_defaults, chat_preset, drafts_default, medusa_notice, tree_choices
 from .views import Updates, model_panel
 
 
@@ -24,9 +24,9 @@ LOAD_TIMES = "load_times.json"
 
 def page_status(engine: Engine, settings: AppSettings) -> Updates:
     """What the page shows about the model: while loading the status line and a progress bar; once
-    ready (or failed) also the tree choices, the model panel, the sampling controls at the model's
-    chat defaults (``chat_preset``) and the Medusa toggle's note at them (``medusa_notice``), and the polling
-    timer switches off.
+    ready (or failed) also the tree choices, the model panel, the Drafts control at the model's default
+    (``drafts_default``), the sampling controls at the model's chat defaults (``chat_preset``) and the Medusa
+    toggle's note at them (``medusa_notice``), and the polling timer switches off.
 
     It reads no session state: it runs at page load and on every timer tick, and needs none."""
     if engine.model is None and engine.error is None:
@@ -42,6 +42,7 @@ def page_status(engine: Engine, settings: AppSettings) -> Updates:
             "tree": gr.Dropdown(choices=choices, value=wanted if wanted in values else model.default_tree),
             "model_panel": model_panel(engine),
             "tree_status": "" if wanted in values else f"⚠ unknown tree {settings.tree!r}: using {model.default_tree}",
+            "drafts": gr.Radio(value=drafts_default(settings, model)),
         } | chat_preset(engine, settings) | medusa_notice(engine, chat_defaults(settings, model).temperature)
     return updates
 

@@ -139,9 +139,11 @@ def test_a_new_users_session_in_headless_chromium(app_url, tmp_path):
         _idle(page)
         expect(page.locator("#send")).to_be_enabled()
 
-        # Stats under the reply: tokens, tokens/s, time to first token, wall time; the status line agrees.
+        # Stats under the reply: tokens, tokens/s, time to first token, wall time, the drafts (the demo starts with heads +
+        # corpus, its fastest); the status line agrees.
         stats = page.locator("#chat [data-testid=bot] .medusa-stats").last.inner_text()
-        assert re.match(r"\d+ tokens · [\d.]+ tokens/s · TTFT [\d.]+ s · [\d.]+ s total · [\d.]+ tokens/step · tree sparse_16 · [\d,]+ from heads · ", stats), stats
+        assert re.match(r"\d+ tokens · [\d.]+ tokens/s · TTFT [\d.]+ s · [\d.]+ s total · [\d.]+ tokens/step · "
+                        r"tree sparse_16 \+ corpus · [\d,]+ from heads, [\d,]+ from the corpus · ", stats), stats
         expect(page.locator("#reply-status")).to_contain_text(stats.split(" · ")[0])
 
         # The tree plot and the speed charts render with plotly, and the summary fills in.
