@@ -315,6 +315,7 @@ def test_compare_also_runs_corpus_drafts_for_a_model_with_a_corpus_of_its_replie
     assert "| corpus |" in table and table.count("**yes** ✓") == 4  # heads, n-gram, hybrid, corpus: identical to Medusa off
     assert {r.drafts for r in session.rows if r.source == "compare"} == {"", "heads", "ngram", "hybrid", "corpus"}
 
+
 def test_a_model_with_a_corpus_of_its_replies_starts_with_heads_plus_corpus_drafts_unless_the_settings_say_otherwise(
     engine, settings
 ):

@@ -207,7 +207,7 @@ DRAFTS_INFO = ("where each step's candidates come from: heads = the heads only (
                "plus a chain copied from the conversation (prompt lookup), both verified in one pass; n-gram = the copied chain only; "
                "heads + corpus = the heads' tree, or where the model's corpus of its own replies is confident a chain from it. "
                "The heads' tree is shaped per step by the model's tuned τ (Model panel: tree shaping)")
-#: The Drafts control's choices: (label, ``generate(drafts=...)`` value); the first value is ``drafts_default``'s.
+#: The Drafts control's choices: (label, ``generate(drafts=...)`` value), the two ``drafts_default`` gives first.
 DRAFT_CHOICES = [("heads only", "heads"), ("heads + corpus", "corpus"), ("hybrid (heads + n-gram)", "hybrid"),
                  ("n-gram only", "ngram")]
 PUBLISHED_TREE_NODES = 64  # the Medusa paper's published trees: 63 candidates + root, tuned for 7B–33B models on GPUs
