@@ -18,6 +18,7 @@ Works on token ids only; the index is numpy arrays (keys sorted for ``searchsort
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -74,6 +75,18 @@ def _context_hashes(seq: np.ndarray, targets: np.ndarray, n: int) -> np.ndarray:
         h = (h ^ (h >> np.uint64(30))) * np.uint64(_MIX[0])
         h = (h ^ (h >> np.uint64(27))) * np.uint64(_MIX[1])
     return h ^ (h >> np.uint64(31))
+
+
+def _sources(path: Path) -> list[str] | None:
+    """The files an index was built from (``Datastore.save``'s metadata), or None when it does not say (an older
+    version's index) or cannot be read."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="np") as f:
+            return json.loads((f.metadata() or {})["sources"])
+    except Exception:  # a foreign, truncated or older file
+        return None
 
 
 class Datastore:
@@ -155,14 +168,16 @@ class Datastore:
         keep = (totals >= min_total) & (counts >= min_share * totals)
         return cls(context[group_start][keep], nexts[keep], counts[keep], totals[keep], max_context, bits)
 
-    def save(self, path: str | Path) -> None:
-        """Write the index as a safetensors file (keys as int64 bits, the rest int32: 20 bytes a context)."""
+    def save(self, path: str | Path, sources: Sequence[str | Path] = ()) -> None:
+        """Write the index as a safetensors file (keys as int64 bits, the rest int32: 20 bytes a context), with the
+        paths of the files it was built from (``sources``) in its metadata."""
         import torch
         from safetensors.torch import save_file
 
         tensors = {name: torch.from_numpy(getattr(self, name)) for name in ("tokens", "counts", "totals")}
         tensors["keys"] = torch.from_numpy(self.keys.view(np.int64))
-        save_file(tensors, str(path), metadata={"max_context": str(self.max_context), "bits": str(self.bits)})
+        metadata = {"max_context": str(self.max_context), "bits": str(self.bits), "sources": json.dumps(sorted(map(str, sources)))}
+        save_file(tensors, str(path), metadata=metadata)
 
     @classmethod
     def load(cls, path: str | Path) -> "Datastore":
@@ -196,7 +211,9 @@ class Datastore:
     def cached(cls, files: Sequence[Path], folder: Path, **build_kwargs) -> "Datastore":
         """The index of the replies in distillation ``files`` (``medusa_core.train.read_distilled`` rows),
         built once and kept in ``folder`` under a name from the files' paths, sizes and modification times
-        (and ``build_kwargs``, passed to ``build``); a new index of the same files replaces the older ones."""
+        (and ``build_kwargs``, passed to ``build``). A new index replaces the indexes it supersedes: those of the
+        same files or of some of them (a distillation file that grew, or a new one beside them), and those of an
+        older version that do not say which files they came from."""
         from .train.distill import read_distilled
 
         path = cls._cache_path(files, folder, build_kwargs)
@@ -206,10 +223,11 @@ class Datastore:
         store = cls.build(((r["prompt_ids"] + r["reply_ids"], len(r["prompt_ids"])) for r in rows), **build_kwargs)
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(".partial")
-        store.save(partial)
+        sources = [str(Path(f).resolve()) for f in files]
+        store.save(partial, sources)
         partial.replace(path)
-        for older in path.parent.glob(f"{path.name.rsplit('-', 1)[0]}-*.safetensors"):
-            if older != path:
+        for older in path.parent.glob("corpus-*.safetensors"):
+            if older != path and set(_sources(older) or ()) <= set(sources):
                 older.unlink(missing_ok=True)
         return store
 

@@ -141,6 +141,24 @@ def test_the_cache_builds_once_and_again_when_a_file_changes(tmp_path, monkeypat
     assert len(list((tmp_path / "cache").glob("corpus-*.safetensors"))) == 1  # the older index was replaced
 
 
+def test_an_index_of_fewer_files_is_replaced_and_one_of_other_files_is_kept(tmp_path):
+    def write(name: str) -> object:
+        path = tmp_path / name
+        with gzip.open(path, "wt") as f:
+            f.writelines(json.dumps({"id": i, "messages": [], "prompt_ids": ids[:n], "reply_ids": ids[n:], "reply": ""}) + "\n"
+                         for i, (ids, n) in enumerate(SEQUENCES))
+        return path
+
+    chat, greedy, other = write("train-gguf-chat.jsonl.gz"), write("train-gguf-greedy.jsonl.gz"), write("train-nf4-chat.jsonl.gz")
+    cache = tmp_path / "cache"
+    Datastore.cached([chat], cache)
+    Datastore.cached([other], cache)  # another model's corpus in the same cache folder
+    assert len(list(cache.glob("corpus-*.safetensors"))) == 2
+    Datastore.cached([chat, greedy], cache)  # a new distillation file beside the first: the chat-only index is superseded
+    assert Datastore.is_cached([chat, greedy], cache) and Datastore.is_cached([other], cache)
+    assert not Datastore.is_cached([chat], cache) and len(list(cache.glob("corpus-*.safetensors"))) == 2
+
+
 # ------------------------------------------------------------------------ the engine with corpus drafts
 @pytest.fixture
 def compiled_or_not(request):
