@@ -127,6 +127,11 @@ class MedusaModel:
         return self._corpus is not None
 
     @property
+    def corpus_ready(self) -> bool:
+        """Whether the model has a corpus that is already made (``corpus`` then returns at once)."""
+        return self._corpus is not None and not callable(self._corpus)
+
+    @property
     def corpus(self) -> Datastore | None:
         """The index of the model's own replies (``datastore.Datastore``), made on first use (thread-safe: a
         caller may warm it in the background); None without one."""

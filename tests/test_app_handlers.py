@@ -335,6 +335,24 @@ def test_a_model_with_a_corpus_of_its_replies_starts_with_heads_plus_corpus_draf
     assert handlers.page_status(with_corpus, chosen)["drafts"].value == "hybrid"
 
 
+def test_a_reply_that_waits_for_the_corpus_index_says_so_first(engine, settings, controls):
+    from medusa_core import MedusaModel
+    from medusa_core.datastore import Datastore
+
+    from app.engine import Engine
+
+    model = engine.model
+    built = []
+    lazy = Engine.of(MedusaModel(model.backbone, model.heads, model.tokenizer, name="tiny with a lazy corpus", trees=model.trees,
+                                 corpus=lambda: built.append(1) or Datastore.build([([1, 2, 3, 4], 1)] * 2)))
+    corpus = dataclasses.replace(controls, drafts="corpus")
+    updates = send(lazy, settings, Session(), corpus)
+    assert "Indexing the model's own replies" in updates[0]["reply_status"] and built == [1]
+    assert updates[-1]["reply_status"].startswith("Latest reply: ")
+    again = send(lazy, settings, Session(), corpus)  # built: no such line
+    assert not any("Indexing" in str(u.get("reply_status", "")) for u in again) and built == [1]
+
+
 def test_compare_without_a_message_says_what_to_do(engine, settings, controls):
     (update,) = handlers.compare(engine, settings, Session(), controls)
     assert "Send a message first" in update["compare_result"]

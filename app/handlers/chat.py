@@ -81,6 +81,10 @@ def _refusal(engine: Engine, session: Session) -> str:
     return ""
 
 
+#: The status line while a reply waits for the model's corpus to be indexed (its first use, once per install).
+INDEXING_CORPUS = "Indexing the model's own replies for corpus drafts (once per install, a few seconds)…"
+
+
 def waiting_turn(session: Session) -> int | None:
     """The index of the user message waiting for its reply (None: nothing to answer, e.g. the send was refused)."""
     return next((i for i, t in enumerate(session.turns) if t.state == "pending"), None)
@@ -93,6 +97,8 @@ def respond(engine: Engine, settings: AppSettings, session: Session, controls: C
         yield {"reply_status": gr.skip()}
         return
     model, turn = engine.model, session.turns[index]
+    if controls.medusa and controls.drafts == "corpus" and model.has_corpus and not model.corpus_ready:
+        yield {"reply_status": INDEXING_CORPUS}  # generate waits for the index (a first start, seconds)
     try:
         tree = tree_argument(model, controls.tree, controls.custom_tree) if controls.medusa else None
         turn.tree = model.resolve_tree(tree or model.default_tree)[0] if controls.medusa else ""
