@@ -115,7 +115,7 @@ class Datastore:
         if module is None:
             self.kernel = None
             return
-        columns = [torch.from_numpy(np.ascontiguousarray(self.keys).view(np.int64))]
+        columns = [torch.from_numpy(self.keys.view(np.int64))]
         columns += [torch.from_numpy(a) for a in (self.tokens, self.counts, self.totals)]
         self.kernel = (module.corpus_chain, columns)
 

@@ -19,7 +19,6 @@ from transformers import DynamicCache
 from .acceptance import choose_token, verify_tree
 from .generation import StepRecord, step_record
 from .kvcache import compact_cache
-from .lean.build import load_extension
 from .lean.drafting import LeanDrafts
 from .lean.step import LeanStep
 from .prefill import ReadProgress, read_prompt
@@ -53,8 +52,8 @@ class StepRunner:
         self.head_dtype = next(heads.parameters(), backbone.get_input_embeddings().weight).dtype
         self.draft_logits = getattr(heads, "draft_logits", heads)
         self.lean_drafts, self.lean_drafts_reason = LeanDrafts.for_heads(heads, report)  # compiled proposal, or why not
-        # the extension either of them loaded (corpus chains use it too), never a build of its own
-        self.extension = load_extension()[0] if self.lean is not None or self.lean_drafts is not None else None
+        # the extension either of them loaded (corpus chains use it too)
+        self.extension = next((part.module for part in (self.lean, self.lean_drafts) if part is not None), None)
         self._derived_trees: dict[tuple, StepTree] = {}  # pruned and grafted trees (``pruned``, ``grafted``)
 
     def run(

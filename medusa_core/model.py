@@ -138,7 +138,8 @@ class MedusaModel:
         with self._corpus_lock:
             if callable(self._corpus):
                 self._corpus = self._corpus()
-            if self._corpus is not None and self._corpus.kernel is None:  # chains in one compiled call where built
+            if self._corpus is not None and self._corpus.kernel is None and self._steps.extension is not None:
+                # chains in one compiled call where the step loaded the extension
                 self._corpus.use_kernel(self._steps.extension)
             return self._corpus
 

@@ -49,7 +49,7 @@ class LeanDrafts:
 
     def __init__(self, heads: MedusaHeads, module: Any):
         self.heads = heads
-        self._module = module
+        self.module = module  # the compiled extension (``build.load_extension``)
 
     @classmethod
     def for_heads(cls, heads: nn.Module, report: Callable[[str], None] | None = None) -> tuple[LeanDrafts | None, str]:
@@ -94,9 +94,9 @@ class LeanDrafts:
             if type(embedding) not in (nn.Embedding, BF16Embedding) or table.dtype != torch.bfloat16:
                 table, row = embedding(root.reshape(1)).to(torch.bfloat16), 0  # [1, H]: whatever the module computes
         blocks = [block for head in heads.residual_blocks(depth) for block in head]
-        states = self._module.head_states(
+        states = self.module.head_states(
             hidden.reshape(-1).float().contiguous(), table, row, root_weight,
             [b.linear.weight.detach() for b in blocks], [b.linear.bias.detach() for b in blocks], depth,
         )  # [depth, H] bfloat16
         logits = heads.project_drafts(states)  # [depth, S]
-        return self._module.draft_top(logits, topk, temperatures.reshape(-1)[:depth])
+        return self.module.draft_top(logits, topk, temperatures.reshape(-1)[:depth])

@@ -84,6 +84,7 @@ class LeanStep:
     """
 
     def __init__(self, backbone: nn.Module, module: Any):
+        self.module = module  # the compiled extension (``build.load_extension``)
         config = backbone.config.get_text_config(decoder=True)
         self.decoder = decoder = backbone.get_decoder()
         layers, eps = [], []
