@@ -106,7 +106,7 @@ def load_medusa_model(
     ``<split>-<quantization>-<settings>.jsonl.gz``) gets them as its corpus (``MedusaModel.corpus``,
     ``datastore.Datastore``): the replies of every split but ``heldout*`` at this precision, indexed at the first
     ``generate(drafts="corpus")`` and kept in ``corpus/`` of the cache folder, beside ``gguf.cache_dir()`` (on the demo
-    ~9 s once, 48 MB).
+    ~8.4 s once, 50 MB).
 
     Heads learn the hidden states of the backbone they were trained on, and a 4-bit backbone's differ
     from the plain one's (on the demo, NF4's greedy tokens agree with the plain weights' at ~80 % of

@@ -1,0 +1,402 @@
+"""Probe (issue 25): an EAGLE-style drafter on the served backbone's features, trained and measured apart from the app.
+
+One Llama decoder layer (the backbone's widths: 9 heads of 64, a SiLU MLP of 1,536) reads fc([f_t, e(x_{t+1})]) -- the
+backbone's final-norm state at t and the embedding of the token after it (a step's root) -- attends over its own
+states at every earlier position (its own KV cache at decode time), and predicts x_{t+2} through the backbone's
+frozen LM head, with a light regression of f_{t+1} (EAGLE, Li et al. 2024). The second, chained draft reads
+(its own output for t+1, e(x_{t+2})) and attends to the true-feature positions before it, as a chain tree's second
+node would at decode time; training runs that second draft too (EAGLE-3's "training-time test", one step deep).
+
+Measured on the 252 held-out chat replies at the positions head 1 is measured at (t = p-1 .. T-3, the reply's token
+as the target, which exact sampling at the chat preset accepts with that probability): draft 1's top-1, draft 2's
+top-1 where draft 1 is right, and a 2-draft chain's tokens per step 1 + P(d1) + P(d1 and d2) (no τ, no corpus).
+
+    # on a GPU (the GGUF weights dequantized to float32): train, write eagle_probe.json and eagle_drafter.safetensors
+    python scripts/probe_eagle.py --device cuda --epochs 4 --with-greedy --out out/eagle
+    # on this CPU (the app's own int4 states): measure saved weights, with attention limited to the last w positions
+    python scripts/probe_eagle.py --device cpu --quantization gguf --tokens 4096 --eval assets/demo/eagle-probe/drafter.safetensors
+    # what the drafter's work costs a decoding step on this CPU in ATen calls
+    python scripts/probe_eagle.py --cost
+
+Results: docs/BENCH.md, "An EAGLE-style drafter". Reads ``assets/demo/distill``; the backbone is
+``$MEDUSA_DEMO_GGUF`` or the installed demo GGUF file.
+"""
+
+import argparse
+import json
+import math
+import os
+import time
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from medusa_core.gguf import demo_gguf_file  # noqa: E402
+from medusa_core.loading import load_backbone  # noqa: E402
+from medusa_core.train import read_distilled  # noqa: E402
+
+D = ROOT / "assets/demo/distill"
+
+
+def log(msg):
+    print(f"[probe {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+class RMS(nn.Module):
+    def __init__(self, h, eps):
+        super().__init__()
+        self.w, self.eps = nn.Parameter(torch.ones(h)), eps
+
+    def forward(self, x):
+        return self.w * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+def rope(x, pos, theta):
+    """x [B, h, W, d], pos [W] int."""
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device).float() / d)
+    ang = pos.float()[:, None] * inv[None]
+    cos, sin = torch.cat([ang.cos()] * 2, -1).to(x.dtype), torch.cat([ang.sin()] * 2, -1).to(x.dtype)
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+class Drafter(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        h, self.nh = cfg.hidden_size, cfg.num_attention_heads
+        self.theta, self.hd = cfg.rope_theta if hasattr(cfg, "rope_theta") else cfg.rope_parameters["rope_theta"], h // self.nh
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.n1, self.n2 = RMS(h, cfg.rms_norm_eps), RMS(h, cfg.rms_norm_eps)
+        self.q, self.k, self.v, self.o = (nn.Linear(h, h, bias=False) for _ in range(4))
+        self.g, self.u = nn.Linear(h, cfg.intermediate_size, bias=False), nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.d = nn.Linear(cfg.intermediate_size, h, bias=False)
+
+    def qkv(self, x, pos):
+        B, W, _ = x.shape
+        y = self.n1(x)
+        q, k, v = (m(y).view(B, W, self.nh, self.hd).transpose(1, 2) for m in (self.q, self.k, self.v))
+        return rope(q, pos, self.theta), rope(k, pos, self.theta), v
+
+    def out(self, x, a):
+        B, W, _ = x.shape
+        x = x + self.o(a.transpose(1, 2).reshape(B, W, -1))
+        y = self.n2(x)
+        return x + self.d(F.silu(self.g(y)) * self.u(y))
+
+    def forward(self, feats, emb, feats2=None, emb2=None):
+        """Stream X: inputs (f_t, e_{t+1}) at positions t, causal. Stream Y (optional): inputs at positions t that
+        attend to X at positions < t and to themselves. Returns (out_x [B, W, H], out_y or None)."""
+        B, W, _ = feats.shape
+        pos = torch.arange(W, device=feats.device)
+        x = self.fc(torch.cat([feats, emb], -1))
+        qx, kx, vx = self.qkv(x, pos)
+        back = pos[:, None] - pos[None, :]  # [W, W] i - j
+        win = getattr(self, "window", 0)
+        if win:
+            ox = self.out(x, F.scaled_dot_product_attention(qx, kx, vx, attn_mask=(back >= 0) & (back < win)))
+        else:
+            ox = self.out(x, F.scaled_dot_product_attention(qx, kx, vx, is_causal=True))
+        if feats2 is None:
+            return ox, None
+        y = self.fc(torch.cat([feats2, emb2], -1))
+        qy, ky, vy = self.qkv(y, pos)
+        earlier = (back > 0) & (back < win) if win else back > 0
+        mask = torch.cat([earlier, torch.eye(W, dtype=torch.bool, device=x.device)], 1)
+        a = F.scaled_dot_product_attention(qy, torch.cat([kx, ky], 2), torch.cat([vx, vy], 2), attn_mask=mask)
+        return ox, self.out(y, a)
+
+
+@torch.inference_mode()
+def step_cost(cached: int = 400, draft_vocabulary: int = 8192) -> None:
+    """Mean wall time (ms) of one step's drafter work in ATen calls: the k accepted rows' catch-up
+    through the layer with a KV cache of ``cached`` entries, draft 1's top-1 over ``draft_vocabulary`` tokens,
+    draft 2 chained from it (random bf16 weights: the cost does not depend on their values)."""
+    from transformers import AutoConfig
+
+    from medusa_core.gguf import gguf_model_folder
+
+    torch.set_num_threads(2)
+    cfg = AutoConfig.from_pretrained(gguf_model_folder(os.environ.get("MEDUSA_DEMO_GGUF") or demo_gguf_file()))
+    d = Drafter(cfg).to(torch.bfloat16).eval()
+    h, nh = cfg.hidden_size, cfg.num_attention_heads
+    proj = torch.randn(draft_vocabulary, h, dtype=torch.bfloat16)
+    keys, values = (torch.randn(1, nh, cached, h // nh, dtype=torch.bfloat16) for _ in range(2))
+
+    def layer(x, start, keys, values):
+        q, k, v = d.qkv(x[None], torch.arange(start, start + len(x)))
+        keys, values = torch.cat([keys, k], 2), torch.cat([values, v], 2)
+        mask = torch.ones(len(x), keys.shape[2], dtype=torch.bool).tril(keys.shape[2] - len(x))
+        return d.out(x[None], F.scaled_dot_product_attention(q, keys, values, attn_mask=mask))[0], keys, values
+
+    def step(rows):
+        f, e = torch.randn(rows, h, dtype=torch.bfloat16), torch.randn(rows, h, dtype=torch.bfloat16)
+        out, k, v = layer(d.fc(torch.cat([f, e], -1)), cached, keys, values)
+        first = (out[-1:] @ proj.T).argmax(-1)
+        out2, _, _ = layer(d.fc(torch.cat([out[-1:], e[-1:]], -1)), cached + rows, k, v)
+        return first, (out2 @ proj.T).argmax(-1)
+
+    # The same work in fewer calls: fused q/k/v and gate/up products, torch's one-call RMS norm, RoPE tables, a
+    # preallocated cache written in place, no mask for the one-row draft.
+    eps, hd = cfg.rms_norm_eps, h // nh
+    w_qkv = torch.cat([d.q.weight, d.k.weight, d.v.weight]).T.contiguous()
+    w_gu, w_o, w_d, w_fc = torch.cat([d.g.weight, d.u.weight]).T.contiguous(), d.o.weight.T, d.d.weight.T, d.fc.weight.T
+    inv = 1.0 / d.theta ** (torch.arange(0, hd, 2).float() / hd)
+    angles = torch.arange(cached + 64).float()[:, None] * inv[None]
+    cos, sin = (torch.cat([f(angles)] * 2, -1).to(torch.bfloat16)[:, None] for f in (torch.cos, torch.sin))
+    cache = torch.randn(2, nh, cached + 64, hd, dtype=torch.bfloat16)
+
+    def fused(x, start, keep):
+        r = len(x)
+        qkv = (F.rms_norm(x, (h,), d.n1.w, eps) @ w_qkv).view(r, 3, nh, hd)
+        qk = qkv[:, :2]
+        qk = qk * cos[start : start + r, None] + torch.cat([-qk[..., hd // 2 :], qk[..., : hd // 2]], -1) * sin[start : start + r, None]
+        if keep:  # accepted rows: their keys and values stay
+            cache[0, :, start : start + r] = qk[:, 1].transpose(0, 1)
+            cache[1, :, start : start + r] = qkv[:, 2].transpose(0, 1)
+            k, v = cache[0, :, : start + r], cache[1, :, : start + r]
+        else:
+            k = torch.cat([cache[0, :, :start], qk[:, 1].transpose(0, 1)], 1)
+            v = torch.cat([cache[1, :, :start], qkv[:, 2].transpose(0, 1)], 1)
+        mask = None if r == 1 else torch.ones(r, start + r, dtype=torch.bool).tril(start)
+        a = F.scaled_dot_product_attention(qk[:, 0].transpose(0, 1), k, v, attn_mask=mask)
+        x = x + a.transpose(0, 1).reshape(r, h) @ w_o
+        g, u = (F.rms_norm(x, (h,), d.n2.w, eps) @ w_gu).chunk(2, -1)
+        return x + (F.silu(g) * u) @ w_d
+
+    def fused_step(rows):
+        f, e = torch.randn(rows, h, dtype=torch.bfloat16), torch.randn(rows, h, dtype=torch.bfloat16)
+        out = fused(torch.cat([f, e], -1) @ w_fc, cached, True)
+        first = (out[-1:] @ proj.T).argmax(-1)
+        out2 = fused(torch.cat([out[-1:], e[-1:]], -1) @ w_fc, cached + rows, False)
+        return first, (out2 @ proj.T).argmax(-1)
+
+    for name, fn in (("as trained (module calls)", step), ("fused calls", fused_step)):
+        for rows in (1, 2, 3):
+            for _ in range(20):
+                fn(rows)
+            t, n = time.perf_counter(), 300
+            for _ in range(n):
+                fn(rows)
+            print(f"{name}: catch-up of {rows} row(s) + 2 drafts: {(time.perf_counter() - t) / n * 1e3:.3f} ms")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--gguf", default=os.environ.get("MEDUSA_DEMO_GGUF") or str(demo_gguf_file()))
+    p.add_argument("--limit", type=int, default=0, help="replies per file (0: all)")
+    p.add_argument("--budget", type=float, default=240, help="training seconds at most (the cosine schedule is cut there)")
+    p.add_argument("--with-greedy", action="store_true", help="train on the greedy replies too (else the chat ones)")
+    p.add_argument("--epochs", type=float, default=4)
+    p.add_argument("--tokens", type=int, default=16384, help="padded tokens per batch")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--w2", type=float, default=0.5, help="weight of the chained draft's loss")
+    p.add_argument("--wreg", type=float, default=0.1, help="weight of the feature regression (EAGLE-1)")
+    p.add_argument("--deadline", type=float, default=0, help="epoch seconds by which the results must be written")
+    p.add_argument("--eval", default="", help="drafter weights: only measure them, attending to all earlier positions "
+                   "(window 0) and to the last 1, 2, 4, 16, 64")
+    p.add_argument("--quantization", default=None, help="gguf: the CPU's int4 backbone states")
+    p.add_argument("--cost", action="store_true", help="only time a decoding step's drafter work on this CPU in ATen calls "
+                   "(bf16, 2 threads, 400 cached positions): catch-up of 1-3 accepted rows, then two drafts")
+    p.add_argument("--out", default=os.environ.get("OUT", "out"))
+    a = p.parse_args()
+    if a.cost:
+        return step_cost()
+    t0 = time.time()
+    dev = torch.device(a.device)
+    model = load_backbone(a.gguf, a.quantization, torch.float32, device=a.device, batch_invariant=False)
+    cfg = model.config
+    dec, lm = model.get_decoder(), model.get_output_embeddings()
+    embed = model.get_input_embeddings()
+    log(f"backbone loaded in {time.time() - t0:.0f} s")
+
+    def rows_of(names):
+        rows = []
+        for n in names:
+            r = read_distilled(f"{D}/{n}.jsonl.gz")
+            rows += r[: a.limit] if a.limit else r
+        return [(x["prompt_ids"] + x["reply_ids"], len(x["prompt_ids"])) for x in rows if len(x["reply_ids"]) >= 3]
+
+    @torch.no_grad()
+    def featurize(rows):
+        """Sorted by length; flat bf16 features and ids on the device, with offsets."""
+        rows = sorted(rows, key=lambda r: len(r[0]))
+        total = sum(len(s) for s, _ in rows)
+        feats = torch.empty(total, cfg.hidden_size, dtype=torch.bfloat16, device=dev)
+        ids = torch.empty(total, dtype=torch.long, device=dev)
+        offs, o, i = [], 0, 0
+        while i < len(rows):
+            j = i
+            while j < len(rows) and (j - i + 1) * len(rows[j][0]) <= 4 * a.tokens:
+                j += 1
+            j = max(j, i + 1)
+            batch = rows[i:j]
+            W = len(batch[-1][0])
+            t = torch.zeros(len(batch), W, dtype=torch.long)
+            for n, (s, _) in enumerate(batch):
+                t[n, : len(s)] = torch.tensor(s)
+            t = t.to(dev)
+            with torch.autocast(dev.type, dtype=torch.bfloat16):
+                h = dec(input_ids=t).last_hidden_state
+            for n, (s, pl) in enumerate(batch):
+                feats[o : o + len(s)] = h[n, : len(s)].to(torch.bfloat16)
+                ids[o : o + len(s)] = t[n, : len(s)]
+                offs.append((o, len(s), pl))
+                o += len(s)
+            i = j
+        return feats, ids, offs
+
+    # batches by padded tokens
+    def batches(offs):
+        out, i = [], 0
+        while i < len(offs):
+            j = i
+            while j < len(offs) and (j - i + 1) * offs[j][1] <= a.tokens:
+                j += 1
+            j = max(j, i + 1)
+            out.append(offs[i:j])
+            i = j
+        return out
+
+    def assemble(feats, ids, batch):
+        W = max(L for _, L, _ in batch)
+        B = len(batch)
+        f = torch.zeros(B, W, cfg.hidden_size, dtype=torch.bfloat16, device=dev)
+        x = torch.zeros(B, W, dtype=torch.long, device=dev)
+        m1 = torch.zeros(B, W, dtype=torch.bool, device=dev)  # draft 1 at t: t in [p-1, T-3]
+        for n, (o, L, pl) in enumerate(batch):
+            f[n, :L], x[n, :L] = feats[o : o + L], ids[o : o + L]
+            m1[n, pl - 1 : L - 2] = True
+        return f, x, m1
+
+    drafter = Drafter(cfg).to(dev)
+    with torch.no_grad():  # EAGLE's start: fc reads the feature half as identity
+        drafter.fc.weight.zero_()
+        drafter.fc.weight[:, : cfg.hidden_size].copy_(torch.eye(cfg.hidden_size))
+        drafter.o.weight.zero_()
+        drafter.d.weight.zero_()
+    for prm in model.parameters():
+        prm.requires_grad_(False)
+
+    def run(f, x, m1, train):
+        """Losses and counts for draft 1 (at t, predicts x_{t+2}) and draft 2 (chained from t, predicts x_{t+3})."""
+        B, W, H = f.shape
+        e_next = embed(torch.roll(x, -1, 1)).to(torch.bfloat16)  # e(x_{t+1}) at t
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            ox, _ = drafter(f, e_next)
+            # Y at position t+1: (f^_{t+1} = ox[t], e(x_{t+2}))
+            f2 = torch.cat([torch.zeros_like(ox[:, :1]), ox[:, :-1]], 1)
+            _, oy = drafter(f, e_next, f2, e_next)
+        tgt1 = torch.roll(x, -2, 1)  # x_{t+2} at t
+        m2 = torch.zeros_like(m1)  # draft 2 at position t+1 (chained from t): predicts x_{t+3}; needs t+3 <= T-1
+        m2[:, 1:] = m1[:, :-1] & m1[:, 1:]
+        ftgt = torch.roll(f, -1, 1)  # f_{t+1} at t
+        h1, h2 = ox[m1], oy[m2]
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            l1 = lm(h1).float()
+            l2 = lm(h2).float()
+        ce1 = F.cross_entropy(l1, tgt1[m1])
+        ce2 = F.cross_entropy(l2, tgt1[m2]) if len(h2) else l1.sum() * 0
+        reg = F.smooth_l1_loss(h1.float(), ftgt[m1].float())
+        right1 = (l1.argmax(-1) == tgt1[m1])
+        right2 = (l2.argmax(-1) == tgt1[m2])
+        # draft 1 right at t (position t's entry) and draft 2 right at t+1
+        r1_full = torch.zeros_like(m1)
+        r1_full[m1] = right1
+        r2_full = torch.zeros_like(m1)
+        r2_full[m2] = right2
+        both = (r1_full[:, :-1] & r2_full[:, 1:]).sum()
+        first_with_next = (r1_full[:, :-1] & m2[:, 1:]).sum()
+        loss = a.wreg * reg + ce1 + a.w2 * ce2 if train else None
+        return loss, dict(n1=int(m1.sum()), r1=int(right1.sum()), both=int(both), r1n=int(first_with_next), ce1=float(ce1.detach()), ce2=float(ce2.detach()), reg=float(reg.detach()))
+
+    def evaluate(feats, ids, offs, limit=None):
+        drafter.eval()
+        tot = dict(n1=0, r1=0, both=0, r1n=0)
+        with torch.no_grad():
+            for b in batches(offs)[:limit]:
+                _, s = run(*assemble(feats, ids, b), train=False)
+                for k in tot:
+                    tot[k] += s[k]
+        drafter.train()
+        top1 = tot["r1"] / max(tot["n1"], 1)
+        cond2 = tot["both"] / max(tot["r1n"], 1)
+        return dict(positions=tot["n1"], draft1_top1=round(top1, 4), draft2_top1_given_draft1=round(cond2, 4),
+                    chain_tokens_per_step=round(1 + top1 + top1 * cond2, 4))
+
+    if a.eval:
+        from safetensors.torch import load_file
+        hf, hi, hoffs = featurize(rows_of(["heldout-gguf-chat"]))
+        drafter.load_state_dict({k: v.float() for k, v in load_file(a.eval).items()})
+        for prm in list(model.parameters()) + list(drafter.parameters()):
+            prm.requires_grad_(False)
+        res = {}
+        for win in (0, 1, 2, 4, 16, 64):
+            drafter.window = win
+            res[win] = evaluate(hf, hi, hoffs)
+            log(f"window {win}: {res[win]}")
+        print(json.dumps({"eval": a.eval, "backbone": f"{a.quantization or 'float32'} on {a.device}", "windows": res}))
+        return
+    train_rows = rows_of(["train-gguf-chat", "train_more-gguf-chat", "train_wide-gguf-chat"] + (["train-gguf-greedy", "train_more-gguf-greedy", "train_wide-gguf-greedy"] if a.with_greedy else []))
+    held_rows = rows_of(["heldout-gguf-chat"])
+    t1 = time.time()
+    tf, ti, toffs = featurize(train_rows)
+    hf, hi, hoffs = featurize(held_rows)
+    log(f"features: {len(toffs)} training sequences ({len(tf)} tokens), {len(hoffs)} held-out, {time.time() - t1:.0f} s")
+
+    log(f"before training, held-out: {evaluate(hf, hi, hoffs)}")
+    trainable = [q for q in drafter.parameters()]
+    opt = torch.optim.AdamW(trainable, lr=a.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    tb = batches(toffs)
+    g = torch.Generator().manual_seed(0)
+    per_epoch = len(tb)
+    planned = int(a.epochs * per_epoch)
+    step, t2, warm = 0, time.time(), 100
+    if a.deadline:
+        a.budget = max(10.0, min(a.budget, a.deadline - time.time() - 45))
+        log(f"training budget {a.budget:.0f} s")
+    stop_at = t2 + a.budget + 5
+    history = []
+    while step < planned:
+        for k in torch.randperm(per_epoch, generator=g).tolist():
+            if step >= planned or time.time() > stop_at:
+                planned = step
+                break
+            lr = a.lr * min(1, (step + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1, step / planned))))
+            for pg in opt.param_groups:
+                pg["lr"] = lr
+            loss, s = run(*assemble(tf, ti, tb[k]), train=True)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+            opt.step()
+            step += 1
+            if step % 200 == 0 or step == planned:
+                history.append(dict(step=step, **{k2: round(v, 4) for k2, v in s.items() if k2 in ("ce1", "ce2", "reg")},
+                                    top1=round(s["r1"] / max(s["n1"], 1), 3)))
+                log(f"step {step}/{planned} {history[-1]}")
+    log(f"trained {step} steps in {time.time() - t2:.0f} s")
+    held = evaluate(hf, hi, hoffs)
+    train_eval = evaluate(tf, ti, toffs, limit=40)
+    result = dict(heldout=held, train_sample=train_eval, steps=step, epochs=round(step / per_epoch, 3),
+                  training_sequences=len(toffs), training_tokens=len(tf), seconds=round(time.time() - t0),
+                  config=vars(a), device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", history=history)
+    log(json.dumps({k: v for k, v in result.items() if k != "history"}))
+    os.makedirs(a.out, exist_ok=True)
+    with open(f"{a.out}/eagle_probe.json", "w") as fh:
+        json.dump(result, fh, indent=1)
+    from safetensors.torch import save_file
+
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in drafter.state_dict().items()}, f"{a.out}/eagle_drafter.safetensors")
+
+
+if __name__ == "__main__":
+    main()
