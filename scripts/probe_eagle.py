@@ -14,7 +14,7 @@ top-1 where draft 1 is right, and a 2-draft chain's tokens per step 1 + P(d1) + 
     # on a GPU (the GGUF weights dequantized to float32): train, write eagle_probe.json and eagle_drafter.safetensors
     python scripts/probe_eagle.py --device cuda --epochs 4 --with-greedy --out out/eagle
     # on this CPU (the app's own int4 states): measure saved weights, with attention limited to the last w positions
-    python scripts/probe_eagle.py --device cpu --quantization gguf --tokens 4096 --eval assets/demo/eagle-probe/drafter.safetensors
+    python scripts/probe_eagle.py --device cpu --quantization gguf --tokens 4096 --eval assets/eagle-probe/drafter.safetensors
     # what the drafter's work costs a decoding step on this CPU in ATen calls
     python scripts/probe_eagle.py --cost
 
