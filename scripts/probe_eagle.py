@@ -15,6 +15,8 @@ top-1 where draft 1 is right, and a 2-draft chain's tokens per step 1 + P(d1) + 
     python scripts/probe_eagle.py --device cuda --epochs 4 --with-greedy --out out/eagle
     # on this CPU (the app's own int4 states): measure saved weights, with attention limited to the last w positions
     python scripts/probe_eagle.py --device cpu --quantization gguf --tokens 4096 --eval assets/eagle-probe/drafter.safetensors
+    # the same with the drafter's linears in 4 bits (as a compiled int4 product would hold them), all positions
+    python scripts/probe_eagle.py --device cpu --quantization gguf --tokens 4096 --eval assets/eagle-probe/drafter.safetensors --int4 --windows 0
     # what the drafter's work costs a decoding step on this CPU in ATen calls
     python scripts/probe_eagle.py --cost
 
@@ -203,6 +205,8 @@ def main():
     p.add_argument("--deadline", type=float, default=0, help="epoch seconds by which the results must be written")
     p.add_argument("--eval", default="", help="drafter weights: only measure them, attending to all earlier positions "
                    "(window 0) and to the last 1, 2, 4, 16, 64")
+    p.add_argument("--windows", type=int, nargs="+", default=[0, 1, 2, 4, 16, 64], help="with --eval: attention windows (0: all)")
+    p.add_argument("--int4", action="store_true", help="with --eval: the drafter's linears quantized to 4 bits first")
     p.add_argument("--quantization", default=None, help="gguf: the CPU's int4 backbone states")
     p.add_argument("--cost", action="store_true", help="only time a decoding step's drafter work on this CPU in ATen calls "
                    "(bf16, 2 threads, 400 cached positions): catch-up of 1-3 accepted rows, then two drafts")
@@ -336,14 +340,19 @@ def main():
         from safetensors.torch import load_file
         hf, hi, hoffs = featurize(rows_of(["heldout-gguf-chat"]))
         drafter.load_state_dict({k: v.float() for k, v in load_file(a.eval).items()})
+        if a.int4:  # every linear as the compiled int4 product would hold it (GGUF Q4_1-style groups of 32)
+            from medusa_core.quant.layers import Int4Linear
+
+            for m in (drafter.fc, drafter.q, drafter.k, drafter.v, drafter.o, drafter.g, drafter.u, drafter.d):
+                m.weight.data = Int4Linear.quantize(m.weight.data).dequantized()
         for prm in list(model.parameters()) + list(drafter.parameters()):
             prm.requires_grad_(False)
         res = {}
-        for win in (0, 1, 2, 4, 16, 64):
+        for win in a.windows:
             drafter.window = win
             res[win] = evaluate(hf, hi, hoffs)
             log(f"window {win}: {res[win]}")
-        print(json.dumps({"eval": a.eval, "backbone": f"{a.quantization or 'float32'} on {a.device}", "windows": res}))
+        print(json.dumps({"eval": a.eval, "int4": a.int4, "backbone": f"{a.quantization or 'float32'} on {a.device}", "windows": res}))
         return
     train_rows = rows_of(["train-gguf-chat", "train_more-gguf-chat", "train_wide-gguf-chat"] + (["train-gguf-greedy", "train_more-gguf-greedy", "train_wide-gguf-greedy"] if a.with_greedy else []))
     held_rows = rows_of(["heldout-gguf-chat"])
