@@ -52,6 +52,8 @@ def log(msg):
 
 
 class RMS(nn.Module):
+    """RMS norm with a learned scale (Llama's)."""
+
     def __init__(self, h, eps):
         super().__init__()
         self.w, self.eps = nn.Parameter(torch.ones(h)), eps
@@ -71,8 +73,13 @@ def rope(x, pos, theta):
 
 
 class Drafter(nn.Module):
+    """The drafter: fc [H, 2H] over [f_t, e(x_{t+1})], then one pre-norm Llama layer (full multi-head attention with
+    the backbone's RoPE θ, SiLU-gated MLP); its output [.., H] is read by the backbone's LM head. ``window`` > 0 limits
+    attention to the last ``window`` positions (a measurement; training uses all, 0)."""
+
     def __init__(self, cfg):
         super().__init__()
+        self.window = 0
         h, self.nh = cfg.hidden_size, cfg.num_attention_heads
         self.theta, self.hd = cfg.rope_theta if hasattr(cfg, "rope_theta") else cfg.rope_parameters["rope_theta"], h // self.nh
         self.fc = nn.Linear(2 * h, h, bias=False)
@@ -101,7 +108,7 @@ class Drafter(nn.Module):
         x = self.fc(torch.cat([feats, emb], -1))
         qx, kx, vx = self.qkv(x, pos)
         back = pos[:, None] - pos[None, :]  # [W, W] i - j
-        win = getattr(self, "window", 0)
+        win = self.window
         if win:
             ox = self.out(x, F.scaled_dot_product_attention(qx, kx, vx, attn_mask=(back >= 0) & (back < win)))
         else:
@@ -203,8 +210,7 @@ def main():
     p.add_argument("--w2", type=float, default=0.5, help="weight of the chained draft's loss")
     p.add_argument("--wreg", type=float, default=0.1, help="weight of the feature regression (EAGLE-1)")
     p.add_argument("--deadline", type=float, default=0, help="epoch seconds by which the results must be written")
-    p.add_argument("--eval", default="", help="drafter weights: only measure them, attending to all earlier positions "
-                   "(window 0) and to the last 1, 2, 4, 16, 64")
+    p.add_argument("--eval", default="", help="drafter weights: only measure them, once per attention window (--windows)")
     p.add_argument("--windows", type=int, nargs="+", default=[0, 1, 2, 4, 16, 64], help="with --eval: attention windows (0: all)")
     p.add_argument("--int4", action="store_true", help="with --eval: the drafter's linears quantized to 4 bits first")
     p.add_argument("--quantization", default=None, help="gguf: the CPU's int4 backbone states")
