@@ -17,6 +17,8 @@ Works on token ids and knows no UI. Public API:
   chunks (``generate(progress=True)``).
 - N-gram drafts in the tree (prompt lookup beside the heads, issue 20): ``NgramDrafter``, ``DraftConfig``; drafts
   from the model's own replies (REST, SuffixDecoding; ``generate(drafts="corpus")``): ``Datastore``, ``CorpusRule``.
+- An EAGLE-style drafter as a draft source (``MedusaModel.load_drafter``, ``generate(drafts="eagle")``):
+  ``medusa_core.eagle``.
 - Sampling settings with HF ``generate`` semantics, applied at every tree node: ``SamplingConfig``
   (temperature, top-k, top-p, min-p, repetition penalty) and ``CHAT_PRESET``.
 - Trees tuned per machine and settings preset by ``bench tune``: ``TunedSettings``, ``TUNED_PRESETS``

@@ -81,11 +81,16 @@ class StepRunner:
             cache, reused = kept.take(self.model, self.model._new_cache, input_ids[0].tolist()) if kept else (self.model._new_cache(), 0)
         widest = full.num_nodes if full is not None else 1
         room = (min(cur_len + max_new_tokens, self.model.max_context) + widest, self.model.max_context + widest)  # this reply, any reply
-        hidden = yield from read_prompt(self.decoder, cache, input_ids, reused, reading["chunk"], room, kept, reading["progress"])
+        observing = hasattr(drafter, "observe")  # a drafter that reads the accepted tokens' states (medusa_core.eagle)
+        hidden = yield from read_prompt(self.decoder, cache, input_ids, reused, reading["chunk"], room, kept, reading["progress"],
+                                        all_states=observing)
+        prompt_states, hidden = (hidden, hidden[-1:]) if observing else (None, hidden)
         with torch.inference_mode():
             scores = processors(self.logits(hidden), input_ids)  # [1, V]
             root = choose_token(scores[0], rule == "greedy", generator)  # [] first token
             first = root.item()
+            if observing:  # each position read, with the token after it
+                drafter.observe(prompt_states, input_ids[0, reused + 1 :].tolist() + [first])
         self.model._sync()
         prefill_s = time.perf_counter() - start
         # Step 0 is the prefill: its token goes out at once (time to first token = prefill time).
@@ -125,6 +130,8 @@ class StepRunner:
                 nodes, token_list = host[2 : host[0] + 3], host[2 + path.shape[0] :]
                 compact_cache(cache, cur_len, nodes, tree.num_nodes)
                 hidden = hidden_all[nodes[-1] : nodes[-1] + 1]
+                if observing:  # the accepted rows, each with the token after it (the last: the new root)
+                    drafter.observe(hidden_all[nodes], [token_list[i] for i in nodes[1:]] + [host[1]])
             if kept is not None:  # the entries now held: the root and the accepted candidates
                 kept.token_ids += [token_list[i] for i in nodes]
             cur_len += len(nodes)

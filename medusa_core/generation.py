@@ -22,7 +22,7 @@ SAMPLING_MODES = ("typical", "exact")
 SAMPLING_RULES = ("greedy", "sample", "typical", "exact")
 #: Values of ``generate(drafts=...)``: where a Medusa step's candidates come from (the heads' tree, n-gram
 #: prompt lookup, or both in one tree).
-DRAFT_SOURCES = ("hybrid", "heads", "ngram", "corpus")
+DRAFT_SOURCES = ("hybrid", "heads", "ngram", "corpus", "eagle")
 
 
 @dataclass(frozen=True)

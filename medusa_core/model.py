@@ -28,6 +28,7 @@ from transformers import DynamicCache
 from .decoding import StepRunner
 from .datastore import Datastore
 from .drafts import DraftConfig, NgramDrafter
+from .eagle import EagleDrafter, EagleDrafts
 from .generation import StepRecord, check_generate_args, check_head_temperatures, eos_ids
 from .invariant import ATTENTION, ATTENTION_KERNEL
 from .kvcache import new_cache
@@ -119,6 +120,24 @@ class MedusaModel:
             except ValueError as e:
                 raise ValueError(f"the model's tree {tree!r} does not fit: {e}") from None
         self._steps = StepRunner(self, report)  # the decoding loop and the stages of a step (``medusa_core.decoding``)
+        self._drafter = None  # (EagleDrafter, projection [S, H], draft ids [S] or None): ``load_drafter``
+
+    def load_drafter(self, path) -> None:
+        """Give the model an EAGLE-style drafter (``medusa_core.eagle``; ``generate(drafts="eagle")``) from a
+        safetensors file; it drafts among the heads' draft vocabulary through the backbone's LM head rows.
+        Raises ``MedusaCheckpointError`` for a file that does not fit the backbone, ``ValueError`` on a GPU (its
+        4-bit products run on CPUs)."""
+        if self.device.type != "cpu":
+            raise ValueError(f"the drafter runs on a CPU (4-bit products); the model is on {self.device}")
+        ids = getattr(self.heads, "draft_ids", None)
+        weight = self.backbone.get_input_embeddings().weight.detach()  # tied to the LM head on the demo
+        projection = Int4Linear.quantize(weight if ids is None else weight[ids.to(weight.device)])
+        self._drafter = (EagleDrafter(path, self.config), projection, None if ids is None else ids.cpu())
+
+    @property
+    def has_drafter(self) -> bool:
+        """Whether ``load_drafter`` gave the model a drafter (``generate(drafts="eagle")``)."""
+        return self._drafter is not None
 
     # ----------------------------------------------------------------------------------- properties
     @property
@@ -274,7 +293,8 @@ class MedusaModel:
                 ``"corpus"``: the heads' tree, but a step where the model's ``corpus`` of its own replies
                 has a confident chain (the tokens that most often followed the context's last tokens there,
                 ``Datastore.chain``) verifies the root and that chain alone (REST, SuffixDecoding); needs a
-                model with a corpus. Drafts are point masses like the heads' candidates, so greedy
+                model with a corpus. ``"eagle"``: the root and two drafts of the drafter ``load_drafter`` gave
+                the model (``medusa_core.eagle``), verified alone. Drafts are point masses like the heads' candidates, so greedy
                 output stays plain greedy output and exact sampling stays exact. Ignored with
                 ``medusa=False``.
             draft_config: n-gram sizes and the longest chain (``DraftConfig``); the chain is also cut so
@@ -328,13 +348,15 @@ class MedusaModel:
         sampling setting outside its range (``SamplingConfig``: temperature a finite number >= 0,
         top_k an integer >= 0, top_p in (0, 1], min_p in [0, 1], repetition_penalty > 0), ε or δ
         outside (0, 1], a seed outside [0, 2**63), an unknown ``sampling`` or ``drafts``, a tree that
-        ``resolve_tree`` refuses, ``drafts="corpus"`` for a model without a corpus, or ``prefill_chunk`` not an
+        ``resolve_tree`` refuses, ``drafts="corpus"`` for a model without a corpus, ``drafts="eagle"`` for one without a drafter, or ``prefill_chunk`` not an
         integer >= 1.
         """
         check_generate_args(max_new_tokens, posterior_threshold, posterior_alpha, seed, sampling, drafts)
         if drafts == "corpus" and medusa and not self.has_corpus:
             raise ValueError("drafts='corpus' needs a model with a corpus of its own replies (a distill/ folder beside "
                              f"its heads, load_medusa_model); {self.name} has none: use 'heads', 'hybrid' or 'ngram'")
+        if drafts == "eagle" and medusa and not self.has_drafter:
+            raise ValueError(f"drafts='eagle' needs a drafter (MedusaModel.load_drafter); {self.name} has none")
         if not isinstance(prefill_chunk, int) or isinstance(prefill_chunk, bool) or prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be an integer >= 1 (prompt tokens per pass), got {prefill_chunk!r}")
         overrides = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty)
@@ -355,13 +377,16 @@ class MedusaModel:
         if medusa:
             if tree is None or tree == "tuned":  # the tree tuned on this machine at these settings, where there is one
                 tree = tuned.tree if tuned else tree or self.default_tree
-            full = self._tree("ngram") if drafts == "ngram" else self._tree(tree)
+            full = self._tree("ngram") if drafts in ("ngram", "eagle") else self._tree(tree)
         if seed is None:
             seed = random.SystemRandom().randrange(2**63)
         rule = "greedy" if settings.greedy else sampling if medusa else "sample"
         drafter = None
         if medusa and drafts == "corpus":
             drafter = NgramDrafter(draft_config, input_ids[0].tolist(), corpus=self.corpus, copy=False)
+        elif medusa and drafts == "eagle":
+            drafter = EagleDrafts(self._drafter[0], self.backbone.get_input_embeddings(), *self._drafter[1:],
+                                  capacity=prompt_len + max_new_tokens + 1)
         elif medusa and drafts != "heads":
             drafter = NgramDrafter(draft_config, input_ids[0].tolist(), earlier_replies)
         shape_at = draft_config.min_head_probability
@@ -370,7 +395,7 @@ class MedusaModel:
         reading = dict(kept=kept, progress=progress, chunk=prefill_chunk)
         steps = self._steps.run(
             input_ids.to(self.device), max_new_tokens, full, NodeProcessors(settings), posterior_threshold, posterior_alpha,
-            seed, rule, drafter, drafts if medusa else "", shape_at if drafts != "ngram" else 0.0, reading,
+            seed, rule, drafter, drafts if medusa else "", shape_at if drafts not in ("ngram", "eagle") else 0.0, reading,
         )
         return steps if kept is None else _settling(steps, kept)
 

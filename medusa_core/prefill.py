@@ -185,20 +185,21 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 def read_prompt(
     decoder: Any, cache: DynamicCache, input_ids: torch.Tensor, reused: int, chunk: int, capacity: tuple[int, int],
-    kept: ConversationCache | None, progress: bool,
+    kept: ConversationCache | None, progress: bool, all_states: bool = False,
 ) -> Generator[ReadProgress, None, torch.Tensor]:
     """Read ``input_ids`` [1, T] from position ``reused`` on (the cache holds the first ``reused``), ``chunk``
     tokens per decoder pass; with ``progress`` and more than one pass, yields a ``ReadProgress`` before the
     first pass and after each but the last.
     Reserves room in the cache first: ``capacity`` is (entries the reply needs, most it can ever need),
     see ``kvcache.reserve``. Returns the last position's final-norm hidden
-    state [1, H]. ``kept`` (if any) learns each chunk's tokens once their entries are written."""
+    state [1, H] (with ``all_states``: every position read, [T - reused, H]). ``kept`` (if any) learns each chunk's
+    tokens once their entries are written."""
     total, start = input_ids.shape[1], time.perf_counter()
     rowwise = getattr(getattr(decoder, "config", None), "_attn_implementation", None) in ROWWISE
     reading = {READING: True} if rowwise else {}  # only the batch-invariant attention knows this keyword
     with torch.inference_mode():
         reserve(cache, *capacity)
-    read = reused
+    read, states = reused, []
     if progress and total - reused > chunk:
         yield ReadProgress(read=read, total=total, reused=reused, elapsed_s=0.0)
     while True:
@@ -208,8 +209,10 @@ def read_prompt(
         if kept is not None:
             kept.token_ids += input_ids[0, read:end].tolist()
         read = end
+        if all_states:
+            states.append(out.last_hidden_state[0])
         if read == total:
-            return out.last_hidden_state[:, -1]  # [1, H]
+            return torch.cat(states) if all_states else out.last_hidden_state[:, -1]  # [T - reused, H] or [1, H]
         del out  # a chunk's activations are not kept while the caller looks at the progress
         if progress:
             yield ReadProgress(read=read, total=total, reused=reused, elapsed_s=time.perf_counter() - start)

@@ -300,9 +300,9 @@ def test_an_earlier_reply_to_the_same_prompt_is_copied_and_the_new_reply_stays_e
 
 def test_an_unknown_draft_source_is_refused_before_any_work(random_model, backbone_for):
     model = random_model(backbone_for("llama"))
-    with pytest.raises(ValueError, match="drafts must be one of 'hybrid', 'heads', 'ngram', 'corpus'"):
+    with pytest.raises(ValueError, match="drafts must be one of 'hybrid', 'heads', 'ngram', 'corpus', 'eagle'"):
         model.generate(PROMPT, max_new_tokens=4, drafts="lookup")
-    assert DRAFT_SOURCES == ("hybrid", "heads", "ngram", "corpus")
+    assert DRAFT_SOURCES == ("hybrid", "heads", "ngram", "corpus", "eagle")
 
 
 # ------------------------------------------------------------ calibrated shaping (issue 20, part 2)

@@ -98,7 +98,7 @@ CONTROL_RANGES: dict[str, Range] = {
 }
 #: The choice controls: label and allowed values.
 CONTROL_CHOICES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "drafts": ("Drafts", tuple(DRAFT_SOURCES)),
+    "drafts": ("Drafts", tuple(s for s in DRAFT_SOURCES if s != "eagle")),  # the app loads no drafter (medusa_core.eagle)
     "sampling": ("Sampling", tuple(SAMPLING_MODES)),
 }
 CONTROL_FLAGS = {"medusa": "Medusa", "highlight": "Highlight drafted tokens"}

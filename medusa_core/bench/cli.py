@@ -35,6 +35,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="backbone precision (default auto: a GGUF file's own 4-bit blocks on a CPU, else nf4)")
     p.add_argument("--dtype", default=None, help="compute dtype (default float32 on CPU, float16 on CUDA)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ... (default auto)")
+    p.add_argument("--drafter", type=Path, default=None,
+                   help="an EAGLE-style drafter file for the 'eagle' method (MedusaModel.load_drafter; CPU only), e.g. "
+                        "assets/eagle-probe/drafter.safetensors")
     p.add_argument("--prompts", default=None,
                    help="JSONL rows with 'prompt' (one user message) or 'messages' (a conversation ending with a user "
                         "turn; only the last reply is timed) and an optional 'category' (default: the shipped set)")
@@ -163,8 +166,11 @@ def load_model(args: argparse.Namespace) -> Any:
     from ..loading import load_medusa_model
 
     torch.set_num_threads(args.threads[0] if isinstance(args.threads, list) else args.threads)
-    return load_medusa_model(args.model, base_model=args.base_model, quantization=args.quantization,
-                             dtype=args.dtype, device=args.device)
+    model = load_medusa_model(args.model, base_model=args.base_model, quantization=args.quantization,
+                              dtype=args.dtype, device=args.device)
+    if getattr(args, "drafter", None) is not None:
+        model.load_drafter(args.drafter)
+    return model
 
 
 def sampling_settings(model: Any, args: argparse.Namespace) -> tuple[SamplingConfig, str]:

@@ -13,7 +13,7 @@ from . import llama_cpp
 #: Method kinds: HF greedy ``generate``, HF prompt lookup decoding, this project's plain loop, Medusa.
 METHOD_KINDS = ("hf", "hf_pld", "llama_cpp", "baseline", "medusa")
 #: Method names that run this engine's n-gram drafts: alone (kind ``medusa``, no heads) or beside each tree.
-DRAFT_METHODS = ("ngram", "medusa+ngram", "medusa+corpus")
+DRAFT_METHODS = ("ngram", "medusa+ngram", "medusa+corpus", "eagle")
 #: Prefix of a Medusa method name (before ``:<tree>``) -> its ``generate(drafts=...)``.
 MEDUSA_PREFIXES = {"medusa": "heads", "medusa+ngram": "hybrid", "medusa+corpus": "corpus"}
 #: Suffix of a ``baseline`` or Medusa method name that runs it with transformers' forward, not the lean pass.
@@ -78,6 +78,11 @@ def build_methods(model: Any, methods: Sequence[str], trees: Sequence[str]) -> l
             out.append(Method(name, name, source=str(path)))
         elif name == "ngram":
             out.append(Method(name, "medusa", drafts="ngram"))
+        elif name == "eagle":
+            if not getattr(model, "has_drafter", False):
+                print("skipped eagle: the model has no drafter (MedusaModel.load_drafter)")
+                continue
+            out.append(Method(name, "medusa", drafts="eagle"))
         elif name.split(":", 1)[0] in MEDUSA_PREFIXES:
             prefix = name.split(":", 1)[0]
             drafts = MEDUSA_PREFIXES[prefix]

@@ -1,0 +1,94 @@
+"""The EAGLE-style drafter as a draft source (medusa_core.eagle): its file is checked against the backbone, its
+chains are verified like any draft (greedy output equals plain greedy decoding, whatever the drafter proposes), and
+the trained one (assets/eagle-probe) drafts several tokens a step on the demo."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from medusa_core import MedusaCheckpointError, load_medusa_model
+from medusa_core.eagle import LAYOUT, EagleDrafter, EagleDrafts
+from medusa_core.quant.layers import Int4Linear
+
+TRAINED = Path(__file__).resolve().parent.parent / "assets" / "eagle-probe" / "drafter.safetensors"
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Give me three tips to sleep better.",
+]
+
+
+def _ids(model, text: str):
+    return model.tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return load_medusa_model("demo")
+
+
+def _random_drafter(path, config, seed=0, **override):
+    g = torch.Generator().manual_seed(seed)
+    sizes = {"H": config.hidden_size, "2H": 2 * config.hidden_size, "I": config.intermediate_size}
+    tensors = {name: torch.randn([sizes[d] for d in dims], generator=g) * 0.05 for name, dims in LAYOUT.items()}
+    tensors.update(override)
+    save_file(tensors, str(path))
+    return path
+
+
+def _greedy(model, ids, **kw):
+    records = list(model.generate(ids, max_new_tokens=40, temperature=0.0, **kw))
+    return [t for r in records for t in r.token_ids], records
+
+
+def test_a_drafter_file_that_does_not_fit_the_backbone_is_refused_with_the_tensor_and_shapes(demo, tmp_path):
+    bad = _random_drafter(tmp_path / "bad.safetensors", demo.config, **{"fc.weight": torch.zeros(576, 1000)})
+    with pytest.raises(MedusaCheckpointError, match=r"fc.weight should be \[576, 1152\].*found \[576, 1000\]"):
+        demo.load_drafter(bad)
+    with pytest.raises(MedusaCheckpointError, match="not a readable drafter file"):
+        demo.load_drafter(tmp_path / "missing.safetensors")
+    assert not demo.has_drafter
+
+
+def test_eagle_drafts_need_a_drafter(demo):
+    assert not demo.has_drafter
+    with pytest.raises(ValueError, match="drafts='eagle' needs a drafter"):
+        demo.generate(_ids(demo, PROMPTS[0]), max_new_tokens=4, drafts="eagle")
+
+
+def test_greedy_eagle_drafts_equal_plain_greedy_even_from_a_random_drafter(tmp_path):
+    model = load_medusa_model("demo")
+    model.load_drafter(_random_drafter(tmp_path / "random.safetensors", model.config))
+    for text in PROMPTS[:2]:
+        ids = _ids(model, text)
+        plain, _ = _greedy(model, ids, medusa=False)
+        drafted, records = _greedy(model, ids, drafts="eagle")
+        assert drafted == plain
+        assert all(r.tree_nodes <= 3 for r in records[1:])  # the root and a chain of at most two drafts
+        assert any(r.tree_nodes == 3 for r in records[1:])  # chains were proposed and verified
+
+
+def test_the_trained_drafter_drafts_several_tokens_a_step_on_the_demo_and_stays_exact():
+    model = load_medusa_model("demo")
+    model.load_drafter(TRAINED)
+    produced = steps = 0
+    for text in PROMPTS:
+        ids = _ids(model, text)
+        plain, _ = _greedy(model, ids, medusa=False)
+        drafted, records = _greedy(model, ids, drafts="eagle")
+        assert drafted == plain
+        produced, steps = produced + len(drafted) - 1, steps + len(records) - 1
+    assert produced / steps > 1.4  # accepted drafts: the probe's held-out chain makes ~1.8 tokens a step
+
+
+def test_the_drafters_cache_refuses_more_entries_than_it_holds(demo, tmp_path):
+    drafter = EagleDrafter(_random_drafter(tmp_path / "d.safetensors", demo.config), demo.config)
+    state = EagleDrafts(drafter, demo.backbone.get_input_embeddings(), Int4Linear.quantize(torch.randn(64, 576)), None, capacity=4)
+    state.observe(torch.randn(3, 576), [1, 2, 3])
+    assert state.length == 3 and len(state.propose(2)) == 2 and all(0 <= t < 64 for t in state.propose(2))
+    with pytest.raises(ValueError, match="holds 4 entries; 5 asked"):
+        state.observe(torch.randn(2, 576), [4, 5])
