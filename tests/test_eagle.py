@@ -11,19 +11,9 @@ from safetensors.torch import save_file
 from medusa_core import MedusaCheckpointError, load_medusa_model
 from medusa_core.eagle import LAYOUT, EagleDrafter, EagleDrafts
 from medusa_core.quant.layers import Int4Linear
+from test_demo_model import PROMPTS, _ids  # the demo's prompts and chat template
 
 TRAINED = Path(__file__).resolve().parent.parent / "assets" / "eagle-probe" / "drafter.safetensors"
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a Python function that checks whether a string is a palindrome.",
-    "Give me three tips to sleep better.",
-]
-
-
-def _ids(model, text: str):
-    return model.tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-    )["input_ids"]
 
 
 @pytest.fixture(scope="module")
