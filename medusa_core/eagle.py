@@ -45,7 +45,6 @@ class EagleDrafter:
             if name not in sd or list(sd[name].shape) != want:
                 found = list(sd[name].shape) if name in sd else "missing"
                 raise MedusaCheckpointError(f"{path}: drafter tensor {name} should be {want} for this backbone, found {found}")
-        w = {k: v.to(torch.bfloat16) for k, v in sd.items()}
         self.hidden, self.heads = h, config.num_attention_heads
         self.head_dim, self.eps = h // self.heads, config.rms_norm_eps
         params = getattr(config, "rope_parameters", None) or {}
@@ -54,7 +53,7 @@ class EagleDrafter:
         self.qkv = Int4Linear.quantize(torch.cat([sd["q.weight"], sd["k.weight"], sd["v.weight"]]))
         self.o, self.down = Int4Linear.quantize(sd["o.weight"]), Int4Linear.quantize(sd["d.weight"])
         self.gu = Int4Linear.quantize(torch.cat([sd["g.weight"], sd["u.weight"]]))
-        self.n1, self.n2 = w["n1.w"], w["n2.w"]
+        self.n1, self.n2 = sd["n1.w"].to(torch.bfloat16), sd["n2.w"].to(torch.bfloat16)
 
     def rope_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [length, 1, head_dim] bfloat16 for positions 0 .. length-1."""

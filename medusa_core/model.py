@@ -30,6 +30,7 @@ from .datastore import Datastore
 from .drafts import DraftConfig, NgramDrafter
 from .eagle import EagleDrafter, EagleDrafts
 from .generation import StepRecord, check_generate_args, check_head_temperatures, eos_ids
+from .heads import _dense_weight
 from .invariant import ATTENTION, ATTENTION_KERNEL
 from .kvcache import new_cache
 from .prefill import PREFILL_CHUNK, ConversationCache, ReadProgress
@@ -130,7 +131,7 @@ class MedusaModel:
         if self.device.type != "cpu":
             raise ValueError(f"the drafter runs on a CPU (4-bit products); the model is on {self.device}")
         ids = getattr(self.heads, "draft_ids", None)
-        weight = self.backbone.get_input_embeddings().weight.detach()  # tied to the LM head on the demo
+        weight = _dense_weight(self.backbone.get_output_embeddings())  # [V, H] the LM head's rows
         projection = Int4Linear.quantize(weight if ids is None else weight[ids.to(weight.device)])
         self._drafter = (EagleDrafter(path, self.config), projection, None if ids is None else ids.cpu())
 

@@ -12,7 +12,8 @@ from . import llama_cpp
 
 #: Method kinds: HF greedy ``generate``, HF prompt lookup decoding, this project's plain loop, Medusa.
 METHOD_KINDS = ("hf", "hf_pld", "llama_cpp", "baseline", "medusa")
-#: Method names that run this engine's n-gram drafts: alone (kind ``medusa``, no heads) or beside each tree.
+#: Method names that run this engine's other drafts: n-gram alone (kind ``medusa``, no heads) or beside each tree, the
+#: corpus's chains, the EAGLE-style drafter's (``eagle``, needs ``--drafter``).
 DRAFT_METHODS = ("ngram", "medusa+ngram", "medusa+corpus", "eagle")
 #: Prefix of a Medusa method name (before ``:<tree>``) -> its ``generate(drafts=...)``.
 MEDUSA_PREFIXES = {"medusa": "heads", "medusa+ngram": "hybrid", "medusa+corpus": "corpus"}
