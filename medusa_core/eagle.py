@@ -3,16 +3,18 @@
 One Llama decoder layer reads fc([f_t, e(x_{t+1})]) -- the backbone's final-norm state at t and the embedding of
 the token after it -- attends over its own states at earlier positions (a KV cache of its own, written for
 accepted tokens only) and proposes the next token through the backbone's LM head rows of the heads' draft
-vocabulary; the second draft chains from its own output. The chain is verified alone by the backbone (point-mass
-drafts: greedy output stays plain greedy output, exact sampling stays exact).
+vocabulary; each further draft chains from its own output, while the chain's probability under the drafter stays
+above a threshold (EAGLE-2's confidence). The layer runs in the lean step's compiled decoder (one call a pass).
+The chain is verified alone by the backbone (point-mass drafts: greedy output stays plain greedy output, exact
+sampling stays exact).
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from .errors import MedusaCheckpointError
@@ -24,16 +26,26 @@ LAYOUT = {"fc.weight": ("H", "2H"), "n1.w": ("H",), "q.weight": ("H", "H"), "k.w
           "u.weight": ("I", "H"), "d.weight": ("H", "I")}
 
 
-class EagleDrafter:
-    """The drafter's linears in 4 bits (``Int4Linear``: the compiled int4 product where it is loaded, ~10× a bfloat16
-    product's speed for one row), fused for few calls: ``fc`` (2H -> H), ``qkv`` (H -> 3H), ``o`` (H -> H), ``gu``
-    (H -> 2I), ``down`` (I -> H); norms [H] bfloat16; RoPE as the backbone's (θ, head width). 4-bit weights cost
-    the probe's draft 1 about one point of top-1 (docs/BENCH.md, "An EAGLE-style drafter").
+#: The most drafts a step, and the chain probability a draft needs (``EagleDrafts.propose``): of depth 2 or 3 and
+#: thresholds 0.2 / 0.3 / 0.4, interleaved on the 24 held-out prompts, 2 and 0.3 made the most tokens/s at the chat
+#: preset and at greedy (docs/BENCH.md, "The drafter compiled"); the drafter was trained two drafts deep.
+DEPTH, THRESHOLD = 2, 0.3
 
+
+class EagleDrafter:
+    """The drafter's layer compiled (the lean step's ``LeanDecoder``, one layer, no final norm: its 4-bit products,
+    row attention over its own cache and elementwise loops in one call) behind its input linear ``fc`` (2H -> H);
+    every linear in 4 bits (``Int4Linear.quantize``'s groups, which cost the probe's draft 1 about one point of
+    top-1: docs/BENCH.md, "An EAGLE-style drafter"); RoPE as the backbone's (θ, head width).
+
+    Args:
+        path: the drafter's safetensors file (``LAYOUT``).
+        config: the backbone's text config (hidden and MLP widths, heads, θ, ε of the norms).
+        module: the lean step's compiled extension (``medusa_core.lean.build.load_extension``).
     Raises ``MedusaCheckpointError`` for a file that is missing, unreadable, or whose tensors do not fit the backbone
     (the message names the tensor, the expected and the found shape)."""
 
-    def __init__(self, path: str | Path, config):
+    def __init__(self, path: str | Path, config, module):
         try:
             sd = load_file(str(path))
         except (OSError, ValueError, RuntimeError) as e:
@@ -46,21 +58,26 @@ class EagleDrafter:
                 found = list(sd[name].shape) if name in sd else "missing"
                 raise MedusaCheckpointError(f"{path}: drafter tensor {name} should be {want} for this backbone, found {found}")
         self.hidden, self.heads = h, config.num_attention_heads
-        self.head_dim, self.eps = h // self.heads, config.rms_norm_eps
+        self.head_dim = h // self.heads
         params = getattr(config, "rope_parameters", None) or {}
         self.theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
         self.fc = Int4Linear.quantize(sd["fc.weight"])
-        self.qkv = Int4Linear.quantize(torch.cat([sd["q.weight"], sd["k.weight"], sd["v.weight"]]))
-        self.o, self.down = Int4Linear.quantize(sd["o.weight"]), Int4Linear.quantize(sd["d.weight"])
-        self.gu = Int4Linear.quantize(torch.cat([sd["g.weight"], sd["u.weight"]]))
-        self.n1, self.n2 = sd["n1.w"].to(torch.bfloat16), sd["n2.w"].to(torch.bfloat16)
+        self.top = module.draft_top  # logits [1, S] -> (best columns, their log-probabilities)
+        linears = [Int4Linear.quantize(sd[f"{name}.weight"]) for name in "qkvogud"]  # LeanDecoder's order
+        tensors = [sd["n1.w"].float(), sd["n2.w"].float()]
+        for linear in linears:
+            tensors += [*linear.kernel_weights(), torch.empty(0)]
+        self.layer = module.LeanDecoder(
+            [tensors], [float(config.rms_norm_eps)], [linear.out_features for linear in linears], torch.empty(0), 0.0,
+            self.heads, self.heads, self.head_dim, self.head_dim**-0.5, True,
+        )
 
     def rope_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [length, 1, head_dim] bfloat16 for positions 0 .. length-1."""
+        """cos, sin [length, head_dim] float32 for positions 0 .. length-1."""
         d = self.head_dim
         inv = 1.0 / self.theta ** (torch.arange(0, d, 2).float() / d)
         angles = torch.arange(length).float()[:, None] * inv[None]
-        return tuple(torch.cat([f(angles)] * 2, -1).to(torch.bfloat16)[:, None] for f in (torch.cos, torch.sin))
+        return torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
 
 
 class EagleDrafts:
@@ -73,63 +90,76 @@ class EagleDrafts:
         projection: the LM head's rows the drafts choose among (H -> S, an ``Int4Linear``); ``draft_ids`` [S] their
             token ids (None: 0..S-1).
         capacity: entries the cache can hold (prompt + reply).
+        depth: the most drafts a step (``DEPTH``); threshold: the chain probability a draft needs (None: ``THRESHOLD``).
+        chains: the model's corpus chains (an ``NgramDrafter`` over its ``corpus``, ``copy=False``; None: none): a
+            step takes the corpus's chain where it has one, the drafter's elsewhere (docs/BENCH.md: ~5 % more
+            tokens/s than the drafter alone at the chat preset and at greedy).
     """
 
     verify_alone = True
+    #: Rows the compiled layer reads in one call (its buffers are sized for a step's few rows; a prompt goes in chunks).
+    CHUNK = 64
 
-    def __init__(self, drafter: EagleDrafter, embed, projection: Int4Linear, draft_ids: torch.Tensor | None, capacity: int):
-        self.d, self.embed = drafter, embed
+    def __init__(self, drafter: EagleDrafter, embed, projection: Int4Linear, draft_ids: torch.Tensor | None, capacity: int,
+                 depth: int = DEPTH, threshold: float | None = None, chains=None):
+        self.d, self.embed, self.chains = drafter, embed, chains
         self.projection, self.draft_ids = projection, draft_ids
-        self.cache = torch.zeros(2, drafter.heads, capacity, drafter.head_dim, dtype=torch.bfloat16)
-        self.cos, self.sin = drafter.rope_tables(capacity + 1)
+        threshold = THRESHOLD if threshold is None else threshold
+        self.depth, self.log_threshold = depth, math.log(threshold) if threshold > 0 else -math.inf
+        # keys and values, with room for the drafts' rows after the accepted entries
+        self.cache = torch.zeros(2, 1, drafter.heads, capacity + depth, drafter.head_dim)
+        self.cos, self.sin = drafter.rope_tables(capacity + depth)
         self.length, self.last = 0, None
 
     def extend(self, tokens) -> None:
-        """Nothing: the drafter learns the accepted tokens with their states (``observe``)."""
+        """The corpus chains' context grows (the drafter learns the accepted tokens with their states: ``observe``)."""
+        if self.chains is not None:
+            self.chains.extend(tokens)
 
     def observe(self, states: torch.Tensor, next_tokens: list[int]) -> None:
         """Append the accepted positions: ``states`` [r, H] their final-norm states, ``next_tokens`` the token after
         each (the last one: the step's new root). Raises ``ValueError`` when the cache is full."""
         r = states.shape[0]
-        if self.length + r > self.cache.shape[2]:
-            raise ValueError(f"the drafter's cache holds {self.cache.shape[2]} entries; {self.length + r} asked")
-        emb = self.embed(torch.tensor(next_tokens)).to(torch.bfloat16)
-        x = self.d.fc(torch.cat([states.to(torch.bfloat16), emb], -1))
-        self.last = self._layer(x, keep=True)[-1:]
-        self.length += r
+        if self.length + r > self.cache.shape[3] - self.depth:
+            raise ValueError(f"the drafter's cache holds {self.cache.shape[3] - self.depth} entries; {self.length + r} asked")
+        x = self.d.fc(torch.cat([states.float(), self.embed(torch.tensor(next_tokens)).float()], -1))  # [r, H]
+        for begin in range(0, r, self.CHUNK):
+            out = self._layer(x[begin : begin + self.CHUNK], self.length)
+            self.length += out.shape[0]
+        self.last = out[-1:]
 
     def propose(self, limit: int) -> list[int]:
-        """Up to two drafts after the root (``limit`` caps them): [d1, d2]."""
-        if limit < 1 or self.last is None:
-            return []
-        first = self._top(self.last)
-        if limit == 1:
-            return [first]
-        x = self.d.fc(torch.cat([self.last, self.embed(torch.tensor([first])).to(torch.bfloat16)], -1))
-        return [first, self._top(self._layer(x, keep=False))]
+        """Drafts after the root, each chained from the drafter's output before it, while their chain's probability
+        (the product of each draft's softmax probability over the draft vocabulary, EAGLE-2's confidence) stays
+        ≥ ``threshold``: at most ``depth`` and ``limit`` of them, none when the first is below it. Where the corpus
+        has a chain (``chains``), that chain instead."""
+        chain = self.chains.propose(limit) if self.chains is not None else []
+        if chain:
+            return chain
+        drafts, out, log_chance = [], self.last, 0.0
+        most = min(limit, self.depth)
+        while out is not None and len(drafts) < most:
+            column, log_p = self.d.top(self.projection(out), 1, _ONE)  # [1, 1] each: the best column, its log p
+            log_chance += float(log_p)
+            if log_chance < self.log_threshold:
+                break
+            token = int(column) if self.draft_ids is None else int(self.draft_ids[column[0, 0]])
+            drafts.append(token)
+            if len(drafts) < most:  # its entry past ``length``: the next observe writes over it
+                x = self.d.fc(torch.cat([out, self.embed(torch.tensor([token])).float()], -1))
+                out = self._layer(x, self.length + len(drafts) - 1)
+        return drafts
 
-    def _top(self, out: torch.Tensor) -> int:
-        column = int(self.projection(out).argmax())
-        return column if self.draft_ids is None else int(self.draft_ids[column])
+    def _layer(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """The decoder layer over rows x [r, H] float32 at positions start .. start+r-1, each attending to the
+        cache's entries before it and the rows before it; their keys and values are written at those positions.
+        Returns [r, H]."""
+        r = x.shape[0]
+        cos, sin = self.cos[None, start : start + r], self.sin[None, start : start + r]
+        prefix = list(range(start + 1, start + r + 1))  # row i sees keys 0 .. start + i
+        return self.d.layer.forward(x[None].contiguous(), cos, sin, [self.cache[0]], [self.cache[1]], start, [], [], [],
+                                    prefix, [0] * (r + 1), _NO_EXTRAS)[0]
 
-    def _layer(self, x: torch.Tensor, keep: bool) -> torch.Tensor:
-        """The decoder layer over rows x [r, H] at positions length .. length+r-1; ``keep`` writes their keys and
-        values into the cache (accepted rows), else they attend to the cache and themselves only."""
-        d, r, start = self.d, x.shape[0], self.length
-        h, nh, hd = d.hidden, d.heads, d.head_dim
-        qkv = d.qkv(F.rms_norm(x, (h,), d.n1, d.eps)).view(r, 3, nh, hd)
-        qk = qkv[:, :2]
-        cos, sin = self.cos[start : start + r, None], self.sin[start : start + r, None]
-        qk = qk * cos + torch.cat([-qk[..., hd // 2 :], qk[..., : hd // 2]], -1) * sin
-        k_new, v_new = qk[:, 1].transpose(0, 1), qkv[:, 2].transpose(0, 1)  # [nh, r, hd]
-        if keep:
-            self.cache[0, :, start : start + r], self.cache[1, :, start : start + r] = k_new, v_new
-            k, v = self.cache[0, :, : start + r], self.cache[1, :, : start + r]
-        else:
-            k = torch.cat([self.cache[0, :, :start], k_new], 1)
-            v = torch.cat([self.cache[1, :, :start], v_new], 1)
-        mask = None if r == 1 else torch.ones(r, start + r, dtype=torch.bool).tril(start)
-        a = F.scaled_dot_product_attention(qk[:, 0].transpose(0, 1), k, v, attn_mask=mask)  # [nh, r, hd]
-        x = x + d.o(a.transpose(0, 1).reshape(r, h))
-        g, u = d.gu(F.rms_norm(x, (h,), d.n2, d.eps)).chunk(2, -1)
-        return x + d.down(F.silu(g) * u)
+
+_NO_EXTRAS = torch.empty(0, dtype=torch.long)
+_ONE = torch.ones(1)  # draft_top's temperature

@@ -33,6 +33,7 @@ from .generation import StepRecord, check_generate_args, check_head_temperatures
 from .heads import _dense_weight
 from .invariant import ATTENTION, ATTENTION_KERNEL
 from .kvcache import new_cache
+from .lean.build import load_extension
 from .prefill import PREFILL_CHUNK, ConversationCache, ReadProgress
 from .processors import CHAT_PRESET, NodeProcessors, SamplingConfig
 from .quant.layers import Int4Linear
@@ -126,14 +127,17 @@ class MedusaModel:
     def load_drafter(self, path) -> None:
         """Give the model an EAGLE-style drafter (``medusa_core.eagle``; ``generate(drafts="eagle")``) from a
         safetensors file; it drafts among the heads' draft vocabulary through the backbone's LM head rows.
-        Raises ``MedusaCheckpointError`` for a file that does not fit the backbone, ``ValueError`` on a GPU (its
-        4-bit products run on CPUs)."""
+        Raises ``MedusaCheckpointError`` for a file that does not fit the backbone, ``ValueError`` on a GPU or
+        where the lean step's compiled extension does not load (its layer runs there, on a CPU)."""
         if self.device.type != "cpu":
             raise ValueError(f"the drafter runs on a CPU (4-bit products); the model is on {self.device}")
+        module, why = (self._steps.extension, "") if self._steps.extension is not None else load_extension()
+        if module is None:
+            raise ValueError(f"the drafter runs in the lean step's compiled extension, which is not available here: {why}")
         ids = getattr(self.heads, "draft_ids", None)
         weight = _dense_weight(self.backbone.get_output_embeddings())  # [V, H] the LM head's rows
         projection = Int4Linear.quantize(weight if ids is None else weight[ids.to(weight.device)])
-        self._drafter = (EagleDrafter(path, self.config), projection, None if ids is None else ids.cpu())
+        self._drafter = (EagleDrafter(path, self.config, module), projection, None if ids is None else ids.cpu())
 
     @property
     def has_drafter(self) -> bool:
@@ -294,8 +298,9 @@ class MedusaModel:
                 ``"corpus"``: the heads' tree, but a step where the model's ``corpus`` of its own replies
                 has a confident chain (the tokens that most often followed the context's last tokens there,
                 ``Datastore.chain``) verifies the root and that chain alone (REST, SuffixDecoding); needs a
-                model with a corpus. ``"eagle"``: the root and two drafts of the drafter ``load_drafter`` gave
-                the model (``medusa_core.eagle``), verified alone. Drafts are point masses like the heads' candidates, so greedy
+                model with a corpus. ``"eagle"``: the root and the chain of the drafter ``load_drafter`` gave
+                the model (``medusa_core.eagle``: up to ``DEPTH`` drafts while confident), or the corpus's chain
+                where the model has a corpus and it has one, verified alone. Drafts are point masses like the heads' candidates, so greedy
                 output stays plain greedy output and exact sampling stays exact. Ignored with
                 ``medusa=False``.
             draft_config: n-gram sizes and the longest chain (``DraftConfig``); the chain is also cut so
@@ -386,8 +391,9 @@ class MedusaModel:
         if medusa and drafts == "corpus":
             drafter = NgramDrafter(draft_config, input_ids[0].tolist(), corpus=self.corpus, copy=False)
         elif medusa and drafts == "eagle":
+            chains = NgramDrafter(draft_config, input_ids[0].tolist(), corpus=self.corpus, copy=False) if self.has_corpus else None
             drafter = EagleDrafts(self._drafter[0], self.backbone.get_input_embeddings(), *self._drafter[1:],
-                                  capacity=prompt_len + max_new_tokens + 1)
+                                  capacity=prompt_len + max_new_tokens + 1, chains=chains)
         elif medusa and drafts != "heads":
             drafter = NgramDrafter(draft_config, input_ids[0].tolist(), earlier_replies)
         shape_at = draft_config.min_head_probability

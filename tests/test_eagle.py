@@ -8,8 +8,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from medusa_core import MedusaCheckpointError, load_medusa_model
+from medusa_core import MedusaCheckpointError, eagle, load_medusa_model
 from medusa_core.eagle import LAYOUT, EagleDrafter, EagleDrafts
+from medusa_core.lean.build import load_extension
 from medusa_core.quant.layers import Int4Linear
 from test_demo_model import PROMPTS, _ids  # the demo's prompts and chat template
 
@@ -50,16 +51,18 @@ def test_eagle_drafts_need_a_drafter(demo):
         demo.generate(_ids(demo, PROMPTS[0]), max_new_tokens=4, drafts="eagle")
 
 
-def test_greedy_eagle_drafts_equal_plain_greedy_even_from_a_random_drafter(tmp_path):
+def test_greedy_eagle_drafts_equal_plain_greedy_even_from_a_random_drafter(tmp_path, monkeypatch):
     model = load_medusa_model("demo")
     model.load_drafter(_random_drafter(tmp_path / "random.safetensors", model.config))
+    monkeypatch.setattr(eagle, "THRESHOLD", 0.0)  # every chain as deep as DEPTH: a random drafter is never confident
+    monkeypatch.setattr(model, "_corpus", None)  # the drafter's chains alone
     for text in PROMPTS[:2]:
         ids = _ids(model, text)
         plain, _ = _greedy(model, ids, medusa=False)
         drafted, records = _greedy(model, ids, drafts="eagle")
         assert drafted == plain
-        assert all(r.tree_nodes <= 3 for r in records[1:])  # the root and a chain of at most two drafts
-        assert any(r.tree_nodes == 3 for r in records[1:])  # chains were proposed and verified
+        assert all(r.tree_nodes <= 1 + eagle.DEPTH for r in records[1:])  # the root and a chain of at most DEPTH drafts
+        assert any(r.tree_nodes == 1 + eagle.DEPTH for r in records[1:])  # chains were proposed and verified
 
 
 def test_the_trained_drafter_drafts_several_tokens_a_step_on_the_demo_and_stays_exact():
@@ -76,9 +79,60 @@ def test_the_trained_drafter_drafts_several_tokens_a_step_on_the_demo_and_stays_
 
 
 def test_the_drafters_cache_refuses_more_entries_than_it_holds(demo, tmp_path):
-    drafter = EagleDrafter(_random_drafter(tmp_path / "d.safetensors", demo.config), demo.config)
+    drafter = EagleDrafter(_random_drafter(tmp_path / "d.safetensors", demo.config), demo.config, load_extension()[0])
     state = EagleDrafts(drafter, demo.backbone.get_input_embeddings(), Int4Linear.quantize(torch.randn(64, 576)), None, capacity=4)
     state.observe(torch.randn(3, 576), [1, 2, 3])
     assert state.length == 3 and len(state.propose(2)) == 2 and all(0 <= t < 64 for t in state.propose(2))
     with pytest.raises(ValueError, match="holds 4 entries; 5 asked"):
         state.observe(torch.randn(2, 576), [4, 5])
+
+
+def test_observing_a_prompt_in_chunks_or_a_row_at_a_time_gives_the_same_states_and_drafts(demo, tmp_path):
+    # the compiled layer computes each row on its own (batch-invariant products, attention per row): a prompt longer
+    # than CHUNK read in chunks leaves the same cache and output as one token a step
+    drafter = EagleDrafter(TRAINED, demo.config, load_extension()[0])
+    embed, projection = demo.backbone.get_input_embeddings(), Int4Linear.quantize(torch.randn(256, 576))
+    states, tokens = torch.randn(EagleDrafts.CHUNK + 37, 576), list(range(10, EagleDrafts.CHUNK + 47))
+    whole, single = (EagleDrafts(drafter, embed, projection, None, capacity=128, threshold=0.0) for _ in range(2))
+    whole.observe(states, tokens)
+    for i in range(states.shape[0]):
+        single.observe(states[i : i + 1], tokens[i : i + 1])
+    assert whole.length == single.length == states.shape[0]
+    assert torch.equal(whole.last, single.last)
+    assert torch.equal(whole.cache[:, :, :, : whole.length], single.cache[:, :, :, : single.length])
+    assert whole.propose(2) == single.propose(2) and len(whole.propose(2)) == 2
+
+
+def test_a_chain_stops_where_its_probability_falls_below_the_threshold(demo):
+    # a projection of zeros: every draft has probability 1/256, a chain of k drafts 256**-k
+    drafter = EagleDrafter(TRAINED, demo.config, load_extension()[0])
+    embed, flat = demo.backbone.get_input_embeddings(), Int4Linear.quantize(torch.zeros(256, 576))
+    chains = {}
+    for threshold in (0.0, 0.003, 0.01):
+        state = EagleDrafts(drafter, embed, flat, None, capacity=8, depth=3, threshold=threshold)
+        state.observe(torch.randn(2, 576), [1, 2])
+        chains[threshold] = state.propose(5)
+    assert chains[0.0] == [0, 0, 0]  # depth drafts (the limit of 5 is larger); ties go to the first column
+    assert chains[0.003] == [0]  # 1/256 ≥ 0.003 > 1/256²
+    assert chains[0.01] == []  # not even the first draft
+
+
+def test_the_corpus_chain_is_taken_where_the_corpus_has_one():
+    class Corpus:  # an NgramDrafter's interface: a chain at every other step
+        def __init__(self):
+            self.calls = 0
+
+        def extend(self, tokens):
+            pass
+
+        def propose(self, limit):
+            self.calls += 1
+            return [7, 8, 9][:limit] if self.calls % 2 else []
+
+    model = load_medusa_model("demo")
+    model.load_drafter(TRAINED)
+    drafter = EagleDrafts(model._drafter[0], model.backbone.get_input_embeddings(), *model._drafter[1:], capacity=8,
+                          threshold=0.0, chains=Corpus())
+    drafter.observe(torch.randn(2, 576), [1, 2])
+    assert drafter.propose(3) == [7, 8, 9]
+    assert len(drafter.propose(3)) == 2 and drafter.propose(2) == [7, 8]

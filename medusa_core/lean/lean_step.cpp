@@ -266,9 +266,12 @@ class LeanDecoder {
       layer.gate_up = fuse({&layer.gate, &layer.up});
       layers_.push_back(std::move(layer));
     }
-    own_mean_ = own_mean_matches(final_norm_.size(0));
+    TORCH_CHECK(!layers_.empty(), "a decoder of no layers");
+    width_ = layers_[0].input_norm.size(0);
+    TORCH_CHECK(final_norm_.numel() == 0 || final_norm_.size(0) == width_, "a final norm of the hidden width");
+    own_mean_ = own_mean_matches(width_);
     // a pass's buffers per row (forward): a product's input (a norm's output, the attention's, the MLP's) and output
-    widest_in_ = std::max(final_norm_.size(0), num_heads_ * head_dim_);
+    widest_in_ = std::max(width_, num_heads_ * head_dim_);
     for (const Layer& w : layers_) {
       const int64_t inter = w.gate.out_features;
       inter_max_ = std::max(inter_max_, inter);
@@ -282,7 +285,8 @@ class LeanDecoder {
   // buffers [1, Hkv, C, Dh] per layer holding `length` entries (room for N more), and the keys each row sees: as
   // row groups for SDPA (invariant.py row_groups; none: one row that sees every key), or, with the row kernel
   // (invariant.py kernel_attention), as prefix / offsets / extras (invariant.py row_keys). Writes the N new entries
-  // at length .. length+N−1 of every buffer. Returns the final-norm hidden states [1, N, H].
+  // at length .. length+N−1 of every buffer. Returns the final-norm hidden states [1, N, H] (the last layer's
+  // output where the decoder has no final norm).
   Tensor forward(Tensor hidden, const Tensor& cos_in, const Tensor& sin_in, const std::vector<Tensor>& key_buffers,
                  const std::vector<Tensor>& value_buffers, int64_t length,
                  const std::vector<std::vector<int64_t>>& group_ints, const std::vector<Tensor>& group_index,
@@ -310,7 +314,7 @@ class LeanDecoder {
     // the residual stream (updated in place), the norms' squares and variances, a product's input and output,
     // the queries, the attention's output and scratch, SiLU's input and output.
     const int64_t width = hidden.size(2), attn_width = num_heads_ * head_dim_;
-    TORCH_CHECK(width == final_norm_.size(0), "hidden states of width ", final_norm_.size(0), ", got ", width);
+    TORCH_CHECK(width == width_, "hidden states of width ", width_, ", got ", width);
     hidden = hidden.clone();
     Tensor squares, variance;  // ATen's pow / mean outputs, where the variance is not computed here
     if (!own_mean_) squares = at::empty_like(hidden), variance = at::empty({1, n, 1}, hidden.options());
@@ -419,7 +423,7 @@ class LeanDecoder {
       const Product down = int4_mm(actp, n, inter, w.down, product.data());
       residual_add(hidden, columns(down, 0, w.down.bias, 0), scratch.data());
     }
-    return rms_norm(hidden, final_norm_, final_eps_);
+    return final_norm_.numel() ? rms_norm(hidden, final_norm_, final_eps_) : hidden;
   }
 
   // True when the norms' variance is computed here (sum_of_squares, checked against ATen at construction).
@@ -467,8 +471,9 @@ class LeanDecoder {
   }
 
   std::vector<Layer> layers_;
-  Tensor final_norm_;
+  Tensor final_norm_;  // empty: none (an EAGLE drafter's layer, medusa_core/eagle.py)
   double final_eps_;
+  int64_t width_;  // the hidden width
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double scaling_;
   int64_t widest_in_ = 0, widest_out_ = 0, inter_max_ = 0;  // a pass's buffer widths (the constructor)
