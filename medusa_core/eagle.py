@@ -28,7 +28,7 @@ LAYOUT = {"fc.weight": ("H", "2H"), "n1.w": ("H",), "q.weight": ("H", "H"), "k.w
 
 #: The most drafts a step, and the chain probability a draft needs (``EagleDrafts.propose``): of depth 2 or 3 and
 #: thresholds 0.2 / 0.3 / 0.4, interleaved on the 24 held-out prompts, 2 and 0.3 made the most tokens/s at the chat
-#: preset and at greedy (docs/BENCH.md, "The drafter compiled"); the drafter was trained two drafts deep.
+#: preset and at greedy (``scripts/eagle_sweep.py``; docs/BENCH.md, "The drafter compiled"); it was trained two drafts deep.
 DEPTH, THRESHOLD = 2, 0.3
 
 
@@ -90,7 +90,7 @@ class EagleDrafts:
         projection: the LM head's rows the drafts choose among (H -> S, an ``Int4Linear``); ``draft_ids`` [S] their
             token ids (None: 0..S-1).
         capacity: entries the cache can hold (prompt + reply).
-        depth: the most drafts a step (``DEPTH``); threshold: the chain probability a draft needs (None: ``THRESHOLD``).
+        depth: the most drafts a step; threshold: the chain probability a draft needs (None: ``DEPTH``, ``THRESHOLD``).
         chains: the model's corpus chains (an ``NgramDrafter`` over its ``corpus``, ``copy=False``; None: none): a
             step takes the corpus's chain where it has one, the drafter's elsewhere (docs/BENCH.md: ~5 % more
             tokens/s than the drafter alone at the chat preset and at greedy).
@@ -101,10 +101,10 @@ class EagleDrafts:
     CHUNK = 64
 
     def __init__(self, drafter: EagleDrafter, embed, projection: Int4Linear, draft_ids: torch.Tensor | None, capacity: int,
-                 depth: int = DEPTH, threshold: float | None = None, chains=None):
+                 depth: int | None = None, threshold: float | None = None, chains=None):
         self.d, self.embed, self.chains = drafter, embed, chains
         self.projection, self.draft_ids = projection, draft_ids
-        threshold = THRESHOLD if threshold is None else threshold
+        depth, threshold = DEPTH if depth is None else depth, THRESHOLD if threshold is None else threshold
         self.depth, self.log_threshold = depth, math.log(threshold) if threshold > 0 else -math.inf
         # keys and values, with room for the drafts' rows after the accepted entries
         self.cache = torch.zeros(2, 1, drafter.heads, capacity + depth, drafter.head_dim)
