@@ -83,7 +83,7 @@ class StepRunner:
         room = (min(cur_len + max_new_tokens, self.model.max_context) + widest, self.model.max_context + widest)  # this reply, any reply
         observing = hasattr(drafter, "observe")  # a drafter that reads the accepted tokens' states (medusa_core.eagle)
         hidden = yield from read_prompt(self.decoder, cache, input_ids, reused, reading["chunk"], room, kept, reading["progress"],
-                                        all_states=observing)
+                                        all_states=observing, lean=self.lean)
         prompt_states, hidden = (hidden, hidden[-1:]) if observing else (None, hidden)
         with torch.inference_mode():
             scores = processors(self.logits(hidden), input_ids)  # [1, V]

@@ -158,7 +158,7 @@ class EagleDrafts:
         cos, sin = self.cos[None, start : start + r], self.sin[None, start : start + r]
         prefix = list(range(start + 1, start + r + 1))  # row i sees keys 0 .. start + i
         return self.d.layer.forward(x[None].contiguous(), cos, sin, [self.cache[0]], [self.cache[1]], start, [], [], [],
-                                    prefix, [0] * (r + 1), _NO_EXTRAS)[0]
+                                    prefix, [0] * (r + 1), _NO_EXTRAS, False)[0]
 
 
 _NO_EXTRAS = torch.empty(0, dtype=torch.long)

@@ -185,7 +185,7 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 def read_prompt(
     decoder: Any, cache: DynamicCache, input_ids: torch.Tensor, reused: int, chunk: int, capacity: tuple[int, int],
-    kept: ConversationCache | None, progress: bool, all_states: bool = False,
+    kept: ConversationCache | None, progress: bool, all_states: bool = False, lean: Any = None,
 ) -> Generator[ReadProgress, None, torch.Tensor]:
     """Read ``input_ids`` [1, T] from position ``reused`` on (the cache holds the first ``reused``), ``chunk``
     tokens per decoder pass; with ``progress`` and more than one pass, yields a ``ReadProgress`` before the
@@ -193,7 +193,8 @@ def read_prompt(
     Reserves room in the cache first: ``capacity`` is (entries the reply needs, most it can ever need),
     see ``kvcache.reserve``. Returns the last position's final-norm hidden
     state [1, H] (with ``all_states``: every position read, [T - reused, H]). ``kept`` (if any) learns each chunk's
-    tokens once their entries are written."""
+    tokens once their entries are written. ``lean`` (a ``lean.step.LeanStep``, or None) reads a first pass it
+    covers (``LeanStep.read``: a short prompt into an empty cache) in one call, with the same bits."""
     total, start = input_ids.shape[1], time.perf_counter()
     rowwise = getattr(getattr(decoder, "config", None), "_attn_implementation", None) in ROWWISE
     reading = {READING: True} if rowwise else {}  # only the batch-invariant attention knows this keyword
@@ -205,14 +206,16 @@ def read_prompt(
     while True:
         end = min(read + chunk, total)
         with torch.inference_mode():  # not across the yield: the mode is the consumer's thread's state
-            out = decoder(input_ids=input_ids[:, read:end], cache=cache, use_cache=True, **reading)
+            hidden = lean.read(input_ids[0, :end], cache) if lean is not None and read == 0 else None  # [N, H]
+            if hidden is None:
+                hidden = decoder(input_ids=input_ids[:, read:end], cache=cache, use_cache=True, **reading).last_hidden_state[0]
         if kept is not None:
             kept.token_ids += input_ids[0, read:end].tolist()
         read = end
         if all_states:
-            states.append(out.last_hidden_state[0])
+            states.append(hidden)
         if read == total:
-            return torch.cat(states) if all_states else out.last_hidden_state[:, -1]  # [T - reused, H] or [1, H]
-        del out  # a chunk's activations are not kept while the caller looks at the progress
+            return torch.cat(states) if all_states else hidden[-1:]  # [T - reused, H] or [1, H]
+        del hidden  # a chunk's activations are not kept while the caller looks at the progress
         if progress:
             yield ReadProgress(read=read, total=total, reused=reused, elapsed_s=time.perf_counter() - start)

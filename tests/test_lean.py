@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from medusa_core import MedusaModel
-from medusa_core.invariant import ATTENTION, ATTENTION_KERNEL, make_batch_invariant
+from medusa_core.invariant import ATTENTION, ATTENTION_KERNEL, MAX_ROWWISE, READING, make_batch_invariant
 from medusa_core.kvcache import new_cache
 from medusa_core.lean import build
 from medusa_core.lean.step import LeanStep, unsupported
@@ -100,6 +100,28 @@ def test_the_lean_pass_gives_the_hidden_states_and_cache_entries_of_transformers
         if tree is not None:  # keep the root and its first child, as a step's cache update does
             ours.crop(2 - n), theirs.crop(2 - n)
         length = ours.get_seq_length()
+
+
+@pytest.mark.parametrize("attention", [ATTENTION_KERNEL, ATTENTION], ids=["row-kernel", "sdpa-rows"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_prompts_first_pass_read_in_one_call_gives_transformers_reading_bit_for_bit(extension, arch, attention):
+    model = int4_backbone(arch, attention, **WIDE)
+    lean, why = LeanStep.for_backbone(model)
+    assert lean is not None, why
+    ids = torch.randint(0, 96, (1, 23), generator=torch.Generator().manual_seed(3))
+    ours, theirs = new_cache(model.config), new_cache(model.config)
+    with torch.inference_mode():
+        got = lean.read(ids[0], ours)
+        want = model.model(input_ids=ids, cache=theirs, use_cache=True, **{READING: True}).last_hidden_state[0]
+        assert got is not None and torch.equal(got, want)
+        for a, b in zip(ours.layers, theirs.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        assert lean.read(ids[0], ours) is None  # a cache already written: transformers' forward reads on
+        assert lean.read(torch.zeros(MAX_ROWWISE + 1, dtype=torch.long), new_cache(model.config)) is None  # a long prompt
+        step = torch.tensor([7])  # and decoding goes on from the same entries
+        got = lean(step, torch.tensor([ids.shape[1]]), None, ours)
+        want = model.model(input_ids=step[None], cache=theirs, use_cache=True).last_hidden_state[0]
+    assert torch.equal(got, want)
 
 
 def test_greedy_medusa_with_the_lean_step_repeats_transformers_forward_token_for_token(extension):
@@ -194,7 +216,16 @@ def test_bench_methods_ending_in_at_transformers_run_without_the_lean_pass_and_g
         build_methods(model, ["hf@transformers"], [])
     passes = []
     lean = model._steps.lean
-    model._steps.lean = lambda *args: passes.append(len(args[0])) or lean(*args)
+
+    class Counting:  # the lean step, counting its decoding passes (a prompt's reading is not one)
+        def __call__(self, *args):
+            passes.append(len(args[0]))
+            return lean(*args)
+
+        def read(self, *args):
+            return lean.read(*args)
+
+    model._steps.lean = Counting()
     runs = [run_once(model, m, torch.tensor([[5, 17, 40, 33]]), max_new_tokens=12) for m in methods]
     assert passes == [1] * 11  # the lean pass ran the first reply's steps only
     assert runs[0].output == runs[1].output == runs[2].output

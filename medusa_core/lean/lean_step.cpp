@@ -284,18 +284,21 @@ class LeanDecoder {
   // hidden [1, N, H] (the token embeddings), cos / sin [1, N, Dh] (the model's rotary embedding), the cache's
   // buffers [1, Hkv, C, Dh] per layer holding `length` entries (room for N more), and the keys each row sees: as
   // row groups for SDPA (invariant.py row_groups; none: one row that sees every key), or, with the row kernel
-  // (invariant.py kernel_attention), as prefix / offsets / extras (invariant.py row_keys). Writes the N new entries
+  // (invariant.py kernel_attention), as prefix / offsets / extras (invariant.py row_keys); `sdpa_rows` runs this pass's
+  // attention by SDPA calls over the row groups even so (a prompt's first pass, read as transformers' pass reads it:
+  // invariant.py rowwise_attention). Writes the N new entries
   // at length .. length+N−1 of every buffer. Returns the final-norm hidden states [1, N, H] (the last layer's
   // output where the decoder has no final norm).
   Tensor forward(Tensor hidden, const Tensor& cos_in, const Tensor& sin_in, const std::vector<Tensor>& key_buffers,
                  const std::vector<Tensor>& value_buffers, int64_t length,
                  const std::vector<std::vector<int64_t>>& group_ints, const std::vector<Tensor>& group_index,
                  const std::vector<Tensor>& group_keys, const std::vector<int64_t>& prefix,
-                 const std::vector<int64_t>& offsets, const Tensor& extras) {
+                 const std::vector<int64_t>& offsets, const Tensor& extras, bool sdpa_rows) {
     TORCH_CHECK(key_buffers.size() == layers_.size() && value_buffers.size() == layers_.size(),
                 "one key and one value buffer per layer");
     at::NoGradGuard no_grad;
     const int64_t n = hidden.size(1);
+    const bool kernel = row_kernel_ && !sdpa_rows;  // this pass's attention by row_attention, else SDPA calls
     std::vector<Group> groups;
     for (size_t g = 0; g < group_ints.size(); ++g) {
       const auto& v = group_ints[g];  // first, last, span, count, view
@@ -320,7 +323,7 @@ class LeanDecoder {
     if (!own_mean_) squares = at::empty_like(hidden), variance = at::empty({1, n, 1}, hidden.options());
     std::vector<uint16_t> x(n * widest_in_), product(n * widest_out_);
     std::vector<float> var(n);
-    std::vector<float> scratch(std::max({width, head_dim_, inter_max_})), attn_rows(row_kernel_ ? n * attn_width : 0), parts;
+    std::vector<float> scratch(std::max({width, head_dim_, inter_max_})), attn_rows(kernel ? n * attn_width : 0), parts;
     Tensor query = at::empty({n, num_heads_, head_dim_}, hidden.options());  // as RoPE's output is laid out
     Tensor gate = at::empty({n, inter_max_}, hidden.options());
     const Tensor extra_ids = extras.to(at::kLong).contiguous();  // the row kernel's extra key positions
@@ -368,7 +371,7 @@ class LeanDecoder {
       const float* at_p;
       int64_t s1 = attn_width, s2 = head_dim_, s3 = 1;
       Tensor attn;  // SDPA's output [1, N, Hq, Dh], any strides
-      if (row_kernel_) {
+      if (kernel) {
         TORCH_CHECK(ps == vps, "row_attention: keys and values with the same position stride");
         const medusa_lean::RowOperands in{qp, n, num_heads_, head_dim_, attn_width, head_dim_, kp, vp, num_kv_heads_,
                                           hs, vhs, ps, extra_ids.data_ptr<int64_t>()};

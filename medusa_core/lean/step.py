@@ -101,6 +101,7 @@ class LeanStep:
         out_features = [first.get_submodule(name).out_features for name in _LINEARS]
         attention = first.self_attn
         self.row_kernel = config._attn_implementation == ATTENTION_KERNEL  # attention as the model computes it
+        self.kv_shape = (config.num_key_value_heads, attention.head_dim)  # a cache entry's heads, width
         self._decoder = module.LeanDecoder(
             layers, eps, out_features, decoder.norm.weight.detach(), float(decoder.norm.variance_epsilon),
             config.num_attention_heads, config.num_key_value_heads, attention.head_dim, float(attention.scaling),
@@ -132,9 +133,12 @@ class LeanStep:
         module, why = load_extension(report)
         return (cls(backbone, module), "") if module is not None else (None, why)
 
-    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache: DynamicCache) -> torch.Tensor | None:
+    def __call__(
+        self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache: DynamicCache, sdpa_rows: bool = False
+    ) -> torch.Tensor | None:
         """Hidden states [N, H] of ``tokens`` [N] at ``positions`` [N] after the cache's entries, ``mask`` as
-        ``StepRunner.tree_forward`` gives the decoder ([1, 1, N, L + N] or None for one token); or None (see class)."""
+        ``StepRunner.tree_forward`` gives the decoder ([1, 1, N, L + N], or None: causal); or None (see class).
+        ``sdpa_rows``: attention by SDPA calls per row group even where the model's is the row kernel (``read``)."""
         n = tokens.shape[0]
         layers = cache.layers
         if n > MAX_ROWWISE or not all(type(layer) is GrowingLayer and layer.is_initialized for layer in layers):
@@ -142,10 +146,10 @@ class LeanStep:
         if len(layers) != len(self.decoder.layers) or layers[0].keys.shape[0] != 1:
             return None
         length = layers[0].get_seq_length()
-        if self.row_kernel:
+        if self.row_kernel and not sdpa_rows:
             groups, rows = [], row_keys(mask, n, length + n)
-        else:
-            groups, rows = (row_groups(mask, n, length + n) if mask is not None else []), None
+        else:  # no groups: one row that sees every key
+            groups, rows = (row_groups(mask, n, length + n) if mask is not None or n > 1 else []), None
             if length >= REPLICAS_FROM and any(not g.view for g in groups):
                 return None  # rowwise_attention reads such rows from replicas: transformers' pass does this better
         buffers = [layer.room_for(n) for layer in layers]
@@ -155,8 +159,26 @@ class LeanStep:
         out = self._decoder.forward(
             hidden, cos, sin, [b[0] for b in buffers], [b[1] for b in buffers], length, ints,
             [g.index for g in groups], [g.keys for g in groups],
-            *((rows.prefix, rows.offsets, rows.extras) if rows else ([], [], torch.empty(0, dtype=torch.long))),
+            *((rows.prefix, rows.offsets, rows.extras) if rows else ([], [], torch.empty(0, dtype=torch.long))), sdpa_rows,
         )
         for layer in layers:
             layer.extend(n)
         return out[0]
+
+    def read(self, tokens: torch.Tensor, cache: DynamicCache) -> torch.Tensor | None:
+        """Final-norm hidden states [N, H] of a prompt's first pass: ``tokens`` [N] at positions 0 .. N-1 into an
+        empty cache (its layers not yet written), each row's attention by SDPA over the keys before it, as
+        transformers' pass reads a prompt (``invariant.rowwise_attention``): the same bits, without the Python
+        between the ops (on the demo a 54-token prompt's reading took ~2x as long through transformers; docs/BENCH.md,
+        "A prompt's first pass in one call"). None where it does not apply (N > ``MAX_ROWWISE``, a cache
+        already written or not of ``GrowingLayer``s); the caller then runs transformers' forward."""
+        n, layers = tokens.shape[0], cache.layers
+        if n > MAX_ROWWISE or len(layers) != len(self.decoder.layers):
+            return None
+        if not all(type(layer) is GrowingLayer and not layer.is_initialized for layer in layers):
+            return None
+        empty = torch.empty(1, self.kv_shape[0], 0, self.kv_shape[1])  # float32 entries
+        for layer in layers:  # as a first ``update`` would: then room for n entries (or as ``kvcache.reserve`` set)
+            layer.lazy_initialization(empty, empty)
+            layer.room_for(n, empty, empty)
+        return self(tokens, torch.arange(n, device=tokens.device), None, cache, sdpa_rows=True)
