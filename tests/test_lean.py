@@ -296,3 +296,14 @@ def test_a_torch_installed_elsewhere_builds_into_its_own_folder_and_is_announced
     here = build.build_folder()
     monkeypatch.setattr(torch, "__file__", "/elsewhere/site-packages/torch/__init__.py")
     assert build.build_folder() != here
+
+
+def test_the_profiles_stage_split_times_the_lean_pass_and_leaves_the_prompts_reading_to_it(extension):
+    from medusa_core.bench.stepsplit import step_split
+
+    backbone = int4_backbone("llama")
+    model = MedusaModel(backbone, random_heads(backbone))
+    lean = model._steps.lean
+    split = step_split(model, [torch.tensor([[5, 17, 40, 33]])], max_new_tokens=6, medusa=False)
+    assert split["steps"] == 5 and split["calls"]["lean pass"] == 1.0 and split["ms"]["lean pass"] > 0
+    assert model._steps.lean is lean and type(lean).__call__ is LeanStep.__call__  # given back

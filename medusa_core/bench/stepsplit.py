@@ -80,8 +80,8 @@ def _timed_stages(model: Any, clock: _Clock) -> Iterator[None]:
         patch(NodeProcessors, "__call__", "sampling")
         patch(model._steps, "logits", "LM head")
         patch(model._steps, "candidates", "heads")
-        if model._steps.lean is not None:
-            patch(model._steps, "lean", "lean pass")
+        if model._steps.lean is not None:  # the class's call: the step object keeps its other methods (``read``)
+            patch(type(model._steps.lean), "__call__", "lean pass")
         for name, attention in attentions.items():
             AttentionInterface.register(name, clock.wrap("attention", attention))
         try:
