@@ -136,3 +136,14 @@ def test_the_corpus_chain_is_taken_where_the_corpus_has_one():
     drafter.observe(torch.randn(2, 576), [1, 2])
     assert drafter.propose(3) == [7, 8, 9]
     assert len(drafter.propose(3)) == 2 and drafter.propose(2) == [7, 8]
+
+
+def test_without_the_compiled_extension_a_drafter_is_refused_with_the_reason(monkeypatch, tmp_path):
+    import medusa_core.model as model_module
+
+    model = load_medusa_model("demo")
+    monkeypatch.setattr(model._steps, "extension", None)
+    monkeypatch.setattr(model_module, "load_extension", lambda: (None, "no C++ compiler found"))
+    with pytest.raises(ValueError, match="compiled extension, which is not available here: no C\\+\\+ compiler found"):
+        model.load_drafter(_random_drafter(tmp_path / "d.safetensors", model.config))
+    assert not model.has_drafter
