@@ -28,7 +28,8 @@ LAYOUT = {"fc.weight": ("H", "2H"), "n1.w": ("H",), "q.weight": ("H", "H"), "k.w
 
 #: The most drafts a step, and the chain probability a draft needs (``EagleDrafts.propose``): of depth 2 or 3 and
 #: thresholds 0.2 / 0.3 / 0.4, interleaved on the 24 held-out prompts, 2 and 0.3 made the most tokens/s at the chat
-#: preset and at greedy (``scripts/eagle_sweep.py``; docs/BENCH.md, "The drafter compiled"); it was trained two drafts deep.
+#: preset and were within noise of the most at greedy (``scripts/eagle_sweep.py``; docs/BENCH.md, "Prefetched 4-bit
+#: weights, a prompt's first pass in one call, the drafter compiled"); the drafter was trained two drafts deep.
 DEPTH, THRESHOLD = 2, 0.3
 
 
@@ -57,7 +58,7 @@ class EagleDrafter:
             if name not in sd or list(sd[name].shape) != want:
                 found = list(sd[name].shape) if name in sd else "missing"
                 raise MedusaCheckpointError(f"{path}: drafter tensor {name} should be {want} for this backbone, found {found}")
-        self.hidden, self.heads = h, config.num_attention_heads
+        self.heads = config.num_attention_heads
         self.head_dim = h // self.heads
         params = getattr(config, "rope_parameters", None) or {}
         self.theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))

@@ -59,9 +59,9 @@ inline __m512 bf16_to_float(const uint16_t* p) {  // 16 bfloat16 -> float32 (exa
 
 // How many groups ahead int4_tile prefetches its weights. Without it a pass waited on each group's read, then
 // computed: the products did not overlap the reads (a second row cost ~0.1 of a one-row pass where its arithmetic
-// alone is ~0.03). Measured interleaved on the demo's 24 held-out prompts (greedy, 2 threads, 2026-11-27,
-// docs/BENCH.md "Prefetching the 4-bit weights"): 4 and 6 groups ahead ~1.05× the plain loop's tokens/s and ~1.07×
-// heads + corpus's, 8 less, 2 nothing.
+// alone is ~0.03). Measured interleaved on the demo's 24 held-out prompts (greedy, 2 threads, 2026-11-27): 4 and 6
+// groups ahead ~1.05× the plain loop's tokens/s and ~1.07× heads + corpus's, 8 less, 2 nothing (docs/BENCH.md,
+// "Prefetched 4-bit weights, a prompt's first pass in one call, the drafter compiled").
 constexpr int64_t kAhead = 6;
 
 // Rows m0 .. m0 + MR − 1 by the 16-output blocks b0 .. b0 + NB − 1: MR·NB accumulators over the groups, the codes of a

@@ -169,8 +169,8 @@ class LeanStep:
         """Final-norm hidden states [N, H] of a prompt's first pass: ``tokens`` [N] at positions 0 .. N-1 into an
         empty cache (its layers not yet written), each row's attention by SDPA over the keys before it, as
         transformers' pass reads a prompt (``invariant.rowwise_attention``): the same bits, without the Python
-        between the ops (on the demo a 54-token prompt's reading took ~2x as long through transformers; docs/BENCH.md,
-        "A prompt's first pass in one call"). None where it does not apply (N > ``MAX_ROWWISE``, a cache
+        between the ops (the held-out prompts' time to the first token 54.8 -> 36.1 ms on the demo; docs/BENCH.md,
+        "Prefetched 4-bit weights, a prompt's first pass in one call, the drafter compiled"). None where it does not apply (N > ``MAX_ROWWISE``, a cache
         already written or not of ``GrowingLayer``s); the caller then runs transformers' forward."""
         n, layers = tokens.shape[0], cache.layers
         if n > MAX_ROWWISE or len(layers) != len(self.decoder.layers):
