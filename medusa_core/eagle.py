@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from .errors import MedusaCheckpointError
+from .invariant import MAX_ROWWISE
 from .quant.layers import Int4Linear
 
 #: Tensor names and shapes (H: hidden size, I: MLP width) of a drafter file.
@@ -98,8 +99,8 @@ class EagleDrafts:
     """
 
     verify_alone = True
-    #: Rows the compiled layer reads in one call (its buffers are sized for a step's few rows; a prompt goes in chunks).
-    CHUNK = 64
+    #: Rows the compiled layer reads in one call (at most the lean step's largest pass; a prompt goes in chunks).
+    CHUNK = MAX_ROWWISE
 
     def __init__(self, drafter: EagleDrafter, embed, projection: Int4Linear, draft_ids: torch.Tensor | None, capacity: int,
                  depth: int | None = None, threshold: float | None = None, chains=None):

@@ -41,6 +41,9 @@ from .steptree import StepTree, static_tree
 from .trees import TREE_PRESETS, resolve_tree, validate_tree
 from .tuned import TunedSettings, settings_preset
 
+#: Draft sources whose steps verify a chain alone (or the root alone), never the heads' tree.
+_CHAINS_ONLY = ("ngram", "eagle")
+
 
 class MedusaModel:
     """A frozen Hugging Face decoder-only model with Medusa heads (paper 2.1).
@@ -383,17 +386,18 @@ class MedusaModel:
         if medusa:
             if tree is None or tree == "tuned":  # the tree tuned on this machine at these settings, where there is one
                 tree = tuned.tree if tuned else tree or self.default_tree
-            full = self._tree("ngram") if drafts in ("ngram", "eagle") else self._tree(tree)
+            full = self._tree("ngram") if drafts in _CHAINS_ONLY else self._tree(tree)
         if seed is None:
             seed = random.SystemRandom().randrange(2**63)
         rule = "greedy" if settings.greedy else sampling if medusa else "sample"
-        drafter = None
+        drafter = corpus_chains = None
+        if medusa and drafts in ("corpus", "eagle") and self.has_corpus:  # the corpus's chains ("corpus" checked above)
+            corpus_chains = NgramDrafter(draft_config, input_ids[0].tolist(), corpus=self.corpus, copy=False)
         if medusa and drafts == "corpus":
-            drafter = NgramDrafter(draft_config, input_ids[0].tolist(), corpus=self.corpus, copy=False)
+            drafter = corpus_chains
         elif medusa and drafts == "eagle":
-            chains = NgramDrafter(draft_config, input_ids[0].tolist(), corpus=self.corpus, copy=False) if self.has_corpus else None
             drafter = EagleDrafts(self._drafter[0], self.backbone.get_input_embeddings(), *self._drafter[1:],
-                                  capacity=prompt_len + max_new_tokens + 1, chains=chains)
+                                  capacity=prompt_len + max_new_tokens + 1, chains=corpus_chains)
         elif medusa and drafts != "heads":
             drafter = NgramDrafter(draft_config, input_ids[0].tolist(), earlier_replies)
         shape_at = draft_config.min_head_probability
@@ -402,7 +406,7 @@ class MedusaModel:
         reading = dict(kept=kept, progress=progress, chunk=prefill_chunk)
         steps = self._steps.run(
             input_ids.to(self.device), max_new_tokens, full, NodeProcessors(settings), posterior_threshold, posterior_alpha,
-            seed, rule, drafter, drafts if medusa else "", shape_at if drafts not in ("ngram", "eagle") else 0.0, reading,
+            seed, rule, drafter, drafts if medusa else "", shape_at if drafts not in _CHAINS_ONLY else 0.0, reading,
         )
         return steps if kept is None else _settling(steps, kept)
 
