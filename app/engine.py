@@ -2,7 +2,8 @@
 conversations, kept between their turns (``medusa_core.ConversationCache``).
 
 ``launch.py`` starts serving first and loads the model afterwards, so the page can show the load
-progress; until ``ready`` the chat handlers answer with the loading status instead of a reply.
+progress; until ``ready`` a sent message waits for it (``handlers.respond``) and the other chat handlers answer
+with the loading status.
 """
 
 from __future__ import annotations

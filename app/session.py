@@ -36,6 +36,7 @@ class Turn:
     first_token_at: float | None = None  # when the reply's first token was decoded (TTFT = first_token_at - sent_at)
     last_token_at: float | None = None  # when its latest token was decoded (wall time = last_token_at - sent_at)
     stats: str = ""  # the finished reply's stats line, kept with the conversation (it survives a page reload)
+    waits_for_model: bool = False  # sent while the model loaded: answered once it is ready, at the controls it then shows
 
     def saved(self) -> dict[str, Any]:
         """The turn as JSON-able data for the browser's storage (timings are this process's clock: left out)."""

@@ -10,6 +10,7 @@ import csv
 import dataclasses
 import json
 import re
+import threading
 from pathlib import Path
 
 import gradio as gr
@@ -419,18 +420,60 @@ def test_the_model_panel_names_the_tree_of_the_latest_reply(engine, settings, co
     assert "chain_3 (latest reply)" in handlers.model_panel(engine, session)
 
 
-def test_while_the_model_loads_messages_wait_and_the_page_shows_progress(settings, controls, monkeypatch):
+def test_while_the_model_loads_the_page_shows_progress_and_a_failed_load_says_why(settings, controls, monkeypatch):
     loading = Engine("demo (nf4)")
-    warnings = []
-    monkeypatch.setattr(gr, "Warning", lambda msg, *a, **k: warnings.append(msg))
-    session = Session()
-    assert handlers.add_user(loading, session, controls, "hi") == {"message": gr.skip()} and session.turns == []
-    assert "Loading demo (nf4)" in warnings[0]
     assert handlers.page_status(loading, settings)["banner"].startswith("**Loading demo (nf4)")
     with pytest.raises(ValueError):
         loading.load(lambda: (_ for _ in ()).throw(ValueError("no such folder")))
     failed = handlers.page_status(loading, settings)
     assert "no such folder" in failed["banner"] and "timer" in failed
+    warnings = []
+    monkeypatch.setattr(gr, "Warning", lambda msg, *a, **k: warnings.append(msg))
+    session = Session()
+    assert handlers.add_user(loading, session, controls, "hi") == {"message": gr.skip()} and session.turns == []
+    assert "no such folder" in warnings[0]  # after a failed load a send is refused, the message kept in the box
+
+
+def test_a_message_sent_while_the_model_loads_is_answered_once_it_is_ready_at_the_pages_ready_controls(engine, settings, controls):
+    loading = Engine(engine.description)
+    session = Session()
+    sent = handlers.add_user(loading, session, dataclasses.replace(controls, drafts="ngram"), "def add")
+    assert sent["message"] == "" and [t.state for t in session.turns] == ["pending"]
+    assert "once it is ready" in sent["reply_status"]
+    replying = handlers.respond(loading, settings, session, dataclasses.replace(controls, drafts="ngram"))
+    assert "Loading" in next(replying)["reply_status"]  # it waits, saying for what
+    threading.Thread(target=loading.load, args=(lambda: engine.model,)).start()
+    list(replying)
+    turn = session.turns[0]
+    assert turn.state == "done" and turn.reply.text
+    # the controls the page shows once the model is ready (page_status): its default drafts and chat settings
+    ready = handlers.page_status(loading, settings)
+    assert {r.drafts for r in session.rows} <= {ready["drafts"].value, "plain"}
+    assert {r.temperature for r in session.rows} == {ready["temperature"].value}
+
+
+def test_a_message_waiting_for_a_load_that_fails_stays_in_the_chat_with_the_reason(engine, settings, controls):
+    loading = Engine("demo (nf4)")
+    session = Session()
+    handlers.add_user(loading, session, controls, "def add")
+    replying = handlers.respond(loading, settings, session, controls)
+    next(replying)
+    threading.Thread(target=lambda: pytest.raises(ValueError, loading.load, lambda: (_ for _ in ()).throw(ValueError("no such folder")))).start()
+    final = list(replying)[-1]
+    turn = session.turns[0]
+    assert turn.user == "def add" and turn.state == "error" and "no such folder" in turn.error
+    assert "no such folder" in final["chatbot"][-1]["content"] and final["send"].interactive
+
+
+def test_stop_while_a_message_waits_for_the_model_ends_the_wait(engine, settings, controls):
+    loading = Engine("demo (nf4)")
+    session = Session()
+    handlers.add_user(loading, session, controls, "def add")
+    replying = handlers.respond(loading, settings, session, controls)
+    next(replying)
+    handlers.stop(loading, session, controls.highlight)
+    list(replying)  # returns without a model
+    assert session.turns[0].state == "stopped" and session.turns[0].user == "def add"
 
 
 def test_the_medusa_toggle_says_when_the_tree_tuned_at_the_settings_ran_slower_than_the_plain_loop(engine, settings, monkeypatch):

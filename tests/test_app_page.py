@@ -49,11 +49,14 @@ def test_regenerate_on_an_empty_chat_says_there_is_nothing_to_regenerate(page):
     assert page.session.turns == []
 
 
-def test_sending_while_the_model_loads_says_so_and_keeps_the_message(settings):
-    page = Page(build_ui(Engine("demo (nf4 backbone)"), settings))
+def test_sending_after_the_model_failed_to_load_says_why_and_keeps_the_message(settings):
+    engine = Engine("demo (nf4 backbone)")
+    with pytest.raises(ValueError):
+        engine.load(lambda: (_ for _ in ()).throw(ValueError("no such folder")))
+    page = Page(build_ui(engine, settings))
     fired = send(page, "hello")
     assert fired.errors == []
-    assert any("Loading demo" in w for w in fired.warnings)
+    assert any("no such folder" in w for w in fired.warnings)
     assert page.session.turns == []
     assert all(o.get("message") != "" for o in fired.outputs)  # the message stays in the box
 

@@ -26,15 +26,16 @@ from ..session import Session, Turn
 from ..settings import AppSettings
 from ..text import ReplyText, is_blank, plain_text
 from .compare import compare_table
-from .controls import Controls, sampling_config, tree_argument
+from .controls import Controls, ready_controls, sampling_config, tree_argument
 from .generation import fit_prompt, record_steps, too_long
 from .views import (
-    Updates, chat_view, labels, live_view, message_turn, model_panel, reading_status, reply_status, speed_view, turn_stats,
+    WAITING_FOR_LOAD, Updates, chat_view, labels, live_view, message_turn, model_panel, reading_status, reply_status, speed_view, turn_stats,
 )
 
 log = logging.getLogger(__name__)
 
 STOP_WAIT_S = 30.0  # how long Stop and Clear wait for a running reply to finish its current step
+LOAD_POLL_S = 0.5  # how often a message sent while the model loads updates its status line
 
 
 STREAMING_SLIDER = gr.Slider(interactive=False, label="Step of the latest reply (browse its steps once it ends)")
@@ -50,9 +51,10 @@ NOTHING_TO_REGENERATE = "Nothing to regenerate: send a message first."
 
 def add_user(engine: Engine, session: Session, controls: Controls, message: str) -> Updates:
     """Append the user's message (Enter or Send) and keep it in the browser's storage before the
-    reply starts. Empty messages (white space and invisible characters only) are ignored; while the
-    model loads or a reply runs, or for a message too long for the context, the message stays in the
-    box and a warning says why.
+    reply starts. Empty messages (white space and invisible characters only) are ignored; while a reply
+    runs, after the model failed to load, or for a message too long for the context, the message stays in
+    the box and a warning says why. While the model loads the message joins the conversation and waits:
+    ``respond`` answers it once the model is ready.
 
     The send event reads the controls too, so a value a control rejects (e.g. seed −5) rejects the
     whole send before the message joins the conversation.
@@ -63,18 +65,19 @@ def add_user(engine: Engine, session: Session, controls: Controls, message: str)
     text = (message or "").strip()
     if is_blank(text):
         return {"message": ""}
-    refused = _refusal(engine, session) or too_long(engine.model, controls, text)
+    loading = engine.model is None and engine.error is None
+    refused = _refusal(engine, session, loading_ok=True) or ("" if loading else too_long(engine.model, controls, text))
     if refused:
         gr.Warning(refused)
         return {"message": gr.skip()}
-    session.turns.append(Turn(user=text, sent_at=time.monotonic()))
+    session.turns.append(Turn(user=text, sent_at=time.monotonic(), waits_for_model=loading))
     return {"message": "", "chatbot": chat_view(session, controls.highlight), "reply_status": reply_status(session), "send": SEND_OFF,
             "saved": session.saved()}
 
 
-def _refusal(engine: Engine, session: Session) -> str:
-    """Why a new reply cannot start now ("" when it can)."""
-    if not engine.ready:
+def _refusal(engine: Engine, session: Session, loading_ok: bool = False) -> str:
+    """Why a new reply cannot start now ("" when it can); with ``loading_ok`` a model still loading is no reason."""
+    if not engine.ready and not (loading_ok and engine.error is None):
         return engine.status()
     if session.busy or any(t.state == "pending" for t in session.turns):
         return STILL_STREAMING
@@ -91,12 +94,32 @@ def waiting_turn(session: Session) -> int | None:
 
 
 def respond(engine: Engine, settings: AppSettings, session: Session, controls: Controls) -> Iterator[Updates]:
-    """Stream the reply to the pending user message: chat text, live tree, charts, summary."""
+    """Stream the reply to the pending user message: chat text, live tree, charts, summary.
+
+    A message sent while the model loaded first waits for it (the status line says so, Stop ends the wait), then
+    is answered at the controls the page shows once the model is ready (``ready_controls``), its TTFT counted from
+    then; a load that fails leaves the message in the chat with the reason."""
     index = waiting_turn(session)
-    if index is None or engine.model is None or session.busy:  # the send was refused: nothing to answer
+    if index is None or session.busy:  # the send was refused: nothing to answer
         yield {"reply_status": gr.skip()}
         return
-    model, turn = engine.model, session.turns[index]
+    turn = session.turns[index]
+    if turn.waits_for_model:
+        while engine.model is None and engine.error is None and turn.state == "pending":
+            yield {"reply_status": f"{WAITING_FOR_LOAD} {engine.status()}"}
+            engine.wait(LOAD_POLL_S)
+        if engine.model is None or turn.state != "pending":  # the load failed, or Stop ended the wait
+            if turn.state == "pending":
+                turn.state, turn.error = "error", f"Not sent: {engine.status()}"
+            yield {"chatbot": chat_view(session, controls.highlight), "reply_status": reply_status(session), "send": SEND_ON,
+                   "saved": session.saved()}
+            return
+        controls = ready_controls(controls, settings, engine.model)
+        turn.waits_for_model, turn.sent_at = False, time.monotonic()
+    elif engine.model is None:  # no model (and the send was not queued): nothing to answer
+        yield {"reply_status": gr.skip()}
+        return
+    model = engine.model
     if controls.medusa and controls.drafts == "corpus" and model.has_corpus and not model.corpus_ready:
         yield {"reply_status": INDEXING_CORPUS}  # generate waits for the index (a first start, seconds)
     try:

@@ -170,6 +170,14 @@ def drafts_default(settings: AppSettings, model: MedusaModel | None) -> str:
     return "corpus" if model is not None and model.has_corpus else "heads"
 
 
+def ready_controls(controls: Controls, settings: AppSettings, model: MedusaModel) -> Controls:
+    """``controls`` as read while the model loaded, with the values the page gives them once it is ready
+    (``page_status``): the model's default drafts (``drafts_default``), its chat defaults (``chat_defaults``) and the
+    settings' verification mode. A message sent during the load is answered with them."""
+    return dataclasses.replace(controls, drafts=drafts_default(settings, model), sampling=settings.sampling,
+                               **sampling_fields(chat_defaults(settings, model)))
+
+
 def sampling_fields(config: SamplingConfig) -> dict[str, float | int]:
     """``config`` as ``Controls`` field values."""
     return dataclasses.asdict(config)

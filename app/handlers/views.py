@@ -111,13 +111,17 @@ def reading_status(progress: ReadProgress) -> str:
     return f"Reading your message… {progress.fraction * 100:.0f} %"
 
 
+#: The status line under a message sent while the model loads.
+WAITING_FOR_LOAD = "Waiting for the model to load: your message is answered once it is ready (Stop or Esc cancels)."
+
+
 def reply_status(session: Session) -> str:
     """One line under the chat about the latest reply: waiting, generating, or its stats line."""
     if not session.turns:
         return ""
     turn = session.turns[-1]
     if turn.state == "pending":
-        return "Waiting for the model…"
+        return WAITING_FOR_LOAD if turn.waits_for_model else "Waiting for the model…"
     if turn.state == "streaming":
         return "Generating…"
     stats = turn.stats or turn_stats(session, turn)
