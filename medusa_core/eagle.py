@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from .errors import MedusaCheckpointError
 from .invariant import MAX_ROWWISE
+from .lean.step import MODEL
 from .quant.layers import Int4Linear
 
 #: Tensor names and shapes (H: hidden size, I: MLP width) of a drafter file.
@@ -160,7 +161,7 @@ class EagleDrafts:
         cos, sin = self.cos[None, start : start + r], self.sin[None, start : start + r]
         prefix = list(range(start + 1, start + r + 1))  # row i sees keys 0 .. start + i
         return self.d.layer.forward(x[None].contiguous(), cos, sin, [self.cache[0]], [self.cache[1]], start, [], [], [],
-                                    prefix, [0] * (r + 1), _NO_EXTRAS, False)[0]
+                                    prefix, [0] * (r + 1), _NO_EXTRAS, MODEL)[0]
 
 
 _NO_EXTRAS = torch.empty(0, dtype=torch.long)

@@ -193,8 +193,8 @@ def read_prompt(
     Reserves room in the cache first: ``capacity`` is (entries the reply needs, most it can ever need),
     see ``kvcache.reserve``. Returns the last position's final-norm hidden
     state [1, H] (with ``all_states``: every position read, [T - reused, H]). ``kept`` (if any) learns each chunk's
-    tokens once their entries are written. ``lean`` (a ``lean.step.LeanStep``, or None) reads a first pass it
-    covers (``LeanStep.read``: a short prompt into an empty cache) in one call, with the same bits."""
+    tokens once their entries are written. ``lean`` (a ``lean.step.LeanStep``, or None) reads each pass in one call
+    (``LeanStep.read``), with the same bits."""
     total, start = input_ids.shape[1], time.perf_counter()
     rowwise = getattr(getattr(decoder, "config", None), "_attn_implementation", None) in ROWWISE
     reading = {READING: True} if rowwise else {}  # only the batch-invariant attention knows this keyword
@@ -206,7 +206,7 @@ def read_prompt(
     while True:
         end = min(read + chunk, total)
         with torch.inference_mode():  # not across the yield: the mode is the consumer's thread's state
-            hidden = lean.read(input_ids[0, :end], cache) if lean is not None and read == 0 else None  # [N, H]
+            hidden = lean.read(input_ids[0, read:end], cache) if lean is not None else None  # [N, H]
             if hidden is None:
                 hidden = decoder(input_ids=input_ids[:, read:end], cache=cache, use_cache=True, **reading).last_hidden_state[0]
         if kept is not None:

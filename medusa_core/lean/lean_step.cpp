@@ -29,6 +29,9 @@
 
 namespace {
 
+// How a pass attends (LeanDecoder::forward's `attention_mode`; medusa_core/lean/step.py names them).
+constexpr int64_t kModel = 0, kRowGroups = 1, kReading = 2;
+
 using at::Tensor;
 using medusa_lean::bf16_bits;
 using medusa_lean::bf16_float;
@@ -284,21 +287,24 @@ class LeanDecoder {
   // hidden [1, N, H] (the token embeddings), cos / sin [1, N, Dh] (the model's rotary embedding), the cache's
   // buffers [1, Hkv, C, Dh] per layer holding `length` entries (room for N more), and the keys each row sees: as
   // row groups for SDPA (invariant.py row_groups; none: one row that sees every key), or, with the row kernel
-  // (invariant.py kernel_attention), as prefix / offsets / extras (invariant.py row_keys); `sdpa_rows` runs this pass's
-  // attention by SDPA calls over the row groups even so (a prompt's first pass, read as transformers' pass reads it:
-  // invariant.py rowwise_attention). Writes the N new entries
+  // (invariant.py kernel_attention), as prefix / offsets / extras (invariant.py row_keys). `attention` says how this
+  // pass attends: kModel as the model decodes (the row kernel, or SDPA calls over the row groups), kRowGroups by SDPA
+  // calls over the row groups even with the row kernel (a prompt's short first pass, as transformers' pass reads it:
+  // invariant.py rowwise_attention), kReading as one SDPA call over the cache (every other pass of a prompt's reading:
+  // transformers' sdpa_attention_forward, `reading`). Writes the N new entries
   // at length .. length+N−1 of every buffer. Returns the final-norm hidden states [1, N, H] (the last layer's
   // output where the decoder has no final norm).
   Tensor forward(Tensor hidden, const Tensor& cos_in, const Tensor& sin_in, const std::vector<Tensor>& key_buffers,
                  const std::vector<Tensor>& value_buffers, int64_t length,
                  const std::vector<std::vector<int64_t>>& group_ints, const std::vector<Tensor>& group_index,
                  const std::vector<Tensor>& group_keys, const std::vector<int64_t>& prefix,
-                 const std::vector<int64_t>& offsets, const Tensor& extras, bool sdpa_rows) {
+                 const std::vector<int64_t>& offsets, const Tensor& extras, int64_t attention_mode) {
     TORCH_CHECK(key_buffers.size() == layers_.size() && value_buffers.size() == layers_.size(),
                 "one key and one value buffer per layer");
     at::NoGradGuard no_grad;
     const int64_t n = hidden.size(1);
-    const bool kernel = row_kernel_ && !sdpa_rows;  // this pass's attention by row_attention, else SDPA calls
+    TORCH_CHECK(attention_mode >= kModel && attention_mode <= kReading, "attention mode ", attention_mode);
+    const bool kernel = row_kernel_ && attention_mode == kModel;  // this pass's attention by row_attention, else SDPA
     std::vector<Group> groups;
     for (size_t g = 0; g < group_ints.size(); ++g) {
       const auto& v = group_ints[g];  // first, last, span, count, view
@@ -377,6 +383,9 @@ class LeanDecoder {
                                           hs, vhs, ps, extra_ids.data_ptr<int64_t>()};
         medusa_lean::row_attention_into(in, prefix, offsets, scaling_, attn_rows.data(), parts);
         at_p = attn_rows.data();
+      } else if (attention_mode == kReading) {
+        attn = reading(query.unsqueeze(0).transpose(1, 2), kb.slice(2, 0, length + n), vb.slice(2, 0, length + n), gqa);
+        at_p = attn.data_ptr<float>(), s1 = attn.stride(1), s2 = attn.stride(2), s3 = attn.stride(3);
       } else {
         attn = attention(query.unsqueeze(0).transpose(1, 2), kb.slice(2, 0, length + n), vb.slice(2, 0, length + n),
                          groups, in_order, gqa);
@@ -440,6 +449,28 @@ class LeanDecoder {
   }
 
  private:
+  // transformers' sdpa_attention_forward as it runs for a pass of a prompt's reading (query [1, Hq, N, Dh], key /
+  // value [1, Hkv, L, Dh] with the pass's N entries last; returns [1, N, Hq, Dh]): the mask transformers' sdpa_mask
+  // makes (none for one row or an empty cache, where is_causal does its work, else a boolean [1, 1, N, L] with row i
+  // seeing keys 0 .. L-N+i), grouped-query attention by SDPA's enable_gqa without a mask and by repeat_kv's copies with
+  // one, and the output as its transpose(1, 2).contiguous().
+  Tensor reading(const Tensor& query, const Tensor& key, const Tensor& value, bool gqa) const {
+    const int64_t n = query.size(2), length = key.size(2);
+    const bool masked = n > 1 && length > n;
+    if (!masked) {
+      return at::scaled_dot_product_attention(query, key, value, {}, 0.0, n > 1, scaling_, gqa).transpose(1, 2).contiguous();
+    }
+    const Tensor visible = at::arange(length).unsqueeze(0).le(at::arange(length - n, length).unsqueeze(1));  // [N, L]
+    Tensor k = key, v = value;
+    if (gqa) {  // repeat_kv: [1, Hkv, L, Dh] -> [1, Hq, L, Dh]
+      const int64_t groups = num_heads_ / num_kv_heads_;
+      k = key.unsqueeze(2).expand({1, num_kv_heads_, groups, length, head_dim_}).reshape({1, num_heads_, length, head_dim_});
+      v = value.unsqueeze(2).expand({1, num_kv_heads_, groups, length, head_dim_}).reshape({1, num_heads_, length, head_dim_});
+    }
+    return at::scaled_dot_product_attention(query, k, v, visible.view({1, 1, n, length}), 0.0, false, scaling_, false)
+        .transpose(1, 2).contiguous();
+  }
+
   // invariant.py rowwise_attention for a pass of at most MAX_ROWWISE rows of one sequence.
   Tensor attention(const Tensor& query, const Tensor& key, const Tensor& value, const std::vector<Group>& groups,
                    bool in_order, bool gqa) const {

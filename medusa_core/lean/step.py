@@ -9,7 +9,8 @@ and chains of elementwise operations as loops of the same IEEE operations in the
 same bits (``tests/test_lean.py``): greedy output stays HF ``generate``'s and greedy Medusa stays plain greedy.
 On the demo a plain step takes 7.1 ms instead of 15.6 ms (docs/BENCH.md, "The lean step").
 The token embedding and the rotary embedding are the model's own modules (RoPE scaling included); the
-LM head and everything after it are unchanged. Prompts are read by transformers' forward as before.
+LM head and everything after it are unchanged. ``read`` runs a prompt's reading passes the same way, with their
+attention as transformers' reading computes it.
 
 Supported: Llama, Mistral and Qwen2 configurations without sliding windows, SiLU MLPs, RMS norms, every
 decoder linear an ``Int4Linear`` (GGUF Q4_0 / Q4_1 backbones, ``quantization="gguf"``), on a CPU, with the
@@ -73,6 +74,12 @@ def unsupported(backbone: nn.Module) -> str:
     return ""
 
 
+#: How a pass attends (``lean_step.cpp`` ``LeanDecoder::forward``): as the model decodes (the row kernel or SDPA
+#: calls per row group), by SDPA calls per row group (a prompt's short first pass), or as one SDPA call over the
+#: cache (every other pass of a prompt's reading).
+MODEL, ROW_GROUPS, READING_PASS = 0, 1, 2
+
+
 class LeanStep:
     """Runs a decoding pass of a supported backbone (``unsupported``) through the compiled decoder.
 
@@ -134,24 +141,63 @@ class LeanStep:
         return (cls(backbone, module), "") if module is not None else (None, why)
 
     def __call__(
-        self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache: DynamicCache, sdpa_rows: bool = False
+        self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache: DynamicCache
     ) -> torch.Tensor | None:
-        """Hidden states [N, H] of ``tokens`` [N] at ``positions`` [N] after the cache's entries, ``mask`` as
-        ``StepRunner.tree_forward`` gives the decoder ([1, 1, N, L + N], or None: causal); or None (see class).
-        ``sdpa_rows``: attention by SDPA calls per row group even where the model's is the row kernel (``read``)."""
+        """Hidden states [N, H] of a decoding pass: ``tokens`` [N] at ``positions`` [N] after the cache's entries,
+        ``mask`` as ``StepRunner.tree_forward`` gives the decoder ([1, 1, N, L + N], or None: causal); or None (see
+        class)."""
         n = tokens.shape[0]
-        layers = cache.layers
-        if n > MAX_ROWWISE or not all(type(layer) is GrowingLayer and layer.is_initialized for layer in layers):
+        if n > MAX_ROWWISE or not self._writable(cache) or not all(layer.is_initialized for layer in cache.layers):
             return None
-        if len(layers) != len(self.decoder.layers) or layers[0].keys.shape[0] != 1:
+        length = cache.layers[0].get_seq_length()
+        if self.row_kernel:
+            return self._pass(tokens, positions, cache, MODEL, [], row_keys(mask, n, length + n))
+        groups = row_groups(mask, n, length + n) if mask is not None or n > 1 else []  # none: one row that sees every key
+        if length >= REPLICAS_FROM and any(not g.view for g in groups):
+            return None  # rowwise_attention reads such rows from replicas: transformers' pass does this better
+        return self._pass(tokens, positions, cache, MODEL, groups, None)
+
+    def read(self, tokens: torch.Tensor, cache: DynamicCache) -> torch.Tensor | None:
+        """Final-norm hidden states [N, H] of a pass of a prompt's reading: ``tokens`` [N] after the cache's entries
+        (none yet: a prompt's first pass; some: a later chunk, or a conversation's next message after its kept
+        cache), each row attending as transformers' pass reads a prompt (``prefill.read_prompt`` with ``READING``):
+        a first pass of at most ``MAX_ROWWISE`` rows by SDPA calls per row (``invariant.rowwise_attention``), any
+        other as one SDPA call over the cache with the causal mask (transformers' ``sdpa_attention_forward``). The
+        same bits as that pass (``tests/test_lean.py``), without the Python between its ops: on the demo the
+        held-out prompts' time to the first token 54.8 -> 36.1 ms (docs/BENCH.md, "Prefetched 4-bit weights, a
+        prompt's first pass in one call, the drafter compiled"), a conversation's next message: docs/BENCH.md,
+        "Every pass of a prompt's reading in one call". None for a cache it cannot write (not of ``GrowingLayer``s,
+        of another batch size); the caller then runs transformers' forward."""
+        n, layers = tokens.shape[0], cache.layers
+        if not self._writable(cache):
             return None
+        written = [layer.is_initialized for layer in layers]
+        if any(written) and not all(written):
+            return None
+        if not any(written):
+            empty = torch.empty(1, self.kv_shape[0], 0, self.kv_shape[1])  # float32 entries
+            for layer in layers:  # as a first ``update`` would: then room for n entries (or as ``kvcache.reserve`` set)
+                layer.lazy_initialization(empty, empty)
+                layer.room_for(n, empty, empty)
         length = layers[0].get_seq_length()
-        if self.row_kernel and not sdpa_rows:
-            groups, rows = [], row_keys(mask, n, length + n)
-        else:  # no groups: one row that sees every key
-            groups, rows = (row_groups(mask, n, length + n) if mask is not None or n > 1 else []), None
-            if length >= REPLICAS_FROM and any(not g.view for g in groups):
-                return None  # rowwise_attention reads such rows from replicas: transformers' pass does this better
+        positions = torch.arange(length, length + n, device=tokens.device)
+        if length == 0 and n <= MAX_ROWWISE:
+            return self._pass(tokens, positions, cache, ROW_GROUPS, row_groups(None, n, n) if n > 1 else [], None)
+        return self._pass(tokens, positions, cache, READING_PASS, [], None)
+
+    def _writable(self, cache: DynamicCache) -> bool:
+        """The cache is one this step writes: a ``GrowingLayer`` per decoder layer, of one sequence."""
+        layers = cache.layers
+        if len(layers) != len(self.decoder.layers) or not all(type(layer) is GrowingLayer for layer in layers):
+            return False
+        return not layers[0].is_initialized or layers[0].keys.shape[0] == 1
+
+    def _pass(self, tokens: torch.Tensor, positions: torch.Tensor, cache: DynamicCache, attention: int,
+              groups: list, rows: Any) -> torch.Tensor:
+        """Run the compiled decoder over ``tokens`` [N] at ``positions`` [N] (attention mode ``attention``; the keys
+        each row sees as SDPA row ``groups`` or the row kernel's ``rows``), write their N entries, return [N, H]."""
+        n, layers = tokens.shape[0], cache.layers
+        length = layers[0].get_seq_length()
         buffers = [layer.room_for(n) for layer in layers]
         hidden = self.decoder.embed_tokens(tokens[None])  # [1, N, H]
         cos, sin = self.decoder.rotary_emb(hidden, positions[None])  # [1, N, Dh] each
@@ -159,26 +205,8 @@ class LeanStep:
         out = self._decoder.forward(
             hidden, cos, sin, [b[0] for b in buffers], [b[1] for b in buffers], length, ints,
             [g.index for g in groups], [g.keys for g in groups],
-            *((rows.prefix, rows.offsets, rows.extras) if rows else ([], [], torch.empty(0, dtype=torch.long))), sdpa_rows,
+            *((rows.prefix, rows.offsets, rows.extras) if rows else ([], [], torch.empty(0, dtype=torch.long))), attention,
         )
         for layer in layers:
             layer.extend(n)
         return out[0]
-
-    def read(self, tokens: torch.Tensor, cache: DynamicCache) -> torch.Tensor | None:
-        """Final-norm hidden states [N, H] of a prompt's first pass: ``tokens`` [N] at positions 0 .. N-1 into an
-        empty cache (its layers not yet written), each row's attention by SDPA over the keys before it, as
-        transformers' pass reads a prompt (``invariant.rowwise_attention``): the same bits, without the Python
-        between the ops (the held-out prompts' time to the first token 54.8 -> 36.1 ms on the demo; docs/BENCH.md,
-        "Prefetched 4-bit weights, a prompt's first pass in one call, the drafter compiled"). None where it does not apply (N > ``MAX_ROWWISE``, a cache
-        already written or not of ``GrowingLayer``s); the caller then runs transformers' forward."""
-        n, layers = tokens.shape[0], cache.layers
-        if n > MAX_ROWWISE or len(layers) != len(self.decoder.layers):
-            return None
-        if not all(type(layer) is GrowingLayer and not layer.is_initialized for layer in layers):
-            return None
-        empty = torch.empty(1, self.kv_shape[0], 0, self.kv_shape[1])  # float32 entries
-        for layer in layers:  # as a first ``update`` would: then room for n entries (or as ``kvcache.reserve`` set)
-            layer.lazy_initialization(empty, empty)
-            layer.room_for(n, empty, empty)
-        return self(tokens, torch.arange(n, device=tokens.device), None, cache, sdpa_rows=True)
