@@ -18,6 +18,7 @@ from transformers import DynamicCache
 
 from .acceptance import choose_token, verify_tree
 from .generation import StepRecord, step_record
+from .invariant import tree_row_keys
 from .kvcache import compact_cache
 from .lean.drafting import LeanDrafts
 from .lean.step import LeanStep
@@ -207,13 +208,16 @@ class StepRunner:
         Returns (logits [N, V], final-norm hidden states [N, H]).
         """
         n = tree.num_nodes
-        mask = None  # a single token attends to everything: the model's own causal mask is right
-        if n > 1:
-            prefix = torch.zeros(n, cur_len, dtype=tree.bias.dtype, device=tree.bias.device)
-            mask = torch.cat([prefix, tree.bias], dim=1)[None, None]  # [1, 1, N, cur_len + N]
         positions = tree.position_ids + cur_len
-        hidden = self.lean(tokens, positions, mask, cache) if self.lean is not None else None  # the same bits
+        # A single token attends to everything: the model's own causal mask is right. The lean step's row kernel
+        # reads a tree's rows from its shape; everything else reads the tree mask [1, 1, N, cur_len + N].
+        by_shape = n > 1 and getattr(self.lean, "row_kernel", False)
+        mask = _tree_mask(tree, cur_len) if n > 1 and not by_shape else None
+        rows = tree_row_keys(tree.node_parents, cur_len) if by_shape else None
+        hidden = self.lean(tokens, positions, mask, cache, rows) if self.lean is not None else None  # the same bits
         if hidden is None:
+            if by_shape:
+                mask = _tree_mask(tree, cur_len)
             out = self.decoder(input_ids=tokens[None], position_ids=positions[None], attention_mask=mask, use_cache=True, cache=cache)
             hidden = out.last_hidden_state[0]  # [N, H]
         return self.logits(hidden), hidden
@@ -228,3 +232,9 @@ class StepRunner:
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+
+def _tree_mask(tree: StepTree, cur_len: int) -> torch.Tensor:
+    """The additive mask [1, 1, N, cur_len + N] of a tree pass after ``cur_len`` cached entries (paper 2.1.2)."""
+    prefix = torch.zeros(tree.num_nodes, cur_len, dtype=tree.bias.dtype, device=tree.bias.device)
+    return torch.cat([prefix, tree.bias], dim=1)[None, None]

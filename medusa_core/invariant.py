@@ -31,6 +31,7 @@ It is registered with transformers' public ``AttentionInterface`` / ``AttentionM
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from types import ModuleType
@@ -183,6 +184,33 @@ def row_keys(mask: torch.Tensor | None, n: int, length: int) -> RowKeys:
         offsets = [0] + beyond.sum(dim=-1).cumsum(0).tolist()
         _last_keys[:] = [weakref.ref(mask), RowKeys(prefix.tolist(), offsets, beyond.nonzero()[:, 1].contiguous())]
     return _last_keys[1]
+
+
+def tree_row_keys(parents: tuple[int, ...], length: int) -> RowKeys:
+    """``RowKeys`` of a tree pass after ``length`` cached entries, from its nodes' parents (``StepTree.node_parents``,
+    -1 for the root, a parent listed before its children): node i sees the cache, then its ancestors and itself
+    (paper 2.1.2's tree mask) -- what ``row_keys`` reads from that mask, without building it (a decoding step's
+    mask is [N, L + N] and reading it cost the lean step ~0.06 ms)."""
+    prefix, offsets, extras = _tree_rows(tuple(parents))
+    return RowKeys([length + p for p in prefix], offsets, extras + length if length and extras.numel() else extras)
+
+
+@functools.lru_cache(maxsize=1024)
+def _tree_rows(parents: tuple[int, ...]) -> tuple[list[int], list[int], torch.Tensor]:
+    """``tree_row_keys`` with no cached entries: (prefix [N], offsets [N + 1], extras [Σ]) of a tree's shape."""
+    prefix, offsets, extras = [], [0], []
+    for node in range(len(parents)):
+        seen, at = set(), node
+        while at >= 0:
+            seen.add(at)
+            at = parents[at]
+        lead = 0
+        while lead in seen:
+            lead += 1
+        prefix.append(lead)
+        extras += sorted(k for k in seen if k > lead)
+        offsets.append(len(extras))
+    return prefix, offsets, torch.tensor(extras, dtype=torch.long)
 
 
 class _RowGroup(NamedTuple):

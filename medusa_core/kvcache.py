@@ -30,7 +30,9 @@ class GrowingLayer(DynamicLayer):
     they do not fit, the buffer is reallocated with capacity ``reserved`` if that holds them (``reserve``:
     the tokens a reply will need, so a long prompt is not copied at every doubling and no capacity is
     wasted), else max(2·C, L + n, ``MIN_CAPACITY``), and the L entries are copied once. ``crop``
-    (inherited) shortens the views; the buffer is kept.
+    shortens the views; the buffer is kept. ``extend`` (the lean step's writes) and ``crop`` move L only: the
+    views are made when ``keys`` or ``values`` is next read (making 60 views a step cost the demo's lean step
+    0.13 ms of its 2.3, docs/BENCH.md "Nothing around the lean pass"), so ``get_seq_length`` reads L itself.
 
     Replicas (none until ``row_keys`` asks; ``release_rows`` frees them) are scratch copies of the cache,
     in buffers of their own, for the rows of a tree pass: ``row_keys`` gives B rows each a replica that
@@ -40,6 +42,36 @@ class GrowingLayer(DynamicLayer):
     """
 
     reserved = 0  # tokens the next reallocation makes room for, if they are at least as many as needed
+    # L, the batch, and whether ``keys`` / ``values`` must be made again from the buffers before they are read
+    _length, _batch, _stale = 0, 1, False
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        if self._stale:
+            self._views()
+        return self._keys
+
+    @keys.setter
+    def keys(self, keys: torch.Tensor | None) -> None:
+        if self._stale:  # the values' view first: it is made from the length the keys are about to lose
+            self._views()
+        self._keys = keys
+        self._length = keys.shape[-2] if keys is not None and keys.dim() > 1 else 0
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        if self._stale:
+            self._views()
+        return self._values
+
+    @values.setter
+    def values(self, values: torch.Tensor | None) -> None:
+        if self._stale:
+            self._views()
+        self._values = values
+
+    def get_seq_length(self) -> int:
+        return self._length if self.is_initialized else 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -48,6 +80,11 @@ class GrowingLayer(DynamicLayer):
         self._row_buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # replicas' keys, values [R, H, C, Dh]
         self._replicated = 0  # entries 0.._replicated−1 of every replica equal the cache's
 
+    @property
+    def batch(self) -> int:
+        """B, the sequences the cache holds (1 before its first entries)."""
+        return self._batch
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -55,7 +92,8 @@ class GrowingLayer(DynamicLayer):
         self.room_for(n, key_states, value_states)
         self._keys_buffer[:batch, ..., length : length + n, :] = key_states
         self._values_buffer[:batch, ..., length : length + n, :] = value_states
-        return self.extend(n, batch)
+        self.extend(n, batch)
+        return self.keys, self.values
 
     def room_for(self, n: int, key_states: torch.Tensor | None = None, value_states: torch.Tensor | None = None):
         """Make room for ``n`` entries after the cache's (reallocating as ``update`` does) and return the buffers
@@ -70,13 +108,28 @@ class GrowingLayer(DynamicLayer):
         self._replicated = min(self._replicated, length)  # a crop may have cut below it; writes start at length
         return self._keys_buffer, self._values_buffer
 
-    def extend(self, n: int, batch: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-        """Take the ``n`` entries written after the cache's into it: the views grow to L + n; returns them."""
-        end = self.get_seq_length() + n
-        self.keys = self._keys_buffer[:batch, ..., :end, :]
-        self.values = self._values_buffer[:batch, ..., :end, :]
-        self.keys.rows_cache = self.values.rows_cache = self if batch == 1 else None
-        return self.keys, self.values
+    def extend(self, n: int, batch: int = 1) -> None:
+        """Take the ``n`` entries written after the cache's into it: the views grow to L + n (made when read)."""
+        self._length, self._batch, self._stale = self._length + n, batch, True
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` entries (``DynamicLayer.crop``'s argument); the buffers are kept."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop({tokens_to_remove}): pass a negative number of entries to remove")
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
+        if self._values_buffer is None:  # values held packed (``pack_values``): not views of a buffer
+            super().crop(tokens_to_remove)
+            return
+        self._length, self._stale = max(self._length + tokens_to_remove, 0), True
+
+    def _views(self) -> None:
+        """``keys`` / ``values``: the buffers' first L entries of the batch's sequences."""
+        self._stale = False
+        end, batch = self._length, self._batch
+        self._keys = self._keys_buffer[:batch, ..., :end, :]
+        self._values = self._values_buffer[:batch, ..., :end, :]
+        self._keys.rows_cache = self._values.rows_cache = self if batch == 1 else None
 
     def _reallocate(self, key_states: torch.Tensor, value_states: torch.Tensor, capacity: int) -> None:
         """New buffers [B, H, capacity, Dh] holding the cache's entries; the replicas are dropped."""
@@ -86,7 +139,7 @@ class GrowingLayer(DynamicLayer):
         if length:
             keys[..., :length, :] = self.keys
             values[..., :length, :] = self.values
-        self._keys_buffer, self._values_buffer, self._capacity = keys, values, capacity
+        self._keys_buffer, self._values_buffer, self._capacity, self._batch = keys, values, capacity, batch
         self.keys, self.values = keys[..., :length, :], values[..., :length, :]
         self.release_rows()
 

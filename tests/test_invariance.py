@@ -264,3 +264,16 @@ def test_every_accepted_tree_node_of_the_float32_demo_has_bitwise_the_logits_of_
     model = load_medusa_model("demo", quantization="none")
     assert isinstance(model.backbone.model.layers[0].mlp.up_proj, RowwiseLinear)
     _check_bitwise(model, monkeypatch, ["Write a short poem about the sea."], ["optimised_8"])
+
+
+@pytest.mark.parametrize("paths", [[[0], [0, 0]], [[0], [1], [2], [0, 0], [1, 0], [0, 1], [0, 0, 0]], [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]])
+def test_a_trees_row_keys_from_its_parents_are_those_read_from_its_mask(paths):
+    from medusa_core.invariant import row_keys, tree_row_keys
+    from medusa_core.steptree import static_tree
+
+    tree = static_tree("t", paths, torch.float32, "cpu")
+    for length in (0, 7, 300):
+        mask = torch.cat([torch.zeros(tree.num_nodes, length), tree.bias], dim=1)[None, None]
+        want = row_keys(mask, tree.num_nodes, length + tree.num_nodes)
+        got = tree_row_keys(tree.node_parents, length)
+        assert got.prefix == want.prefix and got.offsets == want.offsets and torch.equal(got.extras, want.extras), length

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from ..invariant import ATTENTION_KERNEL, MAX_ROWWISE, REPLICAS_FROM, ROWWISE, row_groups, row_keys
+from ..invariant import ATTENTION_KERNEL, MAX_ROWWISE, REPLICAS_FROM, ROWWISE, RowKeys, row_groups, row_keys
 from ..kvcache import GrowingLayer
 from ..quant.layers import Int4Linear
 from .build import ENV, enabled, load_extension
@@ -141,17 +141,19 @@ class LeanStep:
         return (cls(backbone, module), "") if module is not None else (None, why)
 
     def __call__(
-        self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache: DynamicCache
+        self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache: DynamicCache,
+        rows: RowKeys | None = None,
     ) -> torch.Tensor | None:
         """Hidden states [N, H] of a decoding pass: ``tokens`` [N] at ``positions`` [N] after the cache's entries,
         ``mask`` as ``StepRunner.tree_forward`` gives the decoder ([1, 1, N, L + N], or None: causal); or None (see
-        class)."""
+        class). ``rows``: with the row kernel (``row_kernel``), the keys each row sees (``invariant.tree_row_keys``),
+        instead of reading them from ``mask``."""
         n = tokens.shape[0]
         if n > MAX_ROWWISE or not self._writable(cache) or not all(layer.is_initialized for layer in cache.layers):
             return None
         length = cache.layers[0].get_seq_length()
         if self.row_kernel:
-            return self._pass(tokens, positions, cache, MODEL, [], row_keys(mask, n, length + n))
+            return self._pass(tokens, positions, cache, MODEL, [], rows if rows is not None else row_keys(mask, n, length + n))
         groups = row_groups(mask, n, length + n) if mask is not None or n > 1 else []  # none: one row that sees every key
         if length >= REPLICAS_FROM and any(not g.view for g in groups):
             return None  # rowwise_attention reads such rows from replicas: transformers' pass does this better
@@ -190,10 +192,10 @@ class LeanStep:
         layers = cache.layers
         if len(layers) != len(self.decoder.layers) or not all(type(layer) is GrowingLayer for layer in layers):
             return False
-        return not layers[0].is_initialized or layers[0].keys.shape[0] == 1
+        return layers[0].batch == 1
 
     def _pass(self, tokens: torch.Tensor, positions: torch.Tensor, cache: DynamicCache, attention: int,
-              groups: list, rows: Any) -> torch.Tensor:
+              groups: list, rows: RowKeys | None) -> torch.Tensor:
         """Run the compiled decoder over ``tokens`` [N] at ``positions`` [N] (attention mode ``attention``; the keys
         each row sees as SDPA row ``groups`` or the row kernel's ``rows``), write their N entries, return [N, H]."""
         n, layers = tokens.shape[0], cache.layers
