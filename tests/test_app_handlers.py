@@ -440,6 +440,11 @@ def test_a_message_sent_while_the_model_loads_is_answered_once_it_is_ready_at_th
     sent = handlers.add_user(loading, session, dataclasses.replace(controls, drafts="ngram"), "def add")
     assert sent["message"] == "" and [t.state for t in session.turns] == ["pending"]
     assert "once it is ready" in sent["reply_status"]
+    warnings = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gr, "Warning", lambda msg, *a, **k: warnings.append(msg))
+        assert handlers.add_user(loading, session, controls, "def sub") == {"message": gr.skip()}  # one waits already
+    assert "still waiting for the model to load" in warnings[0] and len(session.turns) == 1
     replying = handlers.respond(loading, settings, session, dataclasses.replace(controls, drafts="ngram"))
     assert "Loading" in next(replying)["reply_status"]  # it waits, saying for what
     threading.Thread(target=loading.load, args=(lambda: engine.model,)).start()

@@ -46,6 +46,8 @@ SEND_OFF = gr.Button(interactive=False)  # Send while a reply is pending or stre
 SEND_ON = gr.Button(interactive=True)
 #: Why a send or Regenerate is refused; shown as a warning, and nothing else changes.
 STILL_STREAMING = "A reply is still streaming: your message stays in the box; send it when the reply ends, or press Stop (Esc)."
+STILL_LOADING = ("Your last message is still waiting for the model to load: this one stays in the box; send it once "
+                 "that reply ends, or press Stop (Esc).")
 NOTHING_TO_REGENERATE = "Nothing to regenerate: send a message first."
 
 
@@ -79,6 +81,8 @@ def _refusal(engine: Engine, session: Session, loading_ok: bool = False) -> str:
     """Why a new reply cannot start now ("" when it can); with ``loading_ok`` a model still loading is no reason."""
     if not engine.ready and not (loading_ok and engine.error is None):
         return engine.status()
+    if any(t.state == "pending" and t.waits_for_model for t in session.turns):
+        return STILL_LOADING
     if session.busy or any(t.state == "pending" for t in session.turns):
         return STILL_STREAMING
     return ""
