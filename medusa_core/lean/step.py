@@ -83,11 +83,12 @@ MODEL, ROW_GROUPS, READING_PASS = 0, 1, 2
 class LeanStep:
     """Runs a decoding pass of a supported backbone (``unsupported``) through the compiled decoder.
 
-    Build it with ``for_backbone``. ``__call__(tokens [N], positions [N], mask, cache)`` returns the final-norm
-    hidden states [N, H] of the pass, or None when this pass is not one it runs (more than ``MAX_ROWWISE``
-    rows, a cache it cannot write, or, with SDPA rows, a branching tree over a cache long enough for
-    ``rowwise_attention`` to read rows from replicas); the caller then runs transformers' forward. Either way the N entries end up in
-    the cache, with the same bits.
+    Build it with ``for_backbone``. ``__call__(tokens [N], positions [N], mask, cache, rows=None)`` returns the
+    final-norm hidden states [N, H] of a decoding pass, or None when this pass is not one it runs (more than
+    ``MAX_ROWWISE`` rows, a cache it cannot write, or, with SDPA rows, a branching tree over a cache long enough for
+    ``rowwise_attention`` to read rows from replicas); the caller then runs transformers' forward. Either way the N
+    entries end up in the cache, with the same bits. ``read(tokens, cache)`` does the same for a pass of a prompt's
+    reading.
     """
 
     def __init__(self, backbone: nn.Module, module: Any):
