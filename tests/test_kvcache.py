@@ -102,3 +102,36 @@ def test_tree_rows_attend_through_the_caches_replicas_bitwise_as_one_token_decod
             alone, _ = rowwise_attention(torch.nn.Module(), q[:, :, i : i + 1], keys[:, :, ids], values[:, :, ids], None, scaling=0.25)
             assert torch.equal(out[:, i], alone[:, 0]), (step, i)
         compact_cache(cache, start, [0, 1, 4][: step + 1], n)  # keep a path of 1..3 nodes
+
+
+def test_writes_in_place_then_extend_and_crop_hold_what_updates_would_and_pack_round_trips():
+    """The lean step's way of writing: entries written into ``room_for``'s buffers, then ``extend``; ``crop`` and
+    ``extend`` only move the length, and the views read afterwards are the same as ``update``'s."""
+    written, updated = new_cache(_config()), new_cache(_config())
+    for cache in (written, updated):
+        cache.update(*_entries(5, seed=0), 0)
+    layer = written.layers[0]
+    for step, n in enumerate([1, 3, 2]):
+        k, v = _entries(n, seed=step + 1)
+        start = layer.get_seq_length()
+        keys, values = layer.room_for(n)
+        keys[:, :, start : start + n], values[:, :, start : start + n] = k, v
+        layer.extend(n)
+        updated.update(k, v, 0)
+        assert layer.get_seq_length() == updated.get_seq_length() == start + n
+        assert torch.equal(layer.keys, updated.layers[0].keys) and torch.equal(layer.values, updated.layers[0].values)
+        assert layer.keys.rows_cache is layer  # what the SDPA rows read replicas through
+        if n > 1:  # a tree step's rejected rows
+            written.crop(1 - n), updated.crop(1 - n)
+            assert layer.get_seq_length() == start + 1
+            assert torch.equal(layer.keys, updated.layers[0].keys) and torch.equal(layer.values, updated.layers[0].values)
+    # held packed between turns (values that are bfloat16 numbers), cropped, then unpacked: the same entries
+    packed, plain = new_cache(_config()), DynamicCache(config=_config())
+    k, v = _entries(6, seed=9)
+    for cache in (packed, plain):
+        cache.update(k, v.bfloat16().float(), 0)
+    assert packed.layers[0].pack_values() and packed.layers[0].values.dtype == torch.bfloat16
+    packed.crop(-2), plain.crop(-2)
+    packed.layers[0].unpack_values()
+    assert packed.get_seq_length() == 4
+    assert torch.equal(packed.layers[0].keys, plain.layers[0].keys) and torch.equal(packed.layers[0].values, plain.layers[0].values)
