@@ -457,12 +457,18 @@ def test_a_message_sent_while_the_model_loads_is_answered_once_it_is_ready_at_th
     assert {r.temperature for r in session.rows} == {ready["temperature"].value}
 
 
-def test_a_message_waiting_for_a_load_that_fails_stays_in_the_chat_with_the_reason(engine, settings, controls):
+def waiting_reply(settings, controls):
+    """A message sent while a model loads, its reply waiting for it: (engine, session, the reply's updates)."""
     loading = Engine("demo (nf4)")
     session = Session()
     handlers.add_user(loading, session, controls, "def add")
     replying = handlers.respond(loading, settings, session, controls)
-    next(replying)
+    assert "Loading" in next(replying)["reply_status"]
+    return loading, session, replying
+
+
+def test_a_message_waiting_for_a_load_that_fails_stays_in_the_chat_with_the_reason(settings, controls):
+    loading, session, replying = waiting_reply(settings, controls)
     threading.Thread(target=lambda: pytest.raises(ValueError, loading.load, lambda: (_ for _ in ()).throw(ValueError("no such folder")))).start()
     final = list(replying)[-1]
     turn = session.turns[0]
@@ -470,12 +476,8 @@ def test_a_message_waiting_for_a_load_that_fails_stays_in_the_chat_with_the_reas
     assert "no such folder" in final["chatbot"][-1]["content"] and final["send"].interactive
 
 
-def test_stop_while_a_message_waits_for_the_model_ends_the_wait(engine, settings, controls):
-    loading = Engine("demo (nf4)")
-    session = Session()
-    handlers.add_user(loading, session, controls, "def add")
-    replying = handlers.respond(loading, settings, session, controls)
-    next(replying)
+def test_stop_while_a_message_waits_for_the_model_ends_the_wait(settings, controls):
+    loading, session, replying = waiting_reply(settings, controls)
     handlers.stop(loading, session, controls.highlight)
     list(replying)  # returns without a model
     assert session.turns[0].state == "stopped" and session.turns[0].user == "def add"

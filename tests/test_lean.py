@@ -102,47 +102,30 @@ def test_the_lean_pass_gives_the_hidden_states_and_cache_entries_of_transformers
         length = ours.get_seq_length()
 
 
+#: Passes of a prompt's reading: a short first pass (SDPA calls per row), or a first chunk of more than
+#: ``MAX_ROWWISE`` rows (one causal SDPA call) and chunks after cached entries (one SDPA call with the causal mask),
+#: long, short and of one token (a regenerated reply's prompt).
+READING_PASSES = {"short-first-pass": [(0, 23)], "chunks": [(0, MAX_ROWWISE + 6), (MAX_ROWWISE + 6, 150), (150, 159), (159, 160)]}
+
+
+@pytest.mark.parametrize("passes", list(READING_PASSES))
 @pytest.mark.parametrize("attention", [ATTENTION_KERNEL, ATTENTION], ids=["row-kernel", "sdpa-rows"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_a_prompts_first_pass_read_in_one_call_gives_transformers_reading_bit_for_bit(extension, arch, attention):
+def test_a_prompts_reading_in_one_call_a_pass_gives_transformers_reading_bit_for_bit(extension, arch, attention, passes):
     model = int4_backbone(arch, attention, **WIDE)
     lean, why = LeanStep.for_backbone(model)
     assert lean is not None, why
-    ids = torch.randint(0, 96, (1, 23), generator=torch.Generator().manual_seed(3))
+    chunks = READING_PASSES[passes]
+    ids = torch.randint(0, 96, (1, chunks[-1][1]), generator=torch.Generator().manual_seed(4))
     ours, theirs = new_cache(model.config), new_cache(model.config)
     with torch.inference_mode():
-        got = lean.read(ids[0], ours)
-        want = model.model(input_ids=ids, cache=theirs, use_cache=True, **{READING: True}).last_hidden_state[0]
-        assert got is not None and torch.equal(got, want)
-        for a, b in zip(ours.layers, theirs.layers):
-            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
-        step = torch.tensor([7])  # and decoding goes on from the same entries
-        got = lean(step, torch.tensor([ids.shape[1]]), None, ours)
-        want = model.model(input_ids=step[None], cache=theirs, use_cache=True).last_hidden_state[0]
-    assert torch.equal(got, want)
-
-
-@pytest.mark.parametrize("attention", [ATTENTION_KERNEL, ATTENTION], ids=["row-kernel", "sdpa-rows"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_a_long_prompts_chunks_and_a_conversations_next_message_read_in_one_call_give_transformers_reading_bit_for_bit(
-    extension, arch, attention
-):
-    """Passes a prompt's reading makes besides a short first one: a first chunk of more than ``MAX_ROWWISE`` rows
-    (one causal SDPA call), and chunks after cached entries (one SDPA call with the causal mask), long, short and of
-    one token (a regenerated reply's prompt)."""
-    model = int4_backbone(arch, attention, **WIDE)
-    lean, why = LeanStep.for_backbone(model)
-    assert lean is not None, why
-    ids = torch.randint(0, 96, (1, 160), generator=torch.Generator().manual_seed(4))
-    ours, theirs = new_cache(model.config), new_cache(model.config)
-    with torch.inference_mode():
-        for begin, end in [(0, MAX_ROWWISE + 6), (MAX_ROWWISE + 6, 150), (150, 159), (159, 160)]:
+        for begin, end in chunks:
             got = lean.read(ids[0, begin:end], ours)
             want = model.model(input_ids=ids[:, begin:end], cache=theirs, use_cache=True, **{READING: True}).last_hidden_state[0]
             assert got is not None and torch.equal(got, want), (begin, end)
             for a, b in zip(ours.layers, theirs.layers):
                 assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
-        step = torch.tensor([7])
+        step = torch.tensor([7])  # and decoding goes on from the same entries
         got = lean(step, torch.tensor([ids.shape[1]]), None, ours)
         want = model.model(input_ids=step[None], cache=theirs, use_cache=True).last_hidden_state[0]
     assert torch.equal(got, want)
