@@ -33,6 +33,7 @@ from .datastore import Datastore
 from .gguf import cache_dir, demo_gguf_file, gguf_model_folder
 from .heads import DRAFT_RANKING_FILE, DRAFT_VOCABULARY, RANKED_DRAFT_VOCABULARY, MedusaHeads
 from .invariant import make_batch_invariant
+from .lean.build import build_in_background
 from .model import MedusaModel
 from .quant.gguf_backbone import load_gguf_backbone
 from .trees import resolve_tree, validate_tree
@@ -122,6 +123,8 @@ def load_medusa_model(
     if quantization not in QUANTIZATIONS:
         raise MedusaCheckpointError(f"unknown quantization {quantization!r}: use 'auto', 'gguf', 'nf4', 'int8' or 'none'")
     dev = resolve_device(device)
+    if dev.type == "cpu":  # the lean step's extension compiles (a first start) while the backbone is read
+        build_in_background(report)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     dtype = dtype or (torch.float16 if dev.type == "cuda" else torch.float32)

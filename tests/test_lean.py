@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+import threading
 
 import pytest
 import torch
@@ -314,3 +315,23 @@ def test_the_profiles_stage_split_times_the_lean_pass_and_leaves_the_prompts_rea
     split = step_split(model, [torch.tensor([[5, 17, 40, 33]])], max_new_tokens=6, medusa=False)
     assert split["steps"] == 5 and split["calls"]["lean pass"] == 1.0 and split["ms"]["lean pass"] > 0
     assert model._steps.lean is lean and type(lean).__call__ is LeanStep.__call__  # given back
+
+
+def test_loading_a_cpu_model_compiles_the_lean_step_in_the_background_while_the_backbone_is_read(tmp_path, monkeypatch):
+    """A first start builds the extension in a thread of its own, started before the backbone is read; the
+    model's own ``load_extension`` calls wait for it, so it is built once."""
+    from medusa_core import load_medusa_model, loading
+    from tests.tiny_models import write_tiny_medusa
+
+    monkeypatch.setattr(build, "_loaded", {})  # as in a fresh process (restored after: the real module stays loaded)
+    monkeypatch.setattr(build, "_background", {})
+    events = []
+    monkeypatch.setattr(build, "_build", lambda folder, report: events.append(("build", threading.current_thread().name))
+                        or "not built in this test")
+    read = loading.load_backbone
+    monkeypatch.setattr(loading, "load_backbone", lambda *a, **k: events.append(("read", [t.name for t in threading.enumerate()]))
+                        or read(*a, **k))
+    model = load_medusa_model(write_tiny_medusa(tmp_path), quantization=None)
+    assert events[0][0] == "read" and "lean-build" in events[0][1] or events[0] == ("build", "lean-build")
+    assert [e for e in events if e[0] == "build"] == [("build", "lean-build")]  # one build, the background one
+    assert model.describe()["step"] == "transformers"  # it said why it could not build

@@ -37,6 +37,7 @@ ENV = "MEDUSA_LEAN_STEP"
 _lock = threading.Lock()
 _building = threading.Event()
 _loaded: dict[str, ModuleType | str] = {}  # source hash -> module, or the reason it could not be built
+_background: dict[str, threading.Thread] = {}  # source hash -> the thread ``build_in_background`` started
 
 
 def enabled() -> bool:
@@ -83,12 +84,30 @@ def is_built() -> bool:
     return any(build_folder().glob("medusa_lean*.so"))
 
 
+def build_in_background(report: Callable[[str], None] | None = None) -> None:
+    """Start ``load_extension`` in a thread of its own, so that a first start compiles the extension (~30 s) while the
+    caller reads its model (the demo's GGUF backbone: ~13 s at a first start); the next ``load_extension`` waits for
+    that thread. Nothing when the lean step is off (``enabled``) or the extension is already loaded or under way."""
+    if not enabled():
+        return
+    digest = _digest()
+    with _lock:
+        if digest in _loaded or digest in _background:
+            return
+        thread = _background[digest] = threading.Thread(target=load_extension, args=(report,), name="lean-build", daemon=True)
+        thread.start()  # under the lock: a caller that finds it in _background may join it at once
+
+
 def load_extension(report: Callable[[str], None] | None = None) -> tuple[ModuleType | None, str]:
     """The compiled extension, building it first if needed: ``(module, "")``, or ``(None, reason)`` when it cannot
     be built here (no compiler, no ninja, a failed build). ``report`` gets a line before a build starts (a first
     start: about a minute) and when it ends. Thread-safe; a result is kept for the process (one build of a
-    source per process, wherever the cache folder points later)."""
+    source per process, wherever the cache folder points later); a build ``build_in_background`` started is waited
+    for."""
     digest = _digest()
+    started = _background.get(digest)
+    if started is not None and started is not threading.current_thread():
+        started.join()
     with _lock:
         if digest not in _loaded:
             _loaded[digest] = _build(build_folder(), report or (lambda line: None))
