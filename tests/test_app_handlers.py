@@ -476,6 +476,14 @@ def test_a_message_waiting_for_a_load_that_fails_stays_in_the_chat_with_the_reas
     assert "no such folder" in final["chatbot"][-1]["content"] and final["send"].interactive
 
 
+def test_clear_while_a_message_waits_for_the_model_ends_the_wait_and_nothing_is_generated_later(engine, settings, controls):
+    loading, session, replying = waiting_reply(settings, controls)
+    handlers.clear(loading, session)
+    loading.load(lambda: engine.model)  # the model arrives after the chat was cleared
+    list(replying)
+    assert session.turns == [] and session.rows == []
+
+
 def test_stop_while_a_message_waits_for_the_model_ends_the_wait(settings, controls):
     loading, session, replying = waiting_reply(settings, controls)
     handlers.stop(loading, session, controls.highlight)

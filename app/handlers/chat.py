@@ -109,12 +109,7 @@ def respond(engine: Engine, settings: AppSettings, session: Session, controls: C
         return
     turn = session.turns[index]
     if turn.waits_for_model:
-        while engine.model is None and engine.error is None and turn.state == "pending":
-            yield {"reply_status": f"{WAITING_FOR_LOAD} {engine.status()}"}
-            engine.wait(LOAD_POLL_S)
-        if engine.model is None or turn.state != "pending":  # the load failed, or Stop ended the wait
-            if turn.state == "pending":
-                turn.state, turn.error = "error", f"Not sent: {engine.status()}"
+        if not (yield from _wait_for_model(engine, session, turn)):
             yield {"chatbot": chat_view(session, controls.highlight), "reply_status": reply_status(session), "send": SEND_ON,
                    "saved": session.saved()}
             return
@@ -170,6 +165,20 @@ def respond(engine: Engine, settings: AppSettings, session: Session, controls: C
     yield {"tree_plot": view.pop("tree_plot"), "model_panel": model_panel(engine, session)}
     yield view
     yield {"chatbot": chat_view(session, controls.highlight), "reply_status": reply_status(session), "send": SEND_ON, "saved": session.saved()}
+
+
+def _wait_for_model(engine: Engine, session: Session, turn: Turn) -> Iterator[Updates]:
+    """Yield the status line while the model loads; return True once it is ready with ``turn`` still waiting, False
+    when the load failed (the turn then shows why) or Stop or Clear ended the wait."""
+    def waiting() -> bool:
+        return turn.state == "pending" and any(t is turn for t in session.turns)
+
+    while engine.model is None and engine.error is None and waiting():
+        yield {"reply_status": f"{WAITING_FOR_LOAD} {engine.status()}"}
+        engine.wait(LOAD_POLL_S)
+    if engine.model is None and waiting():
+        turn.state, turn.error = "error", f"Not sent: {engine.status()}"
+    return engine.model is not None and waiting()
 
 
 def _stream(
