@@ -13,7 +13,7 @@ import logging
 import math
 import time
 from contextlib import closing
-from typing import Any, Iterator
+from typing import Any, Generator, Iterator
 
 import gradio as gr
 from jinja2 import TemplateError
@@ -167,7 +167,7 @@ def respond(engine: Engine, settings: AppSettings, session: Session, controls: C
     yield {"chatbot": chat_view(session, controls.highlight), "reply_status": reply_status(session), "send": SEND_ON, "saved": session.saved()}
 
 
-def _wait_for_model(engine: Engine, session: Session, turn: Turn) -> Iterator[Updates]:
+def _wait_for_model(engine: Engine, session: Session, turn: Turn) -> Generator[Updates, None, bool]:
     """Yield the status line while the model loads; return True once it is ready with ``turn`` still waiting, False
     when the load failed (the turn then shows why) or Stop or Clear ended the wait."""
     def waiting() -> bool:
