@@ -61,6 +61,20 @@ def test_sending_after_the_model_failed_to_load_says_why_and_keeps_the_message(s
     assert all(o.get("message") != "" for o in fired.outputs)  # the message stays in the box
 
 
+def test_a_message_sent_while_the_model_loads_is_answered_through_the_page_once_it_is_ready(engine, settings):
+    import threading
+
+    loading = Engine(engine.description)
+    page = Page(build_ui(loading, settings))
+    page.set(seed=SEED)
+    threading.Timer(0.6, loading.load, args=(lambda: engine.model,)).start()
+    fired = send(page, "def add")
+    assert fired.errors == [] and fired.warnings == []
+    assert any("Waiting for the model to load" in str(o.get("reply-status", "")) for o in fired.outputs)
+    turn = page.session.turns[0]
+    assert turn.user == "def add" and turn.state == "done" and turn.reply.text
+
+
 def test_sending_while_a_reply_streams_says_so_and_keeps_the_message(page):
     send(page, "def add")
     page.session.begin()  # as if the reply were still streaming
