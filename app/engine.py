@@ -87,6 +87,11 @@ class Engine:
     def ready(self) -> bool:
         return self.model is not None
 
+    @property
+    def loading(self) -> bool:
+        """True until loading ends (no model yet, and no error)."""
+        return self.model is None and self.error is None
+
     def wait(self, timeout: float | None = None) -> bool:
         """Block until loading ends; True when a model is ready."""
         self._done.wait(timeout)

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from .errors import MedusaCheckpointError
-from .invariant import MAX_ROWWISE
+from .invariant import MAX_ROWWISE, row_keys
 from .lean.step import MODEL
 from .quant.layers import Int4Linear
 
@@ -159,10 +159,8 @@ class EagleDrafts:
         Returns [r, H]."""
         r = x.shape[0]
         cos, sin = self.cos[None, start : start + r], self.sin[None, start : start + r]
-        prefix = list(range(start + 1, start + r + 1))  # row i sees keys 0 .. start + i
+        rows = row_keys(None, r, start + r)  # causal: row i sees keys 0 .. start + i
         return self.d.layer.forward(x[None].contiguous(), cos, sin, [self.cache[0]], [self.cache[1]], start, [], [], [],
-                                    prefix, [0] * (r + 1), _NO_EXTRAS, MODEL)[0]
+                                    rows.prefix, rows.offsets, rows.extras, MODEL)[0]
 
-
-_NO_EXTRAS = torch.empty(0, dtype=torch.long)
 _ONE = torch.ones(1)  # draft_top's temperature

@@ -67,7 +67,7 @@ def add_user(engine: Engine, session: Session, controls: Controls, message: str)
     text = (message or "").strip()
     if is_blank(text):
         return {"message": ""}
-    loading = engine.model is None and engine.error is None
+    loading = engine.loading  # read once: the load may end meanwhile
     refused = _refusal(engine, session, loading_ok=True) or ("" if loading else too_long(engine.model, controls, text))
     if refused:
         gr.Warning(refused)
@@ -79,7 +79,7 @@ def add_user(engine: Engine, session: Session, controls: Controls, message: str)
 
 def _refusal(engine: Engine, session: Session, loading_ok: bool = False) -> str:
     """Why a new reply cannot start now ("" when it can); with ``loading_ok`` a model still loading is no reason."""
-    if not engine.ready and not (loading_ok and engine.error is None):
+    if not engine.ready and not (loading_ok and engine.loading):
         return engine.status()
     if any(t.state == "pending" and t.waits_for_model for t in session.turns):
         return STILL_LOADING
@@ -173,7 +173,7 @@ def _wait_for_model(engine: Engine, session: Session, turn: Turn) -> Generator[U
     def waiting() -> bool:
         return turn.state == "pending" and any(t is turn for t in session.turns)
 
-    while engine.model is None and engine.error is None and waiting():
+    while engine.loading and waiting():
         yield {"reply_status": f"{WAITING_FOR_LOAD} {engine.status()}"}
         engine.wait(LOAD_POLL_S)
     if engine.model is None and waiting():

@@ -172,10 +172,14 @@ def drafts_default(settings: AppSettings, model: MedusaModel | None) -> str:
 
 def ready_controls(controls: Controls, settings: AppSettings, model: MedusaModel) -> Controls:
     """``controls`` as read while the model loaded, with the values the page gives them once it is ready
-    (``page_status``): the model's default drafts (``drafts_default``), its chat defaults (``chat_defaults``) and the
-    settings' verification mode. A message sent during the load is answered with them."""
-    return dataclasses.replace(controls, drafts=drafts_default(settings, model), sampling=settings.sampling,
-                               **sampling_fields(chat_defaults(settings, model)))
+    (``page_status``): the model's default drafts (``drafts_default``) and ``chat_values``. A message sent during the
+    load is answered with them."""
+    return dataclasses.replace(controls, drafts=drafts_default(settings, model), **chat_values(settings, model))
+
+
+def chat_values(settings: AppSettings, model: MedusaModel | None) -> dict[str, Any]:
+    """The sampling controls' values at ``chat_defaults``, with the settings' verification mode."""
+    return sampling_fields(chat_defaults(settings, model)) | {"sampling": settings.sampling}
 
 
 def sampling_fields(config: SamplingConfig) -> dict[str, float | int]:
@@ -206,8 +210,7 @@ def greedy_preset() -> Updates:
 def chat_preset(engine: Engine, settings: AppSettings) -> Updates:
     """The "chat defaults" button (and the page once the model is ready): every sampling control at
     ``chat_defaults`` and the verification mode of the settings."""
-    values = sampling_fields(chat_defaults(settings, engine.model)) | {"sampling": settings.sampling}
-    return {name: SAMPLING_CONTROLS[name](value=value) for name, value in values.items()}
+    return {name: SAMPLING_CONTROLS[name](value=value) for name, value in chat_values(settings, engine.model).items()}
 
 
 TREE_INFO = "the candidate tree verified at each step: the model's own trees first"

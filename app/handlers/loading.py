@@ -29,7 +29,7 @@ def page_status(engine: Engine, settings: AppSettings) -> Updates:
     toggle's note at them (``medusa_notice``), and the polling timer switches off.
 
     It reads no session state: it runs at page load and on every timer tick, and needs none."""
-    if engine.model is None and engine.error is None:
+    if engine.loading:
         return {"banner": loading_banner(engine, _load_times(settings).get(engine.description))}
     updates: Updates = {"banner": "" if engine.ready else f"⚠ {engine.status()}", "timer": gr.Timer(active=False)}
     if engine.ready:
