@@ -11,10 +11,14 @@
 // other rows or columns of the call: a row's bits do not depend on M (batch invariance, invariant.py), and a column's
 // not on which other linears share the call (q/k/v fused, lean_step.cpp fuse).
 //
-// Layout (quant/layers.py int4_tiles): tiles [N/16, K/32, 8, 32] uint8 — for 16 outputs j, one group g and chunk c
-// (inputs k0 = 32g + 4c .. k0 + 3), byte 2j + s holds code (j, k0 + s) in its low and (j, k0 + 2 + s) in its high
-// nibble; widened to 16-bit words, they are the [16 outputs × 2 inputs] operand of one dot product each. tile_scales
-// [N/16, K/32, 2, 16] bfloat16: the 16 outputs' scales, then their zeros.
+// Layout (quant/layers.py int4_tiles): a block is 16 outputs; a record (block b, group g) is 320 bytes: 256 bytes of
+// codes, [8 chunks, 32] — for chunk c (inputs k0 = 32g + 4c .. k0 + 3), byte 2j + s holds code (j, k0 + s) in its low
+// and (j, k0 + 2 + s) in its high nibble; widened to 16-bit words, they are the [16 outputs × 2 inputs] operand of one
+// dot product each — then the 16 outputs' scales and their 16 zeros (bfloat16). tiles [N/16, K/32, 320] uint8 holds the
+// records pair-major: blocks 2p and 2p + 1 group by group (g = 0: block 2p, block 2p + 1; g = 1: …), and an unpaired
+// last block alone. A pair is read as one contiguous stream, which the prefetches below keep ahead of the products:
+// 16 streams of codes and scales a thread (8 blocks) read ~33 GB/s where the machine reads ~46 (docs/BENCH.md, "The
+// 4-bit weights as one stream").
 #pragma once
 
 #include <torch/extension.h>
@@ -44,6 +48,8 @@ inline float bf16_float(uint16_t b) {
   return f;
 }
 
+constexpr int64_t kRecord = 320;  // bytes of one (block, group) record: 256 of codes, 32 of scales, 32 of zeros
+
 #if defined(__AVX512BF16__)
 
 // bfloat16 bits of (i & 15) − 8 for the 32 indices vpermw reads (it uses an index's low 5 bits).
@@ -57,79 +63,119 @@ inline __m512 bf16_to_float(const uint16_t* p) {  // 16 bfloat16 -> float32 (exa
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
-// How many groups ahead int4_tile prefetches its weights. Without it a pass waited on each group's read, then
-// computed: the products did not overlap the reads (a second row cost ~0.1 of a one-row pass where its arithmetic
-// alone is ~0.03). Measured interleaved on the demo's 24 held-out prompts (greedy, 2 threads, 2026-11-27): 4 and 6
-// groups ahead ~1.05× the plain loop's tokens/s and ~1.07× heads + corpus's, 8 less, 2 nothing (docs/BENCH.md,
-// "Prefetched 4-bit weights, a prompt's first pass in one call, the drafter compiled").
-constexpr int64_t kAhead = 6;
+// How far ahead of the products, in bytes of a thread's stream, int4_groups prefetches the weights (never past the end
+// of the thread's share), for passes of one row and of more: a row's products keep pace with the read, where more rows'
+// products slow the stream and lines fetched far ahead would leave the 48 KB L1 before their use. Interleaved in the
+// demo's decoding loop (greedy, 2 threads): one row 2.08 ms a pass at 32 KB, 2.20 at 12 and 20 KB; two to five rows
+// fastest at 12 KB (docs/BENCH.md, "The 4-bit weights as one stream").
+template <int MR>
+constexpr int64_t kAheadBytes = MR == 1 ? 32768 : 12288;
 
-// Rows m0 .. m0 + MR − 1 by the 16-output blocks b0 .. b0 + NB − 1: MR·NB accumulators over the groups, the codes of a
-// chunk widened once and used by every row.
-template <int MR, int NB>
-inline void int4_tile(const uint16_t* x, int64_t ldx, const uint8_t* tiles, const uint16_t* scales, const float* xsum,
-                      int64_t G, int64_t b0, uint16_t* out, int64_t ldo, __m512i values) {
-  __m512 total[MR][NB];
-  _Pragma("GCC unroll 8") for (int m = 0; m < MR; ++m) {
-    _Pragma("GCC unroll 8") for (int b = 0; b < NB; ++b) total[m][b] = _mm512_setzero_ps();
+// GG groups g .. g + GG − 1 of rows 0 .. MR − 1 by the H blocks of one pair (H = 2, or 1 for an unpaired last block),
+// whose groups lie H · kRecord bytes apart from `pair` on, added to `total`. Each (row, block, group) accumulates its
+// dot products in one chain of dependent instructions, so a step needs several chains in flight to keep the unit busy:
+// the GG groups' chains are independent, and each group's total is added in group order after them (the same
+// operations, in the same order, as one group at a time). The codes of a chunk are widened once and used by every row.
+// Prefetches the stream kAheadBytes<MR> ahead while below `limit`.
+template <int MR, int H, int GG>
+inline void int4_groups(const uint16_t* x, int64_t ldx, const uint8_t* pair, const float* xsum, int64_t G, int64_t g,
+                        __m512 (&total)[MR][H], __m512i values, uintptr_t limit) {
+  const uint8_t* records = pair + g * H * kRecord;
+  // the stream kAheadBytes<MR> on, fetched while these groups are computed, so that the products overlap the weights' read;
+  // a prefetch changes no value (the address is an integer until it is known to lie in the weights)
+  const uintptr_t ahead = reinterpret_cast<uintptr_t>(records) + kAheadBytes<MR>;
+  if (ahead < limit) {
+    _Pragma("GCC unroll 40") for (int line = 0; line < GG * H * kRecord / 64; ++line) {
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + 64 * line), _MM_HINT_T0);
+    }
   }
-  for (int64_t g = 0; g < G; ++g) {
-    // the codes (256 bytes) and scales (64) kAhead groups on (past a block's last group: the next block's first),
-    // fetched while this group is computed, so that the products overlap the weights' read. A prefetch changes no
-    // value and never faults; the addresses are integers, as they may lie past the weights' end.
-    _Pragma("GCC unroll 8") for (int b = 0; b < NB; ++b) {
-      const uintptr_t ahead = static_cast<uintptr_t>(((b0 + b) * G + g + kAhead));
-      const uintptr_t codes_ahead = reinterpret_cast<uintptr_t>(tiles) + ahead * 256;
-      for (int line = 0; line < 4; ++line) _mm_prefetch(reinterpret_cast<const char*>(codes_ahead + 64 * line), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(scales) + ahead * 64), _MM_HINT_T0);
+  __m512 dot[MR][H][GG];
+  _Pragma("GCC unroll 4") for (int m = 0; m < MR; ++m) {
+    _Pragma("GCC unroll 2") for (int b = 0; b < H; ++b) {
+      _Pragma("GCC unroll 4") for (int k = 0; k < GG; ++k) dot[m][b][k] = _mm512_setzero_ps();
     }
-    __m512 dot[MR][NB];
-    _Pragma("GCC unroll 8") for (int m = 0; m < MR; ++m) {
-      _Pragma("GCC unroll 8") for (int b = 0; b < NB; ++b) dot[m][b] = _mm512_setzero_ps();
-    }
-    _Pragma("GCC unroll 2") for (int c = 0; c < 8; ++c) {
+  }
+  _Pragma("GCC unroll 2") for (int c = 0; c < 8; ++c) {
+    _Pragma("GCC unroll 4") for (int k = 0; k < GG; ++k) {
       __m512bh low[MR], high[MR];  // inputs k0, k0 + 1 and k0 + 2, k0 + 3 of each row, in every lane
-      _Pragma("GCC unroll 8") for (int m = 0; m < MR; ++m) {
+      _Pragma("GCC unroll 4") for (int m = 0; m < MR; ++m) {
         int32_t a, b;
-        std::memcpy(&a, x + m * ldx + g * 32 + c * 4, 4);
-        std::memcpy(&b, x + m * ldx + g * 32 + c * 4 + 2, 4);
+        std::memcpy(&a, x + m * ldx + (g + k) * 32 + c * 4, 4);
+        std::memcpy(&b, x + m * ldx + (g + k) * 32 + c * 4 + 2, 4);
         low[m] = (__m512bh)_mm512_set1_epi32(a);
         high[m] = (__m512bh)_mm512_set1_epi32(b);
       }
-      _Pragma("GCC unroll 8") for (int b = 0; b < NB; ++b) {
-        const uint8_t* p = tiles + (((b0 + b) * G + g) * 8 + c) * 32;
+      _Pragma("GCC unroll 2") for (int b = 0; b < H; ++b) {
+        const uint8_t* p = records + (k * H + b) * kRecord + c * 32;
         const __m512i codes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
         const __m512bh w_low = (__m512bh)_mm512_permutexvar_epi16(codes, values);
         const __m512bh w_high = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(codes, 4), values);
-        _Pragma("GCC unroll 8") for (int m = 0; m < MR; ++m) {
-          dot[m][b] = _mm512_dpbf16_ps(dot[m][b], w_low, low[m]);
-          dot[m][b] = _mm512_dpbf16_ps(dot[m][b], w_high, high[m]);
+        _Pragma("GCC unroll 4") for (int m = 0; m < MR; ++m) {
+          dot[m][b][k] = _mm512_dpbf16_ps(dot[m][b][k], w_low, low[m]);
+          dot[m][b][k] = _mm512_dpbf16_ps(dot[m][b][k], w_high, high[m]);
         }
       }
     }
-    _Pragma("GCC unroll 8") for (int b = 0; b < NB; ++b) {
-      const uint16_t* s = scales + ((b0 + b) * G + g) * 32;
-      const __m512 scale = bf16_to_float(s), zero = bf16_to_float(s + 16);
-      _Pragma("GCC unroll 8") for (int m = 0; m < MR; ++m) {
-        total[m][b] = _mm512_fmadd_ps(dot[m][b], scale, total[m][b]);
-        total[m][b] = _mm512_fmadd_ps(zero, _mm512_set1_ps(xsum[m * G + g]), total[m][b]);
-      }
-    }
   }
-  _Pragma("GCC unroll 8") for (int m = 0; m < MR; ++m) {
-    _Pragma("GCC unroll 8") for (int b = 0; b < NB; ++b) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * ldo + (b0 + b) * 16), (__m256i)_mm512_cvtneps_pbh(total[m][b]));
+  _Pragma("GCC unroll 4") for (int k = 0; k < GG; ++k) {
+    _Pragma("GCC unroll 2") for (int b = 0; b < H; ++b) {
+      const uint16_t* s = reinterpret_cast<const uint16_t*>(records + (k * H + b) * kRecord + 256);
+      const __m512 scale = bf16_to_float(s), zero = bf16_to_float(s + 16);
+      _Pragma("GCC unroll 4") for (int m = 0; m < MR; ++m) {
+        total[m][b] = _mm512_fmadd_ps(dot[m][b][k], scale, total[m][b]);
+        total[m][b] = _mm512_fmadd_ps(zero, _mm512_set1_ps(xsum[m * G + g + k]), total[m][b]);
+      }
     }
   }
 }
 
-// Blocks begin .. end − 1 of rows m0 .. m0 + MR − 1, NB blocks at a time, the rest NB/2, NB/4, … at a time.
-template <int MR, int NB>
-inline void int4_blocks(const uint16_t* x, int64_t ldx, const uint8_t* tiles, const uint16_t* scales, const float* xsum,
-                        int64_t G, int64_t begin, int64_t end, uint16_t* out, int64_t ldo, __m512i values) {
-  int64_t b = begin;
-  for (; b + NB <= end; b += NB) int4_tile<MR, NB>(x, ldx, tiles, scales, xsum, G, b, out, ldo, values);
-  if constexpr (NB > 1) int4_blocks<MR, NB / 2>(x, ldx, tiles, scales, xsum, G, b, end, out, ldo, values);
+// Rows 0 .. MR − 1 by the H blocks of one pair: its groups GG at a time, the last ones one at a time; the outputs
+// rounded to bfloat16 once.
+template <int MR, int H, int GG>
+inline void int4_tile(const uint16_t* x, int64_t ldx, const uint8_t* pair, const float* xsum, int64_t G, uint16_t* out,
+                      int64_t ldo, __m512i values, uintptr_t limit) {
+  __m512 total[MR][H];
+  _Pragma("GCC unroll 4") for (int m = 0; m < MR; ++m) {
+    _Pragma("GCC unroll 2") for (int b = 0; b < H; ++b) total[m][b] = _mm512_setzero_ps();
+  }
+  int64_t g = 0;
+  for (; g + GG <= G; g += GG) int4_groups<MR, H, GG>(x, ldx, pair, xsum, G, g, total, values, limit);
+  for (; g < G; ++g) int4_groups<MR, H, 1>(x, ldx, pair, xsum, G, g, total, values, limit);
+  _Pragma("GCC unroll 4") for (int m = 0; m < MR; ++m) {
+    _Pragma("GCC unroll 2") for (int b = 0; b < H; ++b) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * ldo + b * 16), (__m256i)_mm512_cvtneps_pbh(total[m][b]));
+    }
+  }
+}
+
+// Rows 0 .. M − 1 by the pairs begin .. end − 1 (and, with `lone`, the unpaired block after them), pair by pair: passes
+// of 4 rows, the last pass 1 to 3 rows, each pass's operations on a row the same in all (the pair's ≤ 30 KB on the
+// demo stays in the cache for the next pass). Groups a step: one for one row, two for more (interleaved in the demo's
+// decoding loop: one row 2.32 ms a pass with one group a step, 2.41 with two, 2.58 with four; two to five rows 1–4 %
+// faster with two than with one: docs/BENCH.md, "The 4-bit weights as one stream").
+inline void int4_rows(const uint16_t* x, int64_t M, int64_t ldx, const uint8_t* tiles, int64_t pair_bytes, const float* xsum,
+                      int64_t G, int64_t begin, int64_t end, bool lone, uint16_t* out, int64_t ldo, __m512i values,
+                      uintptr_t limit) {
+  for (int64_t p = begin; p < end + lone; ++p) {
+    const uint8_t* pair = tiles + p * pair_bytes;
+    for (int64_t m = 0; m < M; m += 4) {
+      const int64_t rows = std::min<int64_t>(4, M - m);
+      const uint16_t* xm = x + m * ldx;
+      const float* sm = xsum + m * G;
+      uint16_t* o = out + m * ldo + 32 * p;
+      if (p < end) {
+        if (rows == 4) int4_tile<4, 2, 2>(xm, ldx, pair, sm, G, o, ldo, values, limit);
+        if (rows == 3) int4_tile<3, 2, 2>(xm, ldx, pair, sm, G, o, ldo, values, limit);
+        if (rows == 2) int4_tile<2, 2, 2>(xm, ldx, pair, sm, G, o, ldo, values, limit);
+        if (rows == 1) int4_tile<1, 2, 1>(xm, ldx, pair, sm, G, o, ldo, values, limit);
+      } else {
+        if (rows == 4) int4_tile<4, 1, 2>(xm, ldx, pair, sm, G, o, ldo, values, limit);
+        if (rows == 3) int4_tile<3, 1, 2>(xm, ldx, pair, sm, G, o, ldo, values, limit);
+        if (rows == 2) int4_tile<2, 1, 2>(xm, ldx, pair, sm, G, o, ldo, values, limit);
+        if (rows == 1) int4_tile<1, 1, 1>(xm, ldx, pair, sm, G, o, ldo, values, limit);
+      }
+    }
+  }
 }
 
 #endif
@@ -143,19 +189,15 @@ inline bool has_int4_matmul() {
 #endif
 }
 
-// x [M, K] bfloat16 (rows ldx apart), tiles [N/16, K/32, 8, 32] uint8, tile_scales [N/16, K/32, 2, 16] bfloat16 ->
-// out [M, N] bfloat16 (rows N apart), as raw bfloat16 bits: the product without a tensor allocated (the lean step's
-// buffers). Output blocks are split over torch's threads. Raises (TORCH_CHECK) on other shapes or dtypes, or in a
-// build without AVX512-BF16 (has_int4_matmul).
-inline void int4_matmul_into(const uint16_t* xp, int64_t M, int64_t K, int64_t ldx, const Tensor& tiles,
-                             const Tensor& tile_scales, uint16_t* op) {
-  TORCH_CHECK(tiles.dim() == 4 && tiles.scalar_type() == at::kByte && tiles.size(2) == 8 && tiles.size(3) == 32 && tiles.is_contiguous(),
-              "int4_matmul: tiles must be contiguous [N/16, K/32, 8, 32] uint8");
+// x [M, K] bfloat16 (rows ldx apart), tiles [N/16, K/32, 320] uint8 (the layout above) -> out [M, N] bfloat16 (rows N
+// apart), as raw bfloat16 bits: the product without a tensor allocated (the lean step's buffers). Pairs of blocks are
+// split over torch's threads. Raises (TORCH_CHECK) on other shapes or dtypes, or in a build without AVX512-BF16
+// (has_int4_matmul).
+inline void int4_matmul_into(const uint16_t* xp, int64_t M, int64_t K, int64_t ldx, const Tensor& tiles, uint16_t* op) {
+  TORCH_CHECK(tiles.dim() == 3 && tiles.scalar_type() == at::kByte && tiles.size(2) == kRecord && tiles.is_contiguous(),
+              "int4_matmul: tiles must be contiguous [N/16, K/32, 320] uint8");
   const int64_t blocks = tiles.size(0), G = tiles.size(1), N = blocks * 16;
   TORCH_CHECK(K == G * 32, "int4_matmul: x has ", K, " inputs, the weights ", G * 32);
-  TORCH_CHECK(tile_scales.scalar_type() == at::kBFloat16 && tile_scales.is_contiguous() && tile_scales.dim() == 4 &&
-                  tile_scales.size(0) == blocks && tile_scales.size(1) == G && tile_scales.size(2) == 2 && tile_scales.size(3) == 16,
-              "int4_matmul: tile_scales must be contiguous [N/16, K/32, 2, 16] bfloat16");
 #if defined(__AVX512BF16__)
   std::vector<float> xsum(M * G);  // Σ x over each row's groups, in input order
   for (int64_t m = 0; m < M; ++m) {
@@ -166,33 +208,28 @@ inline void int4_matmul_into(const uint16_t* xp, int64_t M, int64_t K, int64_t l
     }
   }
   const uint8_t* tp = tiles.data_ptr<uint8_t>();
-  const uint16_t* sp = reinterpret_cast<const uint16_t*>(tile_scales.data_ptr<at::BFloat16>());
   const float* xs = xsum.data();
-  at::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
+  const int64_t pair_bytes = 2 * G * kRecord, pairs = blocks / 2;
+  const bool odd = blocks % 2 == 1;
+  at::parallel_for(0, pairs + odd, 4, [&](int64_t begin, int64_t end) {
     const __m512i values = code_values();
-    int64_t m = 0;
-    // rows in passes of 4, the last pass 1 to 3 rows: each pass reads the weights once (a row's operations are the same
-    // in all). Blocks per tile, measured on the demo's 30 layers (2 threads, 2026-11-26): 8 for one or two rows, 6 for
-    // three or four (1 row: 1.69 ms vs 1.90 with 4; 3 rows: 2.06 vs 2.95 with 2; scratch benchmark, docs/BENCH.md).
-    for (; m + 4 <= M; m += 4) int4_blocks<4, 6>(xp + m * ldx, ldx, tp, sp, xs + m * G, G, begin, end, op + m * N, N, values);
-    if (M - m == 3) int4_blocks<3, 6>(xp + m * ldx, ldx, tp, sp, xs + m * G, G, begin, end, op + m * N, N, values);
-    if (M - m == 2) int4_blocks<2, 8>(xp + m * ldx, ldx, tp, sp, xs + m * G, G, begin, end, op + m * N, N, values);
-    if (M - m == 1) int4_blocks<1, 8>(xp + m * ldx, ldx, tp, sp, xs + m * G, G, begin, end, op + m * N, N, values);
+    const bool lone = odd && end == pairs + 1;  // this share ends with the unpaired block
+    const uintptr_t limit = reinterpret_cast<uintptr_t>(tp) + std::min(end * pair_bytes, blocks * G * kRecord);
+    int4_rows(xp, M, ldx, tp, pair_bytes, xs, G, begin, lone ? pairs : end, lone, op, N, values, limit);
   });
 #else
   TORCH_CHECK(false, "int4_matmul needs a build with AVX512-BF16 (has_int4_matmul() is false here)");
 #endif
 }
 
-// x [M, K] bfloat16, tiles [N/16, K/32, 8, 32] uint8, tile_scales [N/16, K/32, 2, 16] bfloat16 -> [M, N] bfloat16
-// (int4_matmul_into on tensors).
-inline Tensor int4_matmul(const Tensor& x_in, const Tensor& tiles, const Tensor& tile_scales) {
+// x [M, K] bfloat16, tiles [N/16, K/32, 320] uint8 -> [M, N] bfloat16 (int4_matmul_into on tensors).
+inline Tensor int4_matmul(const Tensor& x_in, const Tensor& tiles) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "int4_matmul: x must be [M, K] bfloat16");
-  TORCH_CHECK(tiles.dim() == 4, "int4_matmul: tiles must be contiguous [N/16, K/32, 8, 32] uint8");
+  TORCH_CHECK(tiles.dim() == 3, "int4_matmul: tiles must be contiguous [N/16, K/32, 320] uint8");
   const Tensor x = x_in.contiguous();
   Tensor out = at::empty({x.size(0), tiles.size(0) * 16}, x.options());
   int4_matmul_into(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), x.size(0), x.size(1), x.size(1), tiles,
-                   tile_scales, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
+                   reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
   return out;
 }
 

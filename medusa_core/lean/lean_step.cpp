@@ -39,7 +39,7 @@ using medusa_lean::row_attention;
 
 constexpr int64_t kGroupSize = 32;  // quant/layers.py GROUP_SIZE
 
-// An Int4Linear's weights as its forward reads them: (tiles, tile_scales) for the compiled int4_matmul, or torch's
+// An Int4Linear's weights as its forward reads them: (tiles, an empty tensor) for the compiled int4_matmul, or torch's
 // (packed, scale_zero) where this build has no AVX512-BF16 (quant/layers.py Int4Linear.kernel_weights).
 struct Int4 {
   Tensor weights, scales;
@@ -49,7 +49,7 @@ struct Int4 {
 
 // Int4Linear.forward's product alone: x [M, K] bfloat16 -> [M, N] bfloat16 (the bias and the cast back are the caller's).
 Tensor int4_mm(const Tensor& x, const Int4& w) {
-  if (w.weights.dim() == 4) return medusa_lean::int4_matmul(x, w.weights, w.scales);  // tiles
+  if (w.weights.dim() == 3) return medusa_lean::int4_matmul(x, w.weights);  // tiles
   return at::_weight_int4pack_mm_for_cpu(x, w.weights, kGroupSize, w.scales);
 }
 
@@ -63,8 +63,8 @@ struct Product {
 // int4_mm of x [M, K] (raw bfloat16, rows K apart) into the buffer `out` (room for [M, N]): the compiled product
 // writes there; torch's kernel returns a tensor of its own.
 Product int4_mm(const uint16_t* x, int64_t m, int64_t k, const Int4& w, uint16_t* out) {
-  if (w.weights.dim() == 4) {
-    medusa_lean::int4_matmul_into(x, m, k, k, w.weights, w.scales, out);
+  if (w.weights.dim() == 3) {
+    medusa_lean::int4_matmul_into(x, m, k, k, w.weights, out);
     return Product{out, w.out_features, Tensor()};
   }
   Tensor view = at::from_blob(const_cast<uint16_t*>(x), {m, k}, at::TensorOptions().dtype(at::kBFloat16));
@@ -206,9 +206,9 @@ Tensor rms_norm(const Tensor& h, const Tensor& weight, double eps) {
 // Several int4 linears of the same input as one: their weights and scales side by side. Both int4 kernels compute
 // every output on its own (one float32 accumulator, K never split), so each output keeps its bits; fewer, larger
 // calls cost less on two cores (on the demo, q/k/v 34 -> 21 us, gate/up 60 -> 54 us a token with torch's kernel).
-// int4_matmul's tiles are blocks of 16 outputs, so side by side is always its layout; torch's packed layout comes in
-// tiles of rows (64 on this CPU), the same layout only when the parts fill whole tiles. A probe product decides, bit
-// for bit. Linears that mix bias and no bias are not fused.
+// int4_matmul's tiles are pairs of blocks of 16 outputs, so side by side is its layout when every part but the last
+// has whole pairs (the demo's q/k/v: 36, 12 and 12 blocks); torch's packed layout comes in tiles of rows (64 on this
+// CPU), the same layout only when the parts fill whole tiles. A probe product decides, bit for bit. Linears that mix bias and no bias are not fused.
 c10::optional<Int4> fuse(const std::vector<const Int4*>& parts) {
   std::vector<Tensor> weights, scales, bias;
   int64_t out = 0;
@@ -219,8 +219,8 @@ c10::optional<Int4> fuse(const std::vector<const Int4*>& parts) {
     if (p->bias) bias.push_back(*p->bias);
     out += p->out_features;
   }
-  const bool tiled = parts[0]->weights.dim() == 4;  // scales [N/16, K/32, 2, 16], else torch's [K/32, N, 2]
-  Int4 fused{at::cat(weights, 0), at::cat(scales, tiled ? 0 : 1),
+  const bool tiled = parts[0]->weights.dim() == 3;  // scales in the tiles, else torch's [K/32, N, 2]
+  Int4 fused{at::cat(weights, 0), tiled ? scales[0] : at::cat(scales, 1),
              bias.empty() ? c10::nullopt : c10::optional<Tensor>(at::cat(bias, 0)), out};
   const int64_t inputs = tiled ? parts[0]->weights.size(1) * 32 : parts[0]->weights.size(1) * 2;  // K
   Tensor probe = at::randn({3, inputs}).to(at::kBFloat16);

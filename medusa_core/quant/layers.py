@@ -39,8 +39,8 @@ class Int4Linear(nn.Module):
             w[n, k] = (codes[n, k] − 8) · scale[n, k // 32] + zero[n, k // 32]. Stored as bfloat16.
         bias: [N] or None.
 
-    The weights are kept as ``int4_tiles`` (``tiles`` [N/16, K/32, 8, 32] uint8, ``tile_scales``
-    [N/16, K/32, 2, 16] bfloat16). ``forward(x [..., K]) -> [..., N]`` in x's dtype; x is rounded to bfloat16
+    The weights are kept as ``int4_tiles`` (``tiles`` [N/16, K/32, 320] uint8: codes, scales and zeros).
+    ``forward(x [..., K]) -> [..., N]`` in x's dtype; x is rounded to bfloat16
     first, as bitsandbytes' CPU kernel does. The product is ``Int4Linear.kernel`` (the compiled AVX512-BF16
     ``int4_matmul`` of ``medusa_core.lean``, which ``invariant.load_kernel`` installs for the process) or, where
     that is not loaded, torch's int4-pack kernel, whose CPU-specific packing is then made on the first pass.
@@ -48,10 +48,10 @@ class Int4Linear(nn.Module):
     (the kernels' tiles), or the shapes disagree.
     """
 
-    #: The compiled product ``kernel(x [M, K] bfloat16, tiles, tile_scales) -> [M, N] bfloat16``, or None for
+    #: The compiled product ``kernel(x [M, K] bfloat16, tiles) -> [M, N] bfloat16``, or None for
     #: torch's int4-pack kernel. One choice per process, made when the lean extension loads (before a model's
     #: first pass: the two kernels round differently, and a conversation's cached keys must come from one).
-    kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
@@ -61,9 +61,7 @@ class Int4Linear(nn.Module):
         if scale.shape != (n, k // GROUP_SIZE) or zero.shape != scale.shape:
             raise ValueError(f"scale and zero must have shape {[n, k // GROUP_SIZE]}, got {list(scale.shape)}, {list(zero.shape)}")
         self.in_features, self.out_features = k, n
-        tiles, tile_scales = int4_tiles(codes, scale, zero)
-        self.register_buffer("tiles", tiles)
-        self.register_buffer("tile_scales", tile_scales)
+        self.register_buffer("tiles", int4_tiles(codes, scale, zero))
         self._int4pack: tuple[torch.Tensor, torch.Tensor] | None = None  # torch's layout, made when first needed
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
 
@@ -71,7 +69,7 @@ class Int4Linear(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()  # [M, K]
         if Int4Linear.kernel is not None:
-            out = Int4Linear.kernel(flat, self.tiles, self.tile_scales)  # [M, N]
+            out = Int4Linear.kernel(flat, self.tiles)  # [M, N]
         else:
             packed, scale_zero = self.int4pack()
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, packed, GROUP_SIZE, scale_zero)
@@ -80,10 +78,13 @@ class Int4Linear(nn.Module):
 
     def groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(codes [N, K] uint8, scale [N, K/32] bfloat16, zero [N, K/32] bfloat16) back from the tiles."""
-        blocks, groups = self.tiles.shape[:2]
-        nibbles = torch.stack([self.tiles & 15, self.tiles >> 4], -1).reshape(blocks, groups, 8, 16, 2, 2)  # [b, g, c, j, s, h]
+        records = _block_major(self.tiles)  # [N/16, K/32, 320]
+        blocks, groups = records.shape[:2]
+        code_bytes = records[..., :256].reshape(blocks, groups, 8, 32)
+        nibbles = torch.stack([code_bytes & 15, code_bytes >> 4], -1).reshape(blocks, groups, 8, 16, 2, 2)  # [b, g, c, j, s, h]
         codes = nibbles.permute(0, 3, 1, 2, 5, 4).reshape(self.out_features, self.in_features)  # k = 32g + 4c + 2h + s
-        scale, zero = self.tile_scales.permute(2, 0, 3, 1).reshape(2, self.out_features, groups)
+        scales = records[..., 256:].contiguous().view(torch.bfloat16).reshape(blocks, groups, 2, 16)
+        scale, zero = scales.permute(2, 0, 3, 1).reshape(2, self.out_features, groups)
         return codes, scale, zero
 
     def int4pack(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,8 +97,9 @@ class Int4Linear(nn.Module):
         return self._int4pack
 
     def kernel_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The two weight tensors the product in use reads: (tiles, tile_scales), or torch's ``int4pack()``."""
-        return (self.tiles, self.tile_scales) if Int4Linear.kernel is not None else self.int4pack()
+        """The two weight tensors the product in use reads: (tiles, an empty tensor: the scales are in the tiles), or
+        torch's ``int4pack()``."""
+        return (self.tiles, torch.empty(0)) if Int4Linear.kernel is not None else self.int4pack()
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, rows: int = 4096) -> "Int4Linear":
@@ -126,20 +128,40 @@ class Int4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bits=4, group={GROUP_SIZE}"
 
 
-def int4_tiles(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def int4_tiles(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     """4-bit weights in the compiled ``int4_matmul``'s layout (``medusa_core/lean/int4_matmul.h``).
 
     Args: codes [N, K] (0..15), scale and zero [N, K/32], N % 16 == 0 and K % 32 == 0 (``Int4Linear`` checks).
-    Returns: tiles [N/16, K/32, 8, 32] uint8 — for 16 outputs j, group g and chunk c, byte 2j + s holds the code of
-    input 32g + 4c + s in its low nibble and of 32g + 4c + 2 + s in its high one — and tile_scales
-    [N/16, K/32, 2, 16] bfloat16 (the 16 outputs' scales, then their zeros).
+    Returns: tiles [N/16, K/32, 320] uint8, one 320-byte record per block of 16 outputs and group of 32 inputs: 256
+    bytes of codes [8, 32] — for chunk c and output j, byte 2j + s holds the code of input 32g + 4c + s in its low
+    nibble and of 32g + 4c + 2 + s in its high one — then the 16 outputs' scales and their 16 zeros (bfloat16 bytes).
+    The records are stored pair-major (``_pair_major``): blocks 2p and 2p + 1 group by group, so that the kernel reads
+    a pair as one stream; ``tiles[b]`` is therefore block b's records only for a layer of one block.
     """
     n, k = codes.shape
     blocks, groups = n // 16, k // GROUP_SIZE
     nibbles = codes.to(torch.uint8).reshape(blocks, 16, groups, 8, 2, 2).permute(0, 2, 3, 1, 5, 4)  # [b, g, c, j, s, h]
-    tiles = (nibbles[..., 0] | (nibbles[..., 1] << 4)).reshape(blocks, groups, 8, 32).contiguous()
-    tile_scales = torch.stack([scale, zero]).to(torch.bfloat16).reshape(2, blocks, 16, groups).permute(1, 3, 0, 2).contiguous()
-    return tiles, tile_scales
+    code_bytes = (nibbles[..., 0] | (nibbles[..., 1] << 4)).reshape(blocks, groups, 256)
+    scales = torch.stack([scale, zero]).to(torch.bfloat16).reshape(2, blocks, 16, groups).permute(1, 3, 0, 2)  # [b, g, 2, 16]
+    records = torch.cat([code_bytes, scales.contiguous().view(torch.uint8).reshape(blocks, groups, 64)], -1)
+    return _pair_major(records)
+
+
+def _pair_major(records: torch.Tensor) -> torch.Tensor:
+    """Block-major records [B, G, 320] -> the same shape stored pair-major: for each pair of blocks (2p, 2p + 1) its
+    groups in order, each group the pair's two records; an unpaired last block's records after them."""
+    blocks, groups, width = records.shape
+    paired = blocks - blocks % 2
+    pairs = records[:paired].reshape(paired // 2, 2, groups, width).transpose(1, 2).reshape(paired, groups, width)
+    return torch.cat([pairs, records[paired:]]).contiguous()
+
+
+def _block_major(tiles: torch.Tensor) -> torch.Tensor:
+    """``_pair_major``'s inverse: records [B, G, 320] indexed by block."""
+    blocks, groups, width = tiles.shape
+    paired = blocks - blocks % 2
+    pairs = tiles[:paired].reshape(paired // 2, groups, 2, width).transpose(1, 2).reshape(paired, groups, width)
+    return torch.cat([pairs, tiles[paired:]])
 
 
 class BF16Linear(nn.Linear):
