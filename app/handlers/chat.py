@@ -8,9 +8,11 @@ summary): the engine keeps decoding between updates.
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import logging
 import math
+import threading
 import time
 from contextlib import closing
 from typing import Any, Generator, Iterator
@@ -89,7 +91,10 @@ def _refusal(engine: Engine, session: Session, loading_ok: bool = False) -> str:
 
 
 #: The status line while a reply waits for the model's corpus to be indexed (its first use, once per install).
-INDEXING_CORPUS = "Indexing the model's own replies for corpus drafts (once per install, a few seconds)…"
+#: The note under a reply that asked for corpus drafts before the model's own replies were indexed (a first start
+#: indexes them in the background after ``ready``, ~9 s on the demo: the reply does not wait for them).
+CORPUS_PENDING = ("Drafted by the heads alone: the model's own replies are still being indexed for corpus drafts (a first "
+                  "start, a few seconds); later replies use them.")
 
 
 def waiting_turn(session: Session) -> int | None:
@@ -102,7 +107,8 @@ def respond(engine: Engine, settings: AppSettings, session: Session, controls: C
 
     A message sent while the model loaded first waits for it (the status line says so, Stop ends the wait), then
     is answered at the controls the page shows once the model is ready (``ready_controls``), its TTFT counted from
-    then; a load that fails leaves the message in the chat with the reason."""
+    then; a load that fails leaves the message in the chat with the reason. A reply that asks for corpus drafts before
+    the model's own replies are indexed (a first start) drafts with the heads alone, with a note (``CORPUS_PENDING``)."""
     index = waiting_turn(session)
     if index is None or session.busy:  # the send was refused: nothing to answer
         yield {"reply_status": gr.skip()}
@@ -119,8 +125,12 @@ def respond(engine: Engine, settings: AppSettings, session: Session, controls: C
         yield {"reply_status": gr.skip()}
         return
     model = engine.model
+    notes = []
     if controls.medusa and controls.drafts == "corpus" and model.has_corpus and not model.corpus_ready:
-        yield {"reply_status": INDEXING_CORPUS}  # generate waits for the index (a first start, seconds)
+        controls = dataclasses.replace(controls, drafts="heads")  # not a wait of seconds for the first token
+        notes.append(CORPUS_PENDING)
+        # the build launch.py starts at ready, or one here (the model's lock makes it one build)
+        threading.Thread(target=lambda: model.corpus, name="corpus-index", daemon=True).start()
     try:
         tree = tree_argument(model, controls.tree, controls.custom_tree) if controls.medusa else None
         turn.tree = model.resolve_tree(tree or model.default_tree)[0] if controls.medusa else ""
@@ -149,7 +159,8 @@ def respond(engine: Engine, settings: AppSettings, session: Session, controls: C
         }
         return
     if dropped:
-        turn.note = f"{dropped} earlier turn{'s' if dropped > 1 else ''} left out to fit the {model.max_context}-token context"
+        notes.append(f"{dropped} earlier turn{'s' if dropped > 1 else ''} left out to fit the {model.max_context}-token context")
+    turn.note = " ".join(notes)
     turn.state, turn.reply = "streaming", ReplyText()
     session.begin()
     try:
