@@ -317,6 +317,7 @@ def load_kernel(report: Callable[[str], None] | None = None) -> tuple[bool, str]
     if module.has_int4_matmul() and Int4Linear.kernel is None:  # every 4-bit layer's product, from now on
         Int4Linear.kernel = module.int4_matmul
     NodeProcessors.slice_kernel = module.filter_slice  # sampling's filters and draws on CPU rows, from now on
+    NodeProcessors.penalty_kernel = module.penalise_rows
     SAMPLING_KERNELS.update(draw_index=module.draw_index, exact_walk=module.exact_walk)
     return True, ""
 

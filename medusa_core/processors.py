@@ -132,6 +132,9 @@ class NodeProcessors:
     #: The compiled slice filter (``medusa_core.lean`` ``filter_slice``: in place, False where a row's kept set may
     #: reach past the slice), set by ``invariant.load_kernel`` where the kernels build; None: the ATen ops below.
     slice_kernel: Callable[..., bool] | None = None
+    #: The compiled penalty and temperature (``medusa_core.lean`` ``penalise_rows(logits, ids, penalty, temperature)``:
+    #: the bits of ``_penalise`` then the division, in one call), set with ``slice_kernel``; None: the ATen ops.
+    penalty_kernel: Callable[..., torch.Tensor] | None = None
 
     def __init__(self, config: SamplingConfig, candidates: int = 64):
         self.config = config
@@ -159,12 +162,14 @@ class NodeProcessors:
         """
         if not self.needs_prefix and self.config.greedy:
             return logits
-        scores = self._penalise(logits, prefix_ids) if self.needs_prefix else logits.float()
-        if self.config.greedy:
-            return scores
-        temperature = float(self.config.temperature)  # TemperatureLogitsWarper's own operation, in place on our copy
-        scores = scores.div_(temperature) if self.needs_prefix else scores / temperature
-        if not self.filters:
+        temperature = 0.0 if self.config.greedy else float(self.config.temperature)
+        if self.needs_prefix and self.penalty_kernel is not None and logits.device.type == "cpu" and logits.dtype == torch.float32:
+            scores = self.penalty_kernel(logits, prefix_ids, self.penalty, temperature)  # one call, the same bits
+        else:
+            scores = self._penalise(logits, prefix_ids) if self.needs_prefix else logits.float()
+            if temperature:  # TemperatureLogitsWarper's own operation, in place on our copy
+                scores = scores.div_(temperature) if self.needs_prefix else scores / temperature
+        if self.config.greedy or not self.filters:
             return scores
         filtered = self._filter_on_slice(scores)
         if filtered is None:  # a row's kept tokens may reach past the slice: HF's filters over all V

@@ -92,19 +92,21 @@ class OracleHeads(nn.Module):
 
 @pytest.fixture(params=["aten", "compiled"])
 def sampling_path(request, monkeypatch):
-    """Each sampling test twice: with the filters and draws of ATen ops, then with the compiled ones
+    """Each sampling test twice: with the penalty, filters and draws of ATen ops, then with the compiled ones
     (``medusa_core.lean`` ``sampling.h``, skipped where the extension cannot be built)."""
     from medusa_core import acceptance
     from medusa_core.lean.build import load_extension
     from medusa_core.processors import NodeProcessors
 
-    slice_kernel, kernels = None, {}
+    slice_kernel, penalty_kernel, kernels = None, None, {}
     if request.param == "compiled":
         module, why = load_extension()
         if module is None:
             pytest.skip(f"no compiled kernels on this machine: {why}")
-        slice_kernel, kernels = module.filter_slice, {"draw_index": module.draw_index, "exact_walk": module.exact_walk}
+        slice_kernel, penalty_kernel = module.filter_slice, module.penalise_rows
+        kernels = {"draw_index": module.draw_index, "exact_walk": module.exact_walk}
     monkeypatch.setattr(NodeProcessors, "slice_kernel", slice_kernel)
+    monkeypatch.setattr(NodeProcessors, "penalty_kernel", penalty_kernel)
     monkeypatch.setattr(acceptance, "SAMPLING_KERNELS", kernels)
     return request.param
 

@@ -160,6 +160,30 @@ def test_the_top_slice_holds_topks_values_at_distinct_indices_ties_included(voca
         assert all(len(set(row)) == 32 for row in index.tolist())
 
 
+def test_the_compiled_penalty_and_temperature_are_the_bits_of_the_aten_ops():
+    from medusa_core.lean.build import load_extension
+
+    module, why = load_extension()
+    if module is None:
+        pytest.skip(f"no compiled kernels on this machine: {why}")
+    torch.manual_seed(0)
+    logits = torch.randn(5, 1000) * 8
+    logits[:, :50] = -logits[:, :50].abs()  # negative logits: multiplied by the penalty
+    # repeated ids, ids past the width (they change nothing) and the last column, which HF's clamp writes back to
+    ids = torch.cat([torch.randint(0, 1000, (5, 300)), torch.tensor([[999, 1000, 5000, 3, 3]] * 5)], dim=1)
+    for penalty in (1.1, 1.3, 0.8):
+        for config in (SamplingConfig(repetition_penalty=penalty), SamplingConfig(temperature=0.2, repetition_penalty=penalty),
+                       SamplingConfig(temperature=1.7, repetition_penalty=penalty)):
+            processors = NodeProcessors(config)
+            expected = processors._penalise(logits, ids)
+            if not config.greedy:
+                expected = expected.div_(float(config.temperature))
+            got = module.penalise_rows(logits, ids, penalty, 0.0 if config.greedy else float(config.temperature))
+            assert torch.equal(got, expected), (penalty, config)
+    with pytest.raises(RuntimeError, match="a row per logits row"):
+        module.penalise_rows(logits, ids[:2], 1.1, 0.2)
+
+
 def test_the_slice_decides_where_it_holds_the_kept_tokens_and_hfs_sort_where_it_may_not(monkeypatch, sampling_path):
     sorts = []
     monkeypatch.setattr(TopPLogitsWarper, "__call__", lambda self, ids, scores: sorts.append(1) or scores)

@@ -531,6 +531,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_int4_matmul", &medusa_lean::has_int4_matmul);
   m.def("int4_matmul", &medusa_lean::int4_matmul, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("refine_top", &medusa_lean::refine_top, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("penalise_rows", &medusa_lean::penalise_rows, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("filter_slice", &medusa_lean::filter_slice, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("draw_index", &medusa_lean::draw_index, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("exact_walk", &medusa_lean::exact_walk, pybind11::call_guard<pybind11::gil_scoped_release>());

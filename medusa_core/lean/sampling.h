@@ -38,6 +38,46 @@ inline void slice_probs(const float* best, const uint8_t* keep, int64_t c, bool 
   for (int64_t j = 0; j < c; ++j) p[j] = keep[j] ? std::exp(best[j] - top) / total : 0.0f;
 }
 
+// NodeProcessors' repetition penalty and temperature in one call: logits [M, V] float32 -> scores [M, V] float32, a new
+// tensor. Each score is the logit divided by `temperature` (TemperatureLogitsWarper; temperature 0: not divided, as
+// greedy decoding applies no warper), except each id of its row's prefix (ids [M, L] int64; an id outside 0..V−1
+// changes nothing, as in RepetitionPenaltyLogitsProcessor), whose logit is first multiplied by `penalty` where negative
+// and divided by it elsewhere. Every step is the float32 operation ATen makes on a float32 tensor and a Python float
+// (the scalar rounded to float32, no fused operations: the build's -ffp-contract=off), so the scores are the bits of
+// the ATen path (processors.py _penalise, then div_), which took ~0.1 ms a call on the demo in eight small ops.
+inline Tensor penalise_rows(const Tensor& logits_in, const Tensor& ids_in, double penalty, double temperature) {
+  TORCH_CHECK(logits_in.dim() == 2 && logits_in.scalar_type() == at::kFloat, "penalise_rows: logits must be [M, V] float32");
+  TORCH_CHECK(ids_in.dim() == 2 && ids_in.scalar_type() == at::kLong && ids_in.size(0) == logits_in.size(0),
+              "penalise_rows: ids must be [M, L] int64, a row per logits row");
+  TORCH_CHECK(penalty > 0 && temperature >= 0, "penalise_rows: need penalty > 0 and temperature >= 0");
+  const Tensor logits = logits_in.contiguous(), ids = ids_in.contiguous();
+  const int64_t M = logits.size(0), V = logits.size(1), L = ids.size(1);
+  Tensor out = at::empty({M, V}, logits.options());
+  const float* x = logits.data_ptr<float>();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  float* y = out.data_ptr<float>();
+  const float p = static_cast<float>(penalty), t = static_cast<float>(temperature);
+  const bool warp = temperature > 0;
+  at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float* row = x + m * V;
+      float* o = y + m * V;
+      if (warp) {
+        for (int64_t j = 0; j < V; ++j) o[j] = row[j] / t;
+      } else {
+        std::memcpy(o, row, V * sizeof(float));
+      }
+      for (int64_t i = 0; i < L; ++i) {
+        const int64_t j = id[m * L + i];
+        if (j < 0 || j >= V) continue;
+        const float penalised = row[j] < 0 ? row[j] * p : row[j] / p;
+        o[j] = warp ? penalised / t : penalised;
+      }
+    }
+  });
+  return out;
+}
+
 // NodeProcessors._filter_on_slice, in place on scores [M, V] float32 (after the penalty and the temperature): each
 // row's top-k (k = top_k, 0: off), top-p (top_p ≥ 1: off) and min-p (min_p ≤ 0: off) decided on its `width` largest
 // scores, in HF's order, every removed token set to −∞. Returns false, changing nothing, when some row's kept set may
