@@ -57,13 +57,14 @@ class Engine:
             model = loader()
             if model.tokenizer is None:
                 raise ValueError(f"{model.name} has no tokenizer: the chat needs one (pass --base-model with a tokenizer)")
+            self.load_seconds = time.monotonic() - self._started  # before the model: other threads read both once it is set
             self.model = model
             return model
         except Exception as e:  # noqa: BLE001 - kept for the page, then re-raised to launch.py
+            self.load_seconds = time.monotonic() - self._started
             self.error = str(e)
             raise
         finally:
-            self.load_seconds = time.monotonic() - self._started
             self._done.set()
 
     def conversation(self, key: str) -> ConversationCache:

@@ -475,6 +475,21 @@ def test_a_message_sent_while_the_model_loads_is_answered_once_it_is_ready_at_th
     assert {r.temperature for r in session.rows} == {ready["temperature"].value}
 
 
+def test_the_engine_has_its_load_time_from_the_moment_its_model_is_there(engine):
+    # A reply waiting for the load polls the engine from another thread and reads its status as soon as a model is
+    # there: the load time must be set by then (it was set after the model, a window in which status() raised).
+    seen = []
+
+    class Watched(Engine):
+        def __setattr__(self, name, value):
+            super().__setattr__(name, value)
+            if name == "model" and value is not None:
+                seen.append((self.status(), self.elapsed_s))
+
+    Watched("demo").load(lambda: engine.model)
+    assert seen and "ready (loaded in" in seen[0][0] and seen[0][1] >= 0
+
+
 def waiting_reply(settings, controls):
     """A message sent while a model loads, its reply waiting for it: (engine, session, the reply's updates)."""
     loading = Engine("demo (nf4)")
