@@ -208,7 +208,8 @@ Tensor rms_norm(const Tensor& h, const Tensor& weight, double eps) {
 // calls cost less on two cores (on the demo, q/k/v 34 -> 21 us, gate/up 60 -> 54 us a token with torch's kernel).
 // int4_matmul's tiles are pairs of blocks of 16 outputs, so side by side is its layout when every part but the last
 // has whole pairs (the demo's q/k/v: 36, 12 and 12 blocks); torch's packed layout comes in tiles of rows (64 on this
-// CPU), the same layout only when the parts fill whole tiles. A probe product decides, bit for bit. Linears that mix bias and no bias are not fused.
+// CPU), the same layout only when the parts fill whole tiles. A probe product decides, bit for bit. Linears that mix
+// bias and no bias are not fused.
 c10::optional<Int4> fuse(const std::vector<const Int4*>& parts) {
   std::vector<Tensor> weights, scales, bias;
   int64_t out = 0;
