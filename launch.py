@@ -11,7 +11,6 @@ import errno
 import logging
 import os
 import socket
-import threading
 import sys
 import time
 import webbrowser
@@ -99,8 +98,7 @@ def main(argv: list[str]) -> int:
         f"{model.num_heads} heads, default tree {model.default_tree}; open {url}",
         flush=True,
     )
-    if model.has_corpus:  # index the model's own replies for "heads + corpus" drafts now, not at their first reply
-        threading.Thread(target=lambda: model.corpus, name="corpus-index", daemon=True).start()
+    model.index_corpus_in_background()  # the model's own replies for "heads + corpus" drafts, now, not at a first reply
     try:
         demo.block_thread()
     except KeyboardInterrupt:

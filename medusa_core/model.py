@@ -117,6 +117,7 @@ class MedusaModel:
         self.tuned = dict(tuned or {})
         self._corpus = corpus
         self._corpus_lock = threading.Lock()  # one build when a warm-up thread and a reply ask at once
+        self._corpus_thread: threading.Thread | None = None  # index_corpus_in_background's
         self._trees: dict[str, StepTree] = {}
         self._default_tree = default_tree
         for tree in [*self.trees, *([default_tree] if default_tree else []), *(t.tree for t in self.tuned.values())]:
@@ -146,6 +147,16 @@ class MedusaModel:
     def has_drafter(self) -> bool:
         """Whether ``load_drafter`` gave the model a drafter (``generate(drafts="eagle")``)."""
         return self._drafter is not None
+
+    def index_corpus_in_background(self) -> None:
+        """Start making the corpus index (``corpus``: ~9 s for the demo at a first start, then read from the cache
+        folder) in a daemon thread, so that a caller who will want corpus drafts soon does not wait for it: the app at
+        ``ready``, a reply that found it not ready. Nothing without a corpus, once it is made, or while a thread this
+        started runs (two callers at once start at most two threads; ``corpus``'s lock makes one build)."""
+        if not self.has_corpus or self.corpus_ready or (self._corpus_thread is not None and self._corpus_thread.is_alive()):
+            return
+        self._corpus_thread = threading.Thread(target=lambda: self.corpus, name="corpus-index", daemon=True)
+        self._corpus_thread.start()
 
     # ----------------------------------------------------------------------------------- properties
     @property

@@ -223,6 +223,30 @@ def test_a_corpus_function_is_called_once_at_first_use(backbone_for, random_head
     assert calls == [1] and isinstance(model.corpus, Datastore)
 
 
+def test_indexing_in_the_background_builds_once_and_a_call_meanwhile_starts_no_second_build(backbone_for, random_heads_model):
+    import threading
+
+    calls, release = [], threading.Event()
+
+    def make() -> Datastore:
+        release.wait(30)
+        calls.append(1)
+        return Datastore.build(SEQUENCES)
+
+    model = random_heads_model(backbone_for("llama"), make)
+    model.index_corpus_in_background()
+    model.index_corpus_in_background()  # the first thread still builds
+    assert not model.corpus_ready
+    release.set()
+    model._corpus_thread.join(30)
+    assert model.corpus_ready and calls == [1]
+    model.index_corpus_in_background()  # made: nothing to do
+    assert calls == [1]
+    without = random_heads_model(backbone_for("llama"), None)
+    without.index_corpus_in_background()
+    assert without._corpus_thread is None
+
+
 @pytest.fixture
 def random_heads_model():
     """``random_heads_model(backbone, corpus)``: a ``MedusaModel`` with random heads and ``corpus``."""

@@ -12,7 +12,6 @@ import dataclasses
 import html
 import logging
 import math
-import threading
 import time
 from contextlib import closing
 from typing import Any, Generator, Iterator
@@ -128,8 +127,7 @@ def respond(engine: Engine, settings: AppSettings, session: Session, controls: C
     if controls.medusa and controls.drafts == "corpus" and model.has_corpus and not model.corpus_ready:
         controls = dataclasses.replace(controls, drafts="heads")  # not a wait of seconds for the first token
         notes.append(CORPUS_PENDING)
-        # the build launch.py starts at ready, or one here (the model's lock makes it one build)
-        threading.Thread(target=lambda: model.corpus, name="corpus-index", daemon=True).start()
+        model.index_corpus_in_background()  # under way since ready (launch.py), or from here
     try:
         tree = tree_argument(model, controls.tree, controls.custom_tree) if controls.medusa else None
         turn.tree = model.resolve_tree(tree or model.default_tree)[0] if controls.medusa else ""

@@ -334,6 +334,7 @@ class LeanDecoder {
     Tensor query = at::empty({n, num_heads_, head_dim_}, hidden.options());  // as RoPE's output is laid out
     Tensor gate = at::empty({n, inter_max_}, hidden.options());
     const Tensor extra_ids = extras.to(at::kLong).contiguous();  // the row kernel's extra key positions
+    const Tensor read_mask = attention_mode == kReading ? reading_mask(n, length + n) : Tensor();
     float* qp = query.data_ptr<float>();
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& w = layers_[i];
@@ -385,7 +386,7 @@ class LeanDecoder {
         medusa_lean::row_attention_into(in, prefix, offsets, scaling_, attn_rows.data(), parts);
         at_p = attn_rows.data();
       } else if (attention_mode == kReading) {
-        attn = reading(query.unsqueeze(0).transpose(1, 2), kb.slice(2, 0, length + n), vb.slice(2, 0, length + n), gqa);
+        attn = reading(query.unsqueeze(0).transpose(1, 2), kb.slice(2, 0, length + n), vb.slice(2, 0, length + n), read_mask, gqa);
         at_p = attn.data_ptr<float>(), s1 = attn.stride(1), s2 = attn.stride(2), s3 = attn.stride(3);
       } else {
         attn = attention(query.unsqueeze(0).transpose(1, 2), kb.slice(2, 0, length + n), vb.slice(2, 0, length + n),
@@ -450,26 +451,30 @@ class LeanDecoder {
   }
 
  private:
+  // The boolean mask [1, 1, N, L] transformers' sdpa_mask makes for a pass of a prompt's reading of N rows whose keys
+  // are L, the pass's N entries last (row i sees keys 0 .. L-N+i), or an undefined tensor where it makes none (one row,
+  // or an empty cache: is_causal does the work). One per pass: every layer's attention reads it.
+  static Tensor reading_mask(int64_t n, int64_t length) {
+    if (n == 1 || length == n) return Tensor();
+    return at::arange(length).unsqueeze(0).le(at::arange(length - n, length).unsqueeze(1)).view({1, 1, n, length});
+  }
+
   // transformers' sdpa_attention_forward as it runs for a pass of a prompt's reading (query [1, Hq, N, Dh], key /
-  // value [1, Hkv, L, Dh] with the pass's N entries last; returns [1, N, Hq, Dh]): the mask transformers' sdpa_mask
-  // makes (none for one row or an empty cache, where is_causal does its work, else a boolean [1, 1, N, L] with row i
-  // seeing keys 0 .. L-N+i), grouped-query attention by SDPA's enable_gqa without a mask and by repeat_kv's copies with
-  // one, and the output as its transpose(1, 2).contiguous().
-  Tensor reading(const Tensor& query, const Tensor& key, const Tensor& value, bool gqa) const {
+  // value [1, Hkv, L, Dh] with the pass's N entries last, `mask` reading_mask's; returns [1, N, Hq, Dh]):
+  // grouped-query attention by SDPA's enable_gqa without a mask and by repeat_kv's copies with one, and the output as
+  // its transpose(1, 2).contiguous().
+  Tensor reading(const Tensor& query, const Tensor& key, const Tensor& value, const Tensor& mask, bool gqa) const {
     const int64_t n = query.size(2), length = key.size(2);
-    const bool masked = n > 1 && length > n;
-    if (!masked) {
+    if (!mask.defined()) {
       return at::scaled_dot_product_attention(query, key, value, {}, 0.0, n > 1, scaling_, gqa).transpose(1, 2).contiguous();
     }
-    const Tensor visible = at::arange(length).unsqueeze(0).le(at::arange(length - n, length).unsqueeze(1));  // [N, L]
     Tensor k = key, v = value;
     if (gqa) {  // repeat_kv: [1, Hkv, L, Dh] -> [1, Hq, L, Dh]
       const int64_t groups = num_heads_ / num_kv_heads_;
       k = key.unsqueeze(2).expand({1, num_kv_heads_, groups, length, head_dim_}).reshape({1, num_heads_, length, head_dim_});
       v = value.unsqueeze(2).expand({1, num_kv_heads_, groups, length, head_dim_}).reshape({1, num_heads_, length, head_dim_});
     }
-    return at::scaled_dot_product_attention(query, k, v, visible.view({1, 1, n, length}), 0.0, false, scaling_, false)
-        .transpose(1, 2).contiguous();
+    return at::scaled_dot_product_attention(query, k, v, mask, 0.0, false, scaling_, false).transpose(1, 2).contiguous();
   }
 
   // invariant.py rowwise_attention for a pass of at most MAX_ROWWISE rows of one sequence.

@@ -78,6 +78,7 @@ def unsupported(backbone: nn.Module) -> str:
 #: calls per row group), by SDPA calls per row group (a prompt's short first pass), or as one SDPA call over the
 #: cache (every other pass of a prompt's reading).
 MODEL, ROW_GROUPS, READING_PASS = 0, 1, 2
+_NO_EXTRAS = torch.empty(0, dtype=torch.long)  # a pass without the row kernel's keys
 
 
 class LeanStep:
@@ -208,7 +209,7 @@ class LeanStep:
         out = self._decoder.forward(
             hidden, cos, sin, [b[0] for b in buffers], [b[1] for b in buffers], length, ints,
             [g.index for g in groups], [g.keys for g in groups],
-            *((rows.prefix, rows.offsets, rows.extras) if rows else ([], [], torch.empty(0, dtype=torch.long))), attention,
+            *((rows.prefix, rows.offsets, rows.extras) if rows else ([], [], _NO_EXTRAS)), attention,
         )
         for layer in layers:
             layer.extend(n)
