@@ -213,21 +213,23 @@ def verify_tree(
 
     Returns (path [D+1] node indices of a root-to-leaf path padded with -1, accept_length [] of its
     accepted candidates, next root []), all on the device: the caller syncs once. Where the compiled kernels load
-    (``SAMPLING_KERNELS``) the exact walk on a CPU is one call (``sampling.h`` exact_walk: the same rule from the same
-    uniforms, reading only the walked rows).
+    (``SAMPLING_KERNELS``) the greedy and the exact walk on a CPU are one call (``sampling.h`` tree_walk: the same rule
+    from the same uniforms, reading only the walked rows; greedy walks into the child holding its parent's argmax, the
+    one longest accepted prefix where siblings hold distinct tokens, as in every tree the engine builds).
     """
     path0 = tree.retrieve_indices[0]  # [D+1]
     greedy = rule == "greedy"
     if tree.num_nodes == 1:  # root only: the next token is the argmax or a sample of p
         return path0, path0.new_zeros(()), choose_token(scores[0], greedy, generator)
     rows, cands = tree.parents[1:], tokens[1:]  # [N-1] each candidate's parent and token
-    if rule == "exact":
-        uniforms = torch.rand(cands.shape, generator=generator, device=scores.device)  # [N-1]
-        if _compiled(scores):  # the same walk and residual draw in one call, reading only the walked rows
-            walk, token = SAMPLING_KERNELS["exact_walk"](scores.contiguous(), tree.parents, tokens, uniforms,
-                                                         _uniform(generator, scores.device))
-            best = (tree.retrieve_indices[:, len(walk) - 1] == walk[-1]).int().argmax()  # the first path through it
-            return tree.retrieve_indices[best], torch.tensor(len(walk) - 1), _drawn(token)
+    exact = rule == "exact"
+    uniforms = torch.rand(cands.shape, generator=generator, device=scores.device) if exact else None  # [N-1]
+    if (greedy or exact) and _compiled(scores):  # the same walk (and residual draw) in one call, reading the walked rows
+        u = _uniform(generator, scores.device) if exact else 0.0
+        out = SAMPLING_KERNELS["tree_walk"](scores.contiguous(), tree.parents, tokens, tree.retrieve_indices,
+                                            uniforms if exact else _NO_UNIFORMS, u, greedy)  # [2 + D + 1]
+        return out[2:], out[0], out[1]  # path, length, next root
+    if exact:
         probs = torch.softmax(scores, dim=-1)  # [N, V]
         taken = try_children(probs, rows, cands, uniforms)  # [N-1], at most one child per node
         walk = taken[tree.path_nodes]  # [P, D]
@@ -250,9 +252,10 @@ def verify_tree(
 
 
 #: The compiled sampling calls (``medusa_core.lean`` ``sampling.h``): ``draw_index(values [V], u, logits)`` for ``draw``
-#: and ``choose_token``, ``exact_walk(scores, parents, tokens, uniforms, u)`` for ``verify_tree``'s exact walk; set by
-#: ``invariant.load_kernel`` where the kernels build, empty elsewhere (the ATen ops below).
+#: and ``choose_token``, ``tree_walk(scores, parents, tokens, retrieve, uniforms, u, greedy)`` for ``verify_tree``'s
+#: greedy and exact walks; set by ``invariant.load_kernel`` where the kernels build, empty elsewhere (the ATen ops below).
 SAMPLING_KERNELS: dict[str, Callable[..., Any]] = {}
+_NO_UNIFORMS = torch.empty(0)  # a greedy walk's uniforms
 
 
 def choose_token(scores: torch.Tensor, greedy: bool, generator: torch.Generator) -> torch.Tensor:

@@ -318,7 +318,7 @@ def load_kernel(report: Callable[[str], None] | None = None) -> tuple[bool, str]
         Int4Linear.kernel = module.int4_matmul
     NodeProcessors.slice_kernel = module.filter_slice  # sampling's filters and draws on CPU rows, from now on
     NodeProcessors.penalty_kernel = module.penalise_rows
-    SAMPLING_KERNELS.update(draw_index=module.draw_index, exact_walk=module.exact_walk)
+    SAMPLING_KERNELS.update(draw_index=module.draw_index, tree_walk=module.tree_walk)
     return True, ""
 
 

@@ -104,7 +104,7 @@ def sampling_path(request, monkeypatch):
         if module is None:
             pytest.skip(f"no compiled kernels on this machine: {why}")
         slice_kernel, penalty_kernel = module.filter_slice, module.penalise_rows
-        kernels = {"draw_index": module.draw_index, "exact_walk": module.exact_walk}
+        kernels = {"draw_index": module.draw_index, "tree_walk": module.tree_walk}
     monkeypatch.setattr(NodeProcessors, "slice_kernel", slice_kernel)
     monkeypatch.setattr(NodeProcessors, "penalty_kernel", penalty_kernel)
     monkeypatch.setattr(acceptance, "SAMPLING_KERNELS", kernels)

@@ -124,6 +124,52 @@ def test_a_sampled_token_follows_the_softmax_of_the_scores_and_never_a_removed_o
     assert int(choose_token(scores, True, generator)) == 33
 
 
+def test_the_compiled_walk_keeps_the_path_length_and_next_root_of_the_aten_ops(monkeypatch):
+    """``verify_tree`` at greedy and in exact mode, compiled (one call) against ATen's ops, on trees with
+    siblings, a chain, one node, ties for the argmax and -inf scores: the same path, length and next root, and
+    the same uniforms taken from the generator (the draws after it agree)."""
+    from medusa_core import acceptance
+    from medusa_core.lean.build import load_extension
+    from medusa_core.steptree import static_tree
+
+    module, why = load_extension()
+    if module is None:
+        pytest.skip(f"no compiled kernels on this machine: {why}")
+    trees = [[[0]], [[0], [1], [0, 0], [0, 1], [1, 0]], [[0], [0, 0], [0, 0, 0]], [[0], [1], [2], [0, 0], [0, 0, 0], [1, 0], [0, 1]]]
+    g = torch.Generator().manual_seed(0)
+    vocab, checked = 40, 0
+    for choices in trees:
+        tree = static_tree("t", choices, torch.float32, torch.device("cpu"))
+        n = tree.num_nodes
+        for trial in range(150):
+            scores = torch.randn(n, vocab, generator=g) * 2
+            if trial % 3 == 0:  # a tie for each row's largest score: the first of them is the argmax
+                scores[:, 5] = scores[:, 9] = scores.max() + 1
+            if trial % 5 == 0:  # filtered tokens
+                scores[:, 20:] = -math.inf
+            # tokens: the argmax of the parent's row half of the time, so walks go deep
+            tokens = torch.randint(0, vocab, (n,), generator=g)
+            for c in range(1, n):
+                if torch.rand((), generator=g) < 0.5:
+                    tokens[c] = scores[tree.node_parents[c]].argmax()
+            for i, c in enumerate(tree.children):  # siblings hold distinct tokens, as every tree the engine builds
+                seen = set()
+                for child in c:
+                    while int(tokens[child]) in seen:
+                        tokens[child] = (tokens[child] + 1) % vocab
+                    seen.add(int(tokens[child]))
+            for rule in ("greedy", "exact"):
+                results = []
+                for kernels in ({}, {"draw_index": module.draw_index, "tree_walk": module.tree_walk}):
+                    monkeypatch.setattr(acceptance, "SAMPLING_KERNELS", kernels)
+                    gen = torch.Generator().manual_seed(trial)
+                    path, length, root = acceptance.verify_tree(tree, scores, tokens, rule, 0.09, 0.3, gen)
+                    results.append((path.tolist(), int(length), int(root), float(torch.rand((), generator=gen))))
+                assert results[0] == results[1], (choices, trial, rule)
+                checked += results[0][1] > 1
+    assert checked > 100  # walks past the first candidate were compared
+
+
 # ------------------------------------------------------------------------------ proof by statistics
 VOCAB = 16
 TEMPERATURE = 0.7

@@ -540,6 +540,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("penalise_rows", &medusa_lean::penalise_rows, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("filter_slice", &medusa_lean::filter_slice, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("draw_index", &medusa_lean::draw_index, pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("exact_walk", &medusa_lean::exact_walk, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("tree_walk", &medusa_lean::tree_walk, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("corpus_chain", &medusa_lean::corpus_chain);
 }

@@ -202,55 +202,96 @@ inline int64_t draw_index(const Tensor& values, double u, bool logits) {
   return -1;
 }
 
-// acceptance.py verify_tree's exact walk (recursive rejection sampling of point-mass drafts, then the residual draw),
-// for processed scores [N, V] float32 (node i's distribution is softmax(scores[i])), parents [N] int64 (−1 for the
-// root; a node's children are the nodes naming it, tried in index order), tokens [N] int64, uniforms [N − 1] float32
-// (candidate c is node c + 1) and u, the residual draw's uniform. From the root: child c of node a is accepted when
-// u_c · (1 − Σ_{earlier siblings s} p_a(x_s)) < p_a(x_c) (try_children), the first accepted child is walked into;
-// at the walk's last node the next token is drawn from p with that node's children's tokens removed (or from p itself
-// where they held all of its mass). Only the walked rows are read. Returns (the walk's nodes, root first; the token).
-inline std::tuple<std::vector<int64_t>, int64_t> exact_walk(const Tensor& scores, const Tensor& parents_in,
-                                                            const Tensor& tokens_in, const Tensor& uniforms_in, double u) {
+// The first index of a row's largest value (torch.argmax's choice among equal ones): its maximum, then the first block
+// of 16 that holds it.
+inline int64_t row_argmax(const float* row, int64_t n) {
+  const float top = row_max(row, n);
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    const i16v hit = load16(row + j) == splat(top);
+    for (int l = 0; l < kLanes; ++l)
+      if (hit[l]) return j + l;
+  }
+  for (; j < n; ++j)
+    if (row[j] == top) return j;
+  return 0;  // a NaN maximum (scores never hold one)
+}
+
+// acceptance.py verify_tree at greedy and in exact mode, in one call, for processed scores [N, V] float32 (node i's
+// distribution is softmax(scores[i])), parents [N] int64 (−1 for the root; a node's children are the nodes naming it,
+// tried in index order), tokens [N] int64 and retrieve [P, D + 1] int64 (each root-to-leaf path, padded with −1).
+//   greedy: from the root, the child whose token is the node's argmax is walked into; the next token is the last
+//     node's argmax. Siblings hold distinct tokens in every tree the engine builds (a head's ranks, a graft that
+//     shares the node holding its token), so this is the one longest accepted prefix that ATen's ops find.
+//   exact: uniforms [N − 1] float32 (candidate c is node c + 1) and u, the residual draw's uniform. Child c of node a
+//     is accepted when u_c · (1 − Σ_{earlier siblings s} p_a(x_s)) < p_a(x_c) (try_children), the first accepted
+//     child is walked into; at the walk's last node the next token is drawn from p with that node's children's tokens
+//     removed (or from p itself where they held all of its mass).
+// Only the walked rows are read. Returns int64 [2 + D + 1]: the accepted candidates, the next token, then the first
+// path through the walk's last node (select_path's choice).
+inline Tensor tree_walk(const Tensor& scores, const Tensor& parents_in, const Tensor& tokens_in, const Tensor& retrieve_in,
+                        const Tensor& uniforms_in, double u, bool greedy) {
   TORCH_CHECK(scores.dim() == 2 && scores.scalar_type() == at::kFloat && scores.is_contiguous(),
-              "exact_walk: scores must be contiguous [N, V] float32");
+              "tree_walk: scores must be contiguous [N, V] float32");
   const int64_t N = scores.size(0), V = scores.size(1);
   const Tensor parents = parents_in.to(at::kLong).contiguous(), tokens = tokens_in.to(at::kLong).contiguous();
+  const Tensor retrieve = retrieve_in.to(at::kLong).contiguous();
   const Tensor uniforms = uniforms_in.to(at::kFloat).contiguous();
-  TORCH_CHECK(parents.numel() == N && tokens.numel() == N && uniforms.numel() == N - 1,
-              "exact_walk: parents and tokens [N], uniforms [N - 1]");
+  TORCH_CHECK(parents.numel() == N && tokens.numel() == N && (greedy || uniforms.numel() == N - 1),
+              "tree_walk: parents and tokens [N], uniforms [N - 1] in exact mode");
+  TORCH_CHECK(retrieve.dim() == 2 && retrieve.size(0) > 0, "tree_walk: retrieve must be [P, D + 1]");
   const int64_t* parent = parents.data_ptr<int64_t>();
   const int64_t* token = tokens.data_ptr<int64_t>();
-  const float* uniform = uniforms.data_ptr<float>();
+  const float* uniform = greedy ? nullptr : uniforms.data_ptr<float>();
   const float* data = scores.data_ptr<float>();
   std::vector<int64_t> walk{0};
-  int64_t node = 0;
-  float top;  // the walked node's largest score
+  int64_t node = 0, next = -1;
+  float top = 0.0f;  // exact: the walked node's largest score
   while (true) {
     const float* row = data + node * V;
-    top = row_max(row, V);
-    const float total = row_exp_sum(row, V, top);
-    float rejected = 0.0f;  // Σ p(x_s) of the siblings tried so far
     int64_t taken = -1;
-    for (int64_t c = node + 1; c < N && taken < 0; ++c) {
-      if (parent[c] != node) continue;
-      const int64_t x = token[c];
-      TORCH_CHECK(x >= 0 && x < V, "exact_walk: node ", c, "'s token ", x, " is not a column of the scores");
-      const float p = std::exp(row[x] - top) / total;
-      const float left = std::max(1.0f - rejected, 0.0f);
-      if (uniform[c - 1] * left < p) taken = c;
-      rejected += p;
+    if (greedy) {
+      next = row_argmax(row, V);
+      for (int64_t c = node + 1; c < N && taken < 0; ++c)
+        if (parent[c] == node && token[c] == next) taken = c;
+    } else {
+      top = row_max(row, V);
+      const float total = row_exp_sum(row, V, top);
+      float rejected = 0.0f;  // Σ p(x_s) of the siblings tried so far
+      for (int64_t c = node + 1; c < N && taken < 0; ++c) {
+        if (parent[c] != node) continue;
+        const int64_t x = token[c];
+        TORCH_CHECK(x >= 0 && x < V, "tree_walk: node ", c, "'s token ", x, " is not a column of the scores");
+        const float p = std::exp(row[x] - top) / total;
+        const float left = std::max(1.0f - rejected, 0.0f);
+        if (uniform[c - 1] * left < p) taken = c;
+        rejected += p;
+      }
     }
     if (taken < 0) break;
     walk.push_back(taken);
     node = taken;
   }
-  // the residual: p at the last node without its children's tokens
-  std::vector<float> residual(data + node * V, data + (node + 1) * V);
-  for (int64_t c = node + 1; c < N; ++c)
-    if (parent[c] == node) residual[token[c]] = -INFINITY;
-  const bool left = row_exp_sum(residual.data(), V, top) > 0;  // float rounding may leave none
-  const Tensor weights = left ? at::from_blob(residual.data(), {V}, at::TensorOptions().dtype(at::kFloat)) : scores[node];
-  return {walk, draw_index(weights, u, true)};
+  if (!greedy) {  // the residual: p at the last node without its children's tokens
+    std::vector<float> residual(data + node * V, data + (node + 1) * V);
+    for (int64_t c = node + 1; c < N; ++c)
+      if (parent[c] == node) residual[token[c]] = -INFINITY;
+    const bool left = row_exp_sum(residual.data(), V, top) > 0;  // float rounding may leave none
+    const Tensor weights = left ? at::from_blob(residual.data(), {V}, at::TensorOptions().dtype(at::kFloat)) : scores[node];
+    next = draw_index(weights, u, true);
+  }
+  const int64_t length = static_cast<int64_t>(walk.size()) - 1, P = retrieve.size(0), width = retrieve.size(1);
+  TORCH_CHECK(length < width, "tree_walk: a walk of ", length + 1, " nodes is longer than retrieve's paths");
+  const int64_t* paths = retrieve.data_ptr<int64_t>();
+  int64_t best = 0;
+  while (best < P && paths[best * width + length] != node) ++best;
+  TORCH_CHECK(best < P, "tree_walk: no path of retrieve holds node ", node, " at depth ", length);
+  Tensor out = at::empty({2 + width}, at::TensorOptions().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  o[0] = length;
+  o[1] = next;
+  std::memcpy(o + 2, paths + best * width, width * sizeof(int64_t));
+  return out;
 }
 
 }  // namespace medusa_lean
