@@ -12,7 +12,7 @@ from medusa_core import MedusaModel
 from medusa_core.invariant import ATTENTION, ATTENTION_KERNEL, MAX_ROWWISE, READING, make_batch_invariant
 from medusa_core.kvcache import new_cache
 from medusa_core.lean import build
-from medusa_core.lean.step import LeanStep, unsupported
+from medusa_core.lean.step import ROTARY_TABLE, LeanStep, unsupported
 from medusa_core.quant.layers import Int4Linear
 from medusa_core.steptree import static_tree
 from tests.tiny_models import random_heads, tiny_backbone
@@ -101,6 +101,24 @@ def test_the_lean_pass_gives_the_hidden_states_and_cache_entries_of_transformers
         if tree is not None:  # keep the root and its first child, as a step's cache update does
             ours.crop(2 - n), theirs.crop(2 - n)
         length = ours.get_seq_length()
+
+
+@pytest.mark.parametrize("rope", [None, {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}], ids=["default", "dynamic"])
+def test_the_rotary_table_gives_the_rotary_embeddings_bits_and_grows_past_its_first_size(extension, rope):
+    overrides = dict(WIDE, **({"rope_parameters": rope} if rope else {}))
+    model = int4_backbone("llama", **overrides)  # head_dim 32: a table, unless the frequencies change with the length
+    lean, why = LeanStep.for_backbone(model)
+    assert lean is not None, why
+    hidden = torch.zeros(1, 5, 128)
+    for positions in (torch.tensor([0]), torch.tensor([9, 10, 10, 11, 12]), torch.tensor([ROTARY_TABLE + 70, 3])):
+        rows = hidden[:, : len(positions)]
+        with torch.inference_mode():
+            got = lean._rotary(rows, positions, int(positions.max()) + 1)
+            want = model.model.rotary_emb(rows, positions[None])
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), positions
+    assert (lean._table is None) == bool(rope)
+    if not rope:
+        assert lean._table[0].shape == (2 * ROTARY_TABLE, 32)
 
 
 #: Passes of a prompt's reading: a short first pass (SDPA calls per row), or a first chunk of more than

@@ -79,6 +79,8 @@ def unsupported(backbone: nn.Module) -> str:
 #: cache (every other pass of a prompt's reading).
 MODEL, ROW_GROUPS, READING_PASS = 0, 1, 2
 _NO_EXTRAS = torch.empty(0, dtype=torch.long)  # a pass without the row kernel's keys
+#: Positions the rotary table first holds (``LeanStep`` ``_rotary``); it doubles when a pass reaches past it.
+ROTARY_TABLE = 4096
 
 
 class LeanStep:
@@ -111,6 +113,10 @@ class LeanStep:
         attention = first.self_attn
         self.row_kernel = config._attn_implementation == ATTENTION_KERNEL  # attention as the model computes it
         self.kv_shape = (config.num_key_value_heads, attention.head_dim)  # a cache entry's heads, width
+        # cos / sin of positions 0..P-1 (``_rotary``), or None: the rotary embedding's own call at every pass
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None
+        rope_type = getattr(decoder.rotary_emb, "rope_type", "default")
+        self._tabled = attention.head_dim % 32 == 0 and "dynamic" not in rope_type and rope_type != "longrope"
         self._decoder = module.LeanDecoder(
             layers, eps, out_features, decoder.norm.weight.detach(), float(decoder.norm.variance_epsilon),
             config.num_attention_heads, config.num_key_value_heads, attention.head_dim, float(attention.scaling),
@@ -204,7 +210,7 @@ class LeanStep:
         length = layers[0].get_seq_length()
         buffers = [layer.room_for(n) for layer in layers]
         hidden = self.decoder.embed_tokens(tokens[None])  # [1, N, H]
-        cos, sin = self.decoder.rotary_emb(hidden, positions[None])  # [1, N, Dh] each
+        cos, sin = self._rotary(hidden, positions, length + n)  # [1, N, Dh] each
         ints = [[g.rows[0], g.rows[-1] + 1, int(g.span), g.count, int(g.view)] for g in groups]
         out = self._decoder.forward(
             hidden, cos, sin, [b[0] for b in buffers], [b[1] for b in buffers], length, ints,
@@ -214,3 +220,32 @@ class LeanStep:
         for layer in layers:
             layer.extend(n)
         return out[0]
+
+    def _rotary(self, hidden: torch.Tensor, positions: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary embedding's cos and sin [1, N, Dh] at ``positions`` [N] (all below ``end``) for ``hidden``
+        [1, N, H]: rows of a table that the model's own rotary embedding made over positions 0..P-1 in one call, grown
+        by doubling. Its elements are each position's own product, cosine and sine, computed 32 to a vector call
+        (Dh a multiple of 32), so a row is the bits of a pass's own call; checked against such calls whenever the
+        table is made, and a table that differs is dropped for good. A rotary embedding that changes with the length
+        (dynamic RoPE, LongRoPE) or an odd head size: the module's call each pass (~15 us on the demo, ~60 in the
+        decoding loop: docs/BENCH.md, "The greedy walk compiled, the rotary table")."""
+        if self._tabled and (self._table is None or end > self._table[0].shape[0]):
+            size = max(ROTARY_TABLE, 1 << (end - 1).bit_length())
+            self._table = self._made_table(hidden, size)
+            self._tabled = self._table is not None
+        if not self._tabled:
+            return self.decoder.rotary_emb(hidden, positions[None])
+        cos, sin = self._table
+        return cos.index_select(0, positions)[None], sin.index_select(0, positions)[None]
+
+    def _made_table(self, hidden: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """cos, sin [size, Dh] of positions 0..size-1, or None where a row differs from the rotary embedding's own
+        call over one position or over a pass of several."""
+        rotary, probe = self.decoder.rotary_emb, hidden[:, :1]
+        cos, sin = (t[0] for t in rotary(probe, torch.arange(size, device=hidden.device)[None]))
+        for at in ([0], [size - 1], [1, 2, 3], list(range(size - 7, size))):
+            index = torch.tensor(at, device=hidden.device)
+            want_cos, want_sin = rotary(probe, index[None])
+            if not (torch.equal(cos[index], want_cos[0]) and torch.equal(sin[index], want_sin[0])):
+                return None
+        return cos, sin
