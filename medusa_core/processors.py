@@ -269,6 +269,8 @@ def tree_prefixes(context: torch.Tensor, tokens: torch.Tensor, parents: torch.Te
         parents: [N] parent node index of every node (-1 for the root).
         depth: D, the deepest node's depth.
     """
+    if tokens.shape[0] == 1:  # a plain step: the context and the root, in one op
+        return torch.cat([context, tokens]).view(1, -1)
     node = torch.arange(tokens.shape[0], device=tokens.device)  # [N]
     up = parents.clamp(min=0)  # [N] the root is its own parent
     chain = [node]

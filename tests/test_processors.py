@@ -98,6 +98,7 @@ def test_a_tree_nodes_prefix_is_the_context_plus_the_node_and_its_ancestors():
         [7, 8, 10, 10, 10, 10], [7, 8, 11, 10, 10, 10], [7, 8, 12, 10, 10, 10], [7, 8, 13, 11, 10, 10],
         [7, 8, 14, 13, 11, 10],
     ]
+    assert tree_prefixes(torch.tensor([7, 8]), tokens[:1], parents[:1], depth=0).tolist() == [[7, 8, 10]]  # root alone
 
 
 def test_node_processors_apply_hfs_classes_in_generates_order():
