@@ -124,7 +124,7 @@ class StepRunner:
                     tree, token_ids = self.grafted(tree, tokens.tolist(), chain)
                     tokens = torch.tensor(token_ids, device=self.model.device) if tree.num_nodes > tokens.shape[0] else tokens
                 logits, hidden_all = self.tree_forward(tree, tokens, cur_len, cache)  # [N, V], [N, H]
-                prefixes = tree_prefixes(context, tokens, tree.parents, tree.depth) if processors.needs_prefix else None
+                prefixes = tree_prefixes(context, tokens, tree.ancestors) if processors.needs_prefix else None
                 scores = processors(logits, prefixes)  # [N, V] each node's distribution given its own prefix
                 path, length, root = verify_tree(tree, scores, tokens, rule, eps, alpha, generator)
                 host = torch.cat([length.view(1), root.view(1), path, tokens]).tolist()  # the step's one host sync (top-p: two)

@@ -257,7 +257,7 @@ def top_slice(scores: torch.Tensor, width: int, block: int = 64) -> tuple[torch.
     return top, chosen.gather(1, at // block) * block + at % block
 
 
-def tree_prefixes(context: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, depth: int) -> torch.Tensor:
+def tree_prefixes(context: torch.Tensor, tokens: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
     """Each tree node's prefix as ids, for a repetition penalty: ``[N, C + D + 1]``.
 
     Row i is ``context`` followed by the tokens of node i and its ancestors up to the root; rows of
@@ -266,15 +266,9 @@ def tree_prefixes(context: torch.Tensor, tokens: torch.Tensor, parents: torch.Te
     Args:
         context: [C] ids before the root (the prompt and the reply so far; order and repeats do not matter).
         tokens: [N] token of every node, root first.
-        parents: [N] parent node index of every node (-1 for the root).
-        depth: D, the deepest node's depth.
+        ancestors: [N, D+1] each node's index, then its ancestors' (``steptree.ancestor_index``; a step's tree
+            keeps its own, ``StepTree.ancestors``).
     """
     if tokens.shape[0] == 1:  # a plain step: the context and the root, in one op
         return torch.cat([context, tokens]).view(1, -1)
-    node = torch.arange(tokens.shape[0], device=tokens.device)  # [N]
-    up = parents.clamp(min=0)  # [N] the root is its own parent
-    chain = [node]
-    for _ in range(depth):
-        chain.append(up[chain[-1]])
-    ancestors = tokens[torch.stack(chain, dim=1)]  # [N, D + 1]
-    return torch.cat([context.view(1, -1).expand(tokens.shape[0], -1), ancestors], dim=1)
+    return torch.cat([context.view(1, -1).expand(tokens.shape[0], -1), tokens[ancestors]], dim=1)

@@ -14,6 +14,7 @@ token), a head (head k, rank r) or an n-gram copy.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -67,6 +68,27 @@ class StepTree:
     def num_nodes(self) -> int:
         """N, root included."""
         return len(self.node_parents)
+
+    @functools.cached_property
+    def ancestors(self) -> torch.Tensor:
+        """[N, D+1] ``ancestor_index`` of the tree, made once per tree (``processors.tree_prefixes``)."""
+        return ancestor_index(self.parents, self.depth)
+
+    @functools.cached_property
+    def on_path(self) -> torch.Tensor:
+        """[N, N] float32: 1 where node i sees node j (itself, its ancestors), else 0; ``on_path @ x`` sums x [N] along
+        each node's path (``confident_nodes``). Made once per tree."""
+        return (self.bias == 0).float()
+
+
+def ancestor_index(parents: torch.Tensor, depth: int) -> torch.Tensor:
+    """[N, D+1] node indices: each node, its parent, and so on up to the root, which repeats in the rows of
+    shallower nodes. ``parents`` [N] (-1 for the root); ``depth`` D, the deepest node's depth."""
+    up = parents.clamp(min=0)  # [N] the root is its own parent
+    chain = [torch.arange(parents.shape[0], device=parents.device)]
+    for _ in range(depth):
+        chain.append(up[chain[-1]])
+    return torch.stack(chain, dim=1)
 
 
 def static_tree(name: str, choices: Sequence[Sequence[int]], dtype: torch.dtype, device: torch.device) -> StepTree:
@@ -148,7 +170,7 @@ def confident_nodes(tree: StepTree, log_p: torch.Tensor, min_probability: float)
     the root down to the node (``log_p`` [N]: each node's own log probability, 0 at the root), is at least
     ``min_probability``: a prefix-closed list, root first (a path probability never grows down a path).
     One host sync."""
-    path_log_p = (tree.bias == 0).to(log_p.dtype) @ log_p  # [N] Σ log p over each node's ancestors and itself
+    path_log_p = tree.on_path.to(log_p.dtype) @ log_p  # [N] Σ log p over each node's ancestors and itself
     return (path_log_p >= math.log(min_probability)).nonzero().flatten().tolist()
 
 

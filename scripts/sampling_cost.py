@@ -51,7 +51,7 @@ def step_ms(config: SamplingConfig, rows: int, vocab: int, context: int, repeats
         prefixes = None
         if processors.needs_prefix:
             context_ids = torch.tensor(list(seen))  # [C]
-            prefixes = tree_prefixes(context_ids, tokens, tree.parents, tree.depth)
+            prefixes = tree_prefixes(context_ids, tokens, tree.ancestors)
         scores = processors(logits[i % 8], prefixes)
         path, length, root = verify_tree(tree, scores, tokens, rule, 0.09, 0.3, gen)
         torch.cat([length.view(1), root.view(1), path, tokens]).tolist()  # the step's host sync

@@ -27,6 +27,7 @@ import medusa_core.decoding
 from medusa_core import CHAT_PRESET, MedusaModel, SamplingConfig, draw
 from medusa_core.acceptance import score_children
 from medusa_core.processors import NodeProcessors, top_slice, tree_prefixes
+from medusa_core.steptree import ancestor_index
 
 PENALTY = 1.3
 
@@ -93,12 +94,12 @@ def test_generate_defaults_to_the_models_generation_config_and_chats_to_the_pres
 def test_a_tree_nodes_prefix_is_the_context_plus_the_node_and_its_ancestors():
     # root 0 -> 1, 2; node 1 -> 3; node 3 -> 4. Shallow rows repeat the root's token.
     tokens, parents = torch.tensor([10, 11, 12, 13, 14]), torch.tensor([-1, 0, 0, 1, 3])
-    prefixes = tree_prefixes(torch.tensor([7, 8]), tokens, parents, depth=3)
+    prefixes = tree_prefixes(torch.tensor([7, 8]), tokens, ancestor_index(parents, 3))
     assert prefixes.tolist() == [
         [7, 8, 10, 10, 10, 10], [7, 8, 11, 10, 10, 10], [7, 8, 12, 10, 10, 10], [7, 8, 13, 11, 10, 10],
         [7, 8, 14, 13, 11, 10],
     ]
-    assert tree_prefixes(torch.tensor([7, 8]), tokens[:1], parents[:1], depth=0).tolist() == [[7, 8, 10]]  # root alone
+    assert tree_prefixes(torch.tensor([7, 8]), tokens[:1], ancestor_index(parents[:1], 0)).tolist() == [[7, 8, 10]]  # root alone
 
 
 def test_node_processors_apply_hfs_classes_in_generates_order():
@@ -231,7 +232,7 @@ def test_penalising_the_context_without_the_nodes_ancestors_breaks_the_equality(
     backbone = backbone_for("qwen2")
     expected = hf_greedy(backbone, 40, PENALTY)
     oracle = penalised_oracle(backbone, 40)
-    context_only = lambda context, tokens, parents, depth: context.view(1, -1).expand(tokens.shape[0], -1)  # noqa: E731
+    context_only = lambda context, tokens, ancestors: context.view(1, -1).expand(tokens.shape[0], -1)  # noqa: E731
     monkeypatch.setattr(medusa_core.decoding, "tree_prefixes", context_only)
     assert reply(oracle.generate(PROMPT, max_new_tokens=40, tree="mc_sim_7b_63", repetition_penalty=PENALTY)) != expected
 

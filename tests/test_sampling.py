@@ -363,7 +363,7 @@ def test_the_first_three_tokens_follow_plain_sampling_in_exact_mode_and_not_in_t
                   drafts=drafts, draft_config=DraftConfig(min_head_probability=0.5 if shaped else 0.0))
     blind_case = sampling == "blind"
     if blind_case:
-        blind = lambda context, tokens, parents, depth: context.view(1, -1).expand(tokens.shape[0], -1)  # noqa: E731
+        blind = lambda context, tokens, ancestors: context.view(1, -1).expand(tokens.shape[0], -1)  # noqa: E731
         monkeypatch.setattr(medusa_core.decoding, "tree_prefixes", blind)
         sampling = "exact"
     if medusa:
