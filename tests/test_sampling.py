@@ -170,6 +170,31 @@ def test_the_compiled_walk_keeps_the_path_length_and_next_root_of_the_aten_ops(m
     assert checked > 100  # walks past the first candidate were compared
 
 
+def test_the_compiled_calls_skip_blocks_a_filter_removed_and_keep_every_bit(sampling_path):
+    """A block of 16 scores of -inf (a row filtered to a few tokens) is skipped by the compiled draw and walk, which
+    must then take the same token as for the same row with -1e30 there (whose e^x is the same +0, computed)."""
+    from medusa_core import acceptance
+    from medusa_core.steptree import static_tree
+
+    g = torch.Generator().manual_seed(5)
+    tree = static_tree("t", [[0], [1], [0, 0]], torch.float32, torch.device("cpu"))
+    for trial in range(200):
+        filtered = torch.full((4, 1000), -math.inf)
+        for row in filtered:  # a few kept tokens, some in the same block, and the ragged last block
+            kept = torch.cat([torch.randint(0, 1000, (5,), generator=g), torch.tensor([998])])
+            row[kept] = torch.randn(6, generator=g) * 2
+        finite = filtered.masked_fill(filtered == -math.inf, -1e30)
+        tokens = torch.cat([torch.tensor([0]), filtered[[0, 0, 1]].argmax(-1)])
+        results = []
+        for scores in (filtered, finite):
+            gen = torch.Generator().manual_seed(trial)
+            drawn = int(choose_token(scores[3], False, gen))
+            path, length, root = acceptance.verify_tree(tree, scores, tokens, "exact", 0.09, 0.3, gen)
+            results.append((drawn, path.tolist(), int(length), int(root)))
+        assert results[0] == results[1], trial
+        assert filtered[3, results[0][0]] > -math.inf
+
+
 # ------------------------------------------------------------------------------ proof by statistics
 VOCAB = 16
 TEMPERATURE = 0.7

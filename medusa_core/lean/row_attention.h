@@ -113,11 +113,27 @@ inline float row_max(const float* row, int64_t n) {
   return top;
 }
 
-// Σ_j e^(row[j] − top) over a row of n values, 16 lanes (exp16) then a fixed tree.
+// Whether all 16 lanes are −∞: a block of a row that a filter removed (processors.py), whose e^(x − top) are all +0.
+inline bool all_minus_inf(f16v x) {
+#if defined(__AVX512F__)
+  return _mm512_cmp_ps_mask((__m512)x, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ) == 0xFFFF;
+#else
+  for (int l = 0; l < kLanes; ++l)
+    if (x[l] != -INFINITY) return false;
+  return true;
+#endif
+}
+
+// Σ_j e^(row[j] − top) over a row of n values, 16 lanes (exp16) then a fixed tree. A block of −∞ adds +0 to each lane
+// (a sum of terms ≥ +0 is never −0, so adding +0 leaves its bits): it is skipped, the same bits, and a row filtered
+// to a few tokens (top-p at the chat preset keeps a handful of 49,152) takes a compare a block instead of an e^x.
 inline float row_exp_sum(const float* row, int64_t n, float top) {
   f16v total{};
   int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) total = total + exp16(load16(row + j) - top);
+  for (; j + kLanes <= n; j += kLanes) {
+    const f16v x = load16(row + j);
+    if (!all_minus_inf(x)) total = total + exp16(x - top);
+  }
   float tail = 0.0f;
   for (; j < n; ++j) tail += std::exp(row[j] - top);
   return lane_sum(total) + tail;

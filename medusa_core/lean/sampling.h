@@ -174,6 +174,10 @@ inline int64_t draw_index(const Tensor& values, double u, bool logits) {
   double total = 0.0;
   float w[kLanes];
   for (int64_t b = 0; b < blocks; ++b) {
+    if (logits && (b + 1) * kLanes <= V && all_minus_inf(load16(x + b * kLanes))) {  // sixteen weights of +0 (row_exp_sum)
+      sums[b] = 0.0;
+      continue;
+    }
     block_weights(b, w);
     sums[b] = lane_sum(load16(w));
     total += sums[b];
