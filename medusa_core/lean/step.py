@@ -8,8 +8,9 @@ project's layers do: the same kernels for products and attention, ATen's SiLU, t
 and chains of elementwise operations as loops of the same IEEE operations in the same order. The hidden states are the
 same bits (``tests/test_lean.py``): greedy output stays HF ``generate``'s and greedy Medusa stays plain greedy.
 On the demo a plain step takes 7.1 ms instead of 15.6 ms (docs/BENCH.md, "The lean step").
-The token embedding and the rotary embedding are the model's own modules (RoPE scaling included); the
-LM head and everything after it are unchanged. ``read`` runs a prompt's reading passes the same way, with their
+The token embedding is the model's own module, and RoPE's cos / sin are rows of a table the model's own rotary
+embedding made (RoPE scaling included; the same bits, ``LeanStep._rotary``); the LM head and everything after it are
+unchanged. ``read`` runs a prompt's reading passes the same way, with their
 attention as transformers' reading computes it.
 
 Supported: Llama, Mistral and Qwen2 configurations without sliding windows, SiLU MLPs, RMS norms, every
