@@ -228,8 +228,8 @@ class LeanStep:
         by doubling. Its elements are each position's own product, cosine and sine, computed 32 to a vector call
         (Dh a multiple of 32), so a row is the bits of a pass's own call; checked against such calls whenever the
         table is made, and a table that differs is dropped for good. A rotary embedding that changes with the length
-        (dynamic RoPE, LongRoPE) or an odd head size: the module's call each pass (~15 us on the demo, ~60 in the
-        decoding loop: docs/BENCH.md, "The greedy walk compiled, the rotary table")."""
+        (dynamic RoPE, LongRoPE) or an odd head size: the module's call each pass (~15 us on the demo; docs/BENCH.md,
+        "The greedy walk compiled, the rotary table, filtered blocks skipped")."""
         if self._tabled and (self._table is None or end > self._table[0].shape[0]):
             size = max(ROTARY_TABLE, 1 << (end - 1).bit_length())
             self._table = self._made_table(hidden, size)
