@@ -19,6 +19,7 @@ import json
 import logging
 import pickle
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -216,19 +217,32 @@ def load_medusa_model(
     return model
 
 
-def _corpus(folder: Path, quantization: str | None, report: Callable[[str], None] | None) -> Callable[[], Datastore] | None:
+def _corpus(folder: Path, quantization: str | None, report: Callable[[str], None] | None) -> CorpusIndex | None:
     """What makes the index of ``folder/distill``'s replies of this precision's backbone (held-out splits left
     out) when first asked for, or None when there are none."""
     files = sorted(f for f in (folder / "distill").glob(f"*-{quantization or 'none'}-*.jsonl.gz") if not f.name.startswith("heldout"))
-    if not files:
-        return None
+    return CorpusIndex(tuple(files), cache_dir().parent / "corpus", report) if files else None
 
-    def index() -> Datastore:
-        if report is not None and not Datastore.is_cached(files, cache_dir().parent / "corpus"):
-            report(f"Indexing the model's own replies ({len(files)} files) for corpus drafts, once…")
-        return Datastore.cached(files, cache_dir().parent / "corpus")
 
-    return index
+@dataclass(frozen=True)
+class CorpusIndex:
+    """A head folder's corpus as ``MedusaModel(corpus=...)`` takes it: the index of the replies in ``files``
+    (``Datastore.cached``, kept in ``folder``), made when first asked for. Calling it reads the index, or builds it in
+    this process, with ``report`` told; ``prepare_apart`` builds it in a low-priority process of its own
+    (``Datastore.cache_apart``), which ``MedusaModel.index_corpus_in_background`` does first, so that a reply decoded
+    meanwhile keeps the CPU and the GIL."""
+
+    files: tuple[Path, ...]
+    folder: Path
+    report: Callable[[str], None] | None = None
+
+    def __call__(self) -> Datastore:
+        if self.report is not None and not Datastore.is_cached(self.files, self.folder):
+            self.report(f"Indexing the model's own replies ({len(self.files)} files) for corpus drafts, once…")
+        return Datastore.cached(self.files, self.folder)
+
+    def prepare_apart(self) -> None:
+        Datastore.cache_apart(self.files, self.folder)
 
 
 def resolve_quantization(quantization: str | None, base: str, device: torch.device) -> str | None:

@@ -141,6 +141,20 @@ def test_the_cache_builds_once_and_again_when_a_file_changes(tmp_path, monkeypat
     assert len(list((tmp_path / "cache").glob("corpus-*.safetensors"))) == 1  # the older index was replaced
 
 
+def test_an_index_made_in_a_process_of_its_own_is_the_one_this_process_reads(tmp_path, monkeypatch):
+    rows = [{"id": i, "messages": [], "prompt_ids": ids[:n], "reply_ids": ids[n:], "reply": ""} for i, (ids, n) in enumerate(SEQUENCES)]
+    replies = tmp_path / "train-gguf-chat.jsonl.gz"
+    with gzip.open(replies, "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    assert Datastore.cache_apart([replies], tmp_path / "cache", min_total=1)
+    monkeypatch.setattr(Datastore, "build", classmethod(lambda *a, **k: pytest.fail("built in this process")))
+    assert Datastore.cached([replies], tmp_path / "cache", min_total=1).next_token([8, 2, 3]) == (4, 2 / 3, 2)
+    assert Datastore.cache_apart([replies], tmp_path / "cache", min_total=1)  # already made: no process
+    # a process that fails says so, and leaves nothing: the caller's own build then raises what went wrong
+    assert not Datastore.cache_apart([replies], tmp_path / "cache", no_such_option=1)  # its build raises TypeError
+    assert not Datastore.is_cached([replies], tmp_path / "cache", no_such_option=1)
+
+
 def test_an_index_of_fewer_files_is_replaced_and_one_of_other_files_is_kept(tmp_path):
     def write(name: str) -> object:
         path = tmp_path / name
@@ -247,6 +261,25 @@ def test_indexing_in_the_background_builds_once_and_a_call_meanwhile_starts_no_s
     assert without._corpus_thread is None
 
 
+def test_indexing_in_the_background_makes_the_index_apart_first_where_its_source_can(backbone_for, random_heads_model):
+    # a source with ``prepare_apart`` (a head folder's replies: loading.CorpusIndex) makes its index file in a process of
+    # its own, then the model reads it; a reply decoding meanwhile keeps the CPU and the GIL
+    steps = []
+
+    class Source:
+        def prepare_apart(self) -> None:
+            steps.append("apart")
+
+        def __call__(self) -> Datastore:
+            steps.append("read")
+            return Datastore.build(SEQUENCES)
+
+    model = random_heads_model(backbone_for("llama"), Source())
+    model.index_corpus_in_background()
+    model._corpus_thread.join(30)
+    assert model.corpus_ready and steps == ["apart", "read"]
+
+
 @pytest.fixture
 def random_heads_model():
     """``random_heads_model(backbone, corpus)``: a ``MedusaModel`` with random heads and ``corpus``."""
@@ -280,3 +313,6 @@ def test_a_head_folder_with_replies_of_its_backbone_gets_them_as_its_corpus_with
     assert model.corpus.next_token([2, 3]) == (4, 1.0, 2) and model.corpus.next_token([3, 4]) == (5, 1.0, 2)
     assert lines and "Indexing the model's own replies (1 files)" in lines[0]
     assert list((tmp_path / "cache" / "corpus").glob("corpus-*.safetensors"))  # kept for the next start
+    again = load_medusa_model(folder, quantization=None)
+    again._corpus.prepare_apart()  # made already: read, not built again
+    assert again.corpus.next_token([2, 3]) == (4, 1.0, 2)
