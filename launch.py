@@ -100,7 +100,7 @@ def main(argv: list[str]) -> int:
     )
     model.index_corpus_in_background()  # the model's own replies for "heads + corpus" drafts, now, not at a first reply
     try:
-        demo.block_thread()
+        engine.serve()  # every reply's steps on this thread, which loaded the model, until Ctrl+C
     except KeyboardInterrupt:
         pass
     finally:

@@ -3,15 +3,17 @@ conversations, kept between their turns (``medusa_core.ConversationCache``).
 
 ``launch.py`` starts serving first and loads the model afterwards, so the page can show the load
 progress; until ``ready`` a sent message waits for it (``handlers.respond``) and the other chat handlers answer
-with the loading status.
+with the loading status. Then its main thread, which loaded the model, runs every reply's steps (``serve``,
+``steps``): all of the model's work on one thread.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections import OrderedDict
-from typing import Callable
+from typing import Any, Callable, Iterator, TypeVar
 
 from medusa_core import ConversationCache, MedusaModel
 from medusa_core.lean import build as lean_build
@@ -20,6 +22,8 @@ from medusa_core.lean import build as lean_build
 #: within the engine's ``kept_cache_mb`` (without a limit, up to the context window's entries: on the
 #: demo 46 kB per token, 0.38 GB at 8,192 tokens).
 KEPT_CONVERSATIONS = 2
+
+T = TypeVar("T")
 
 
 class Engine:
@@ -41,6 +45,8 @@ class Engine:
         self._done = threading.Event()
         self._kept: OrderedDict[str, ConversationCache] = OrderedDict()
         self._kept_lock = threading.Lock()
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()  # ``steps``' calls, for ``serve``
+        self._server: threading.Thread | None = None  # the thread in ``serve``, if one is
 
     @classmethod
     def of(cls, model: MedusaModel, kept_cache_mb: float | None = None) -> "Engine":
@@ -66,6 +72,57 @@ class Engine:
             raise
         finally:
             self._done.set()
+
+    def serve(self) -> None:
+        """Run the model's work that other threads hand over (``steps``) on this thread, until ``stop_serving`` (or
+        Ctrl+C, which is raised here). ``launch.py`` serves on the main thread, which loaded the model, instead of
+        idling in Gradio's ``block_thread``.
+
+        Why one thread: torch's OpenMP runtime (libgomp) keeps a team of threads for each thread that runs parallel
+        work, and while a process has more such threads than CPUs every team waits by sleeping in the kernel instead of
+        spinning, at each of a pass's ~200 parallel regions. A reply decoded in one of Gradio's worker threads, after the
+        model was loaded on the main thread, ran at ~110 tokens/s against ~400 on the main thread (the demo, 2 cores;
+        docs/APP.md, "One thread for the model")."""
+        self._server = threading.current_thread()
+        try:
+            while (job := self._jobs.get()) is not None:
+                job.run()
+        finally:
+            self._server = None
+
+    def stop_serving(self) -> None:
+        """Make ``serve`` return after the work it runs now (tests; ``launch.py`` stops on Ctrl+C)."""
+        self._jobs.put(None)
+
+    def steps(self, iterator: Iterator[T]) -> Iterator[T]:
+        """``iterator``'s items (a reply's ``generate`` records), each made on the thread in ``serve`` while the caller
+        waits for it, and closed there when the result is closed or ends; ``iterator`` itself where no thread serves
+        (tests, notebooks) or the caller is that thread. Two replies at once take turns, one step each."""
+        if self._server is None or self._server is threading.current_thread():
+            return iterator
+        return self._served(iterator)
+
+    def _served(self, iterator: Iterator[T]) -> Iterator[T]:
+        try:
+            while True:
+                try:
+                    item = self._call(next, iterator)
+                except StopIteration:
+                    return
+                yield item
+        finally:
+            close = getattr(iterator, "close", None)
+            if close is not None:
+                self._call(close)
+
+    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the serving thread, its result or its exception here."""
+        job = _Job(fn, args)
+        self._jobs.put(job)
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        return job.result
 
     def conversation(self, key: str) -> ConversationCache:
         """The KV cache kept for conversation ``key`` (a session id), made on first use; the least recently
@@ -111,3 +168,23 @@ class Engine:
             compiling = " (compiling the lean decoding step: first start only, about a minute)" if lean_build.building() else ""
             return f"Loading {self.description}… {time.monotonic() - self._started:.0f} s{compiling}"
         return f"{self.model.name} ready (loaded in {self.load_seconds:.1f} s)"
+
+
+class _Job:
+    """One call that ``Engine.serve`` runs for another thread: its result or exception, and when it is done."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple):
+        self.fn, self.args = fn, args
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        try:
+            self.result = self.fn(*self.args)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller; Ctrl+C also ends ``serve``
+            self.error = e
+            if not isinstance(e, Exception):
+                raise
+        finally:
+            self.done.set()

@@ -41,12 +41,15 @@ def _host(value: str) -> str:
     )
 
 
-def physical_cores() -> int:
-    """The default of ``threads``: ``medusa_core.cpu.physical_cores()``, imported when called so that
-    ``--help`` does not wait for torch to import."""
-    from medusa_core.cpu import physical_cores as count
+def cores_but_one() -> int:
+    """The default of ``threads``: the physical cores this process may use (``medusa_core.cpu.physical_cores()``,
+    imported when called so that ``--help`` does not wait for torch to import) but one, at least one. The browser that
+    renders the page runs on the same machine while a reply streams; decoding threads that share their cores with it
+    wait for each other at every parallel step: on this project's 2-core machine a reply in the app decoded at
+    ~150 tokens/s with 2 threads and ~275 with 1 (docs/APP.md, "Threads")."""
+    from medusa_core.cpu import physical_cores
 
-    return count()
+    return max(physical_cores() - 1, 1)
 
 
 class AppSettings(BaseSettings):
@@ -78,9 +81,10 @@ class AppSettings(BaseSettings):
                             "4-bit NF4, 8-bit, or none")
     device: str = Field("auto", description="'auto' (CUDA when present, else CPU), 'cpu', 'cuda', 'cuda:1', ...")
     threads: int = Field(
-        default_factory=physical_cores, ge=1,
-        description="CPU threads for torch; default: the physical cores this process may run on (hyper-threads not counted); "
-                    "use 1 when other busy jobs share the CPU, where waiting threads stall each other",
+        default_factory=cores_but_one, ge=1,
+        description="CPU threads for torch; default: the physical cores this process may run on (hyper-threads not counted) "
+                    "but one, which the browser showing the page takes while a reply streams; use 1 when other busy "
+                    "jobs share the CPU, where waiting threads stall each other",
     )
     # ---- server
     host: Annotated[str, AfterValidator(_host)] = Field("127.0.0.1", description="address to bind; the default serves this machine only")

@@ -889,3 +889,47 @@ def test_the_stats_line_names_the_tree_asked_for_even_when_a_step_verified_the_n
     session.rows = [dataclasses.replace(r, tree_name="ngram") if r.step > 0 else r for r in session.rows]
     stats = handlers.views.turn_stats(session, turn)
     assert "tree sparse_16 + n-gram" in stats and "tree ngram" not in stats
+
+
+def test_a_served_engine_runs_every_step_of_a_reply_on_its_own_thread_and_closes_it_there(engine, settings, controls, monkeypatch):
+    # launch.py serves the model's work on the thread that loaded it: torch's OpenMP runtime keeps one team of threads
+    # per thread that runs parallel work, and a second team (a reply in one of Gradio's worker threads) makes every
+    # team yield its CPUs on each wait: on the demo a reply decoded at ~110 tokens/s in a worker thread against ~400
+    # on the loading thread.
+    model = engine.model
+    generate = model.generate
+    seen, closed = [], []
+
+    def watched(*args, **kwargs):
+        steps = generate(*args, **kwargs)
+
+        def run():
+            try:
+                for record in steps:
+                    seen.append(threading.current_thread())
+                    yield record
+            finally:
+                closed.append(threading.current_thread())
+                steps.close()
+
+        return run()
+
+    monkeypatch.setattr(model, "generate", watched)
+    server = threading.Thread(target=engine.serve, name="engine-serve", daemon=True)
+    server.start()
+    try:
+        updates = send(engine, settings, Session(), controls)
+        assert reply_html(updates[-2] if "chatbot" not in updates[-1] else updates[-1])
+        assert seen and set(seen) == {server} and closed == [server]
+        session = Session()  # Stop after the first step: the rest is never made, and the steps close on the server
+        handlers.add_user(engine, session, controls, "def add")
+        seen.clear(), closed.clear()
+        for update in handlers.respond(engine, settings, session, controls):
+            if seen:
+                session.stop_requested.set()
+        assert len(seen) == 1 and closed == [server]
+    finally:
+        engine.stop_serving()
+        server.join(10)
+    assert not server.is_alive()
+    assert list(engine.steps(iter([1, 2]))) == [1, 2]  # no server: the caller's own thread

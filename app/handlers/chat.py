@@ -132,7 +132,7 @@ def respond(engine: Engine, settings: AppSettings, session: Session, controls: C
         tree = tree_argument(model, controls.tree, controls.custom_tree) if controls.medusa else None
         turn.tree = model.resolve_tree(tree or model.default_tree)[0] if controls.medusa else ""
         ids, dropped = fit_prompt(model, controls, session.history(index), turn.user)
-        steps = model.generate(
+        steps = engine.steps(model.generate(
             ids,
             max_new_tokens=controls.max_new_tokens,
             tree=tree,
@@ -147,7 +147,7 @@ def respond(engine: Engine, settings: AppSettings, session: Session, controls: C
             kept=engine.conversation(session.id),
             progress=True,
             prefill_chunk=settings.prefill_chunk,
-        )
+        ))  # its steps on the thread that serves the model's work (Engine.serve)
     except (ValueError, TemplateError) as e:  # too-long prompt, invalid tree, bad control value, template error
         turn.state, turn.error = "error", f"Not sent: {e}"
         yield {

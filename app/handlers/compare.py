@@ -49,9 +49,9 @@ def compare(engine: Engine, settings: AppSettings, session: Session, controls: C
         tree = tree_argument(model, greedy.tree, greedy.custom_tree)
         ids, _ = fit_prompt(model, greedy, session.history(index), session.turns[index].user)
         config = sampling_config(greedy)
-        runs = {mode: model.generate(ids, max_new_tokens=greedy.max_new_tokens, tree=tree, config=config,
-                                     medusa=drafts is not None, drafts=drafts or "heads", progress=True,
-                                     prefill_chunk=settings.prefill_chunk)
+        runs = {mode: engine.steps(model.generate(ids, max_new_tokens=greedy.max_new_tokens, tree=tree, config=config,
+                                                  medusa=drafts is not None, drafts=drafts or "heads", progress=True,
+                                                  prefill_chunk=settings.prefill_chunk))
                 for mode, drafts in VARIANTS.items() if drafts != "corpus" or model.has_corpus}
     except (ValueError, TemplateError) as e:
         yield {"compare_result": f"⚠ {html.escape(str(e))}"}
