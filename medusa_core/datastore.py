@@ -238,8 +238,8 @@ class Datastore:
         """Make ``cached``'s index file in a Python process of its own at the lowest CPU priority (nice 19 where the OS
         has it), and wait for it. Built in the caller's process, the index takes the CPU and, reading its replies in
         Python, the GIL from the caller's other threads: on the demo a reply decoded beside it ran at 62–92 tokens/s
-        against ~400 alone, and at full speed beside the process (docs/BENCH.md, "The corpus index in a process of its
-        own"). Returns whether the index is cached now; False when the process failed (``cached`` in the caller's
+        against ~400 alone, and at full speed beside the process (docs/BENCH.md, "The greedy walk compiled, the rotary
+        table, filtered blocks skipped": the app's own speed). Returns whether the index is cached now; False when the process failed (``cached`` in the caller's
         process then raises what went wrong)."""
         if cls.is_cached(files, folder, **build_kwargs):
             return True

@@ -237,12 +237,16 @@ class CorpusIndex:
     report: Callable[[str], None] | None = None
 
     def __call__(self) -> Datastore:
-        if self.report is not None and not Datastore.is_cached(self.files, self.folder):
-            self.report(f"Indexing the model's own replies ({len(self.files)} files) for corpus drafts, once…")
+        self._announce()
         return Datastore.cached(self.files, self.folder)
 
     def prepare_apart(self) -> None:
+        self._announce()
         Datastore.cache_apart(self.files, self.folder)
+
+    def _announce(self) -> None:
+        if self.report is not None and not Datastore.is_cached(self.files, self.folder):
+            self.report(f"Indexing the model's own replies ({len(self.files)} files) for corpus drafts, once…")
 
 
 def resolve_quantization(quantization: str | None, base: str, device: torch.device) -> str | None:
