@@ -90,7 +90,8 @@ def _refusal(engine: Engine, session: Session, loading_ok: bool = False) -> str:
 
 
 #: The note under a reply that asked for corpus drafts before the model's own replies were indexed (a first start
-#: indexes them in the background after ``ready``, ~12 s on the demo in a process of its own: the reply does not wait for them).
+#: indexes them in the background after ``ready``, ~12 s on the demo in a process of its own: the reply does not
+#: wait for them).
 CORPUS_PENDING = ("Drafted by the heads alone: the model's own replies are still being indexed for corpus drafts (a first "
                   "start, a few seconds); later replies use them.")
 
