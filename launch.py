@@ -45,7 +45,8 @@ def main(argv: list[str]) -> int:
     from app.ui import build_ui
     from medusa_core import load_medusa_model
 
-    engine = Engine(f"{settings.model} ({settings.quantization} backbone, device {settings.device})", settings.kept_cache_mb)
+    engine = Engine(f"{settings.model} ({settings.quantization} backbone, device {settings.device})", settings.kept_cache_mb,
+                    served=True)  # this thread loads the model, then runs every reply's steps (engine.serve below)
     demo = build_ui(engine, settings)
     demo.queue(default_concurrency_limit=None)
     settings.exports_dir.mkdir(parents=True, exist_ok=True)

@@ -33,9 +33,11 @@ class Engine:
         description: what is being loaded, e.g. ``"demo (nf4) on auto"``; shown while loading.
         kept_cache_mb: memory in MB each kept conversation's KV cache may hold between turns
             (``ConversationCache(max_bytes=)``); None: no limit.
+        served: a thread will run ``serve`` (``launch.py``'s main thread, once the model is loaded): ``steps`` hands
+            work over from the start, and it waits for that thread; otherwise only while one serves.
     """
 
-    def __init__(self, description: str, kept_cache_mb: float | None = None):
+    def __init__(self, description: str, kept_cache_mb: float | None = None, served: bool = False):
         self.description = description
         self.kept_cache_bytes = None if kept_cache_mb is None else int(kept_cache_mb * 1e6)
         self.model: MedusaModel | None = None
@@ -47,6 +49,7 @@ class Engine:
         self._kept_lock = threading.Lock()
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()  # ``steps``' calls, for ``serve``
         self._server: threading.Thread | None = None  # the thread in ``serve``, if one is
+        self._served = served  # whether ``steps`` hands work over (a thread serves, or will)
 
     @classmethod
     def of(cls, model: MedusaModel, kept_cache_mb: float | None = None) -> "Engine":
@@ -83,12 +86,12 @@ class Engine:
         spinning, at each of a pass's ~200 parallel regions. A reply decoded in one of Gradio's worker threads, after the
         model was loaded on the main thread, ran at ~110 tokens/s against ~400 on the main thread (the demo, 2 cores;
         docs/APP.md, "One thread for the model")."""
-        self._server = threading.current_thread()
+        self._server, self._served = threading.current_thread(), True
         try:
             while (job := self._jobs.get()) is not None:
                 job.run()
         finally:
-            self._server = None
+            self._server, self._served = None, False
 
     def stop_serving(self) -> None:
         """Make ``serve`` return after the work it runs now (tests; ``launch.py`` stops on Ctrl+C)."""
@@ -96,13 +99,14 @@ class Engine:
 
     def steps(self, iterator: Iterator[T]) -> Iterator[T]:
         """``iterator``'s items (a reply's ``generate`` records), each made on the thread in ``serve`` while the caller
-        waits for it, and closed there when the result is closed or ends; ``iterator`` itself where no thread serves
-        (tests, notebooks) or the caller is that thread. Two replies at once take turns, one step each."""
-        if self._server is None or self._server is threading.current_thread():
+        waits for it (an engine made ``served`` waits for that thread to start), and closed there when the result is
+        closed or ends; ``iterator`` itself where no thread serves (tests, notebooks) or the caller is that thread. Two
+        replies at once take turns, one step each."""
+        if not self._served or self._server is threading.current_thread():
             return iterator
-        return self._served(iterator)
+        return self._on_server(iterator)
 
-    def _served(self, iterator: Iterator[T]) -> Iterator[T]:
+    def _on_server(self, iterator: Iterator[T]) -> Iterator[T]:
         try:
             while True:
                 try:

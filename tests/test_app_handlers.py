@@ -933,3 +933,28 @@ def test_a_served_engine_runs_every_step_of_a_reply_on_its_own_thread_and_closes
         server.join(10)
     assert not server.is_alive()
     assert list(engine.steps(iter([1, 2]))) == [1, 2]  # no server: the caller's own thread
+
+
+def test_a_served_engine_hands_over_steps_that_come_before_it_serves(engine, monkeypatch):
+    # launch.py's engine is made ``served``: a message sent while the model loads is answered once it is ready, which
+    # may be just before the main thread reaches ``serve``; its steps wait for that thread rather than run in the
+    # worker thread (which would start a second team of OpenMP threads for good).
+    served = Engine(engine.description, served=True)
+    served.model = engine.model
+    where = []
+
+    def steps():
+        where.append(threading.current_thread())
+        yield 1
+
+    result = []
+    client = threading.Thread(target=lambda: result.extend(served.steps(steps())))
+    client.start()
+    client.join(0.3)
+    assert client.is_alive() and not where  # waiting for the server
+    server = threading.Thread(target=served.serve, daemon=True)
+    server.start()
+    client.join(10)
+    served.stop_serving()
+    server.join(10)
+    assert result == [1] and where == [server] and not server.is_alive()
