@@ -239,8 +239,8 @@ class Datastore:
         has it), and wait for it. Built in the caller's process, the index takes the CPU and, reading its replies in
         Python, the GIL from the caller's other threads: on the demo a reply decoded beside it ran at 62–92 tokens/s
         against ~400 alone, and at full speed beside the process (docs/BENCH.md, "The greedy walk compiled, the rotary
-        table, filtered blocks skipped": the app's own speed). Returns whether the index is cached now; False when the process failed (``cached`` in the caller's
-        process then raises what went wrong)."""
+        table, filtered blocks skipped": the app's own speed). Returns whether the index is cached now; False when the
+        process failed (``cached`` in the caller's process then raises what went wrong)."""
         if cls.is_cached(files, folder, **build_kwargs):
             return True
         job = json.dumps({"files": [str(f) for f in files], "folder": str(folder), "kwargs": build_kwargs})

@@ -269,6 +269,4 @@ def tree_prefixes(context: torch.Tensor, tokens: torch.Tensor, ancestors: torch.
         ancestors: [N, D+1] each node's index, then its ancestors' (``steptree.ancestor_index``; a step's tree
             keeps its own, ``StepTree.ancestors``).
     """
-    if tokens.shape[0] == 1:  # a plain step: the context and the root, in one op
-        return torch.cat([context, tokens]).view(1, -1)
     return torch.cat([context.view(1, -1).expand(tokens.shape[0], -1), tokens[ancestors]], dim=1)

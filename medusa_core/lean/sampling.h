@@ -16,7 +16,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <tuple>
 #include <vector>
 
 #include "row_attention.h"
@@ -248,8 +247,7 @@ inline Tensor tree_walk(const Tensor& scores, const Tensor& parents_in, const Te
   const int64_t* token = tokens.data_ptr<int64_t>();
   const float* uniform = greedy ? nullptr : uniforms.data_ptr<float>();
   const float* data = scores.data_ptr<float>();
-  std::vector<int64_t> walk{0};
-  int64_t node = 0, next = -1;
+  int64_t node = 0, next = -1, length = 0;  // the walked node, the next token, the accepted candidates
   float top = 0.0f;  // exact: the walked node's largest score
   while (true) {
     const float* row = data + node * V;
@@ -273,8 +271,8 @@ inline Tensor tree_walk(const Tensor& scores, const Tensor& parents_in, const Te
       }
     }
     if (taken < 0) break;
-    walk.push_back(taken);
     node = taken;
+    ++length;
   }
   if (!greedy) {  // the residual: p at the last node without its children's tokens
     std::vector<float> residual(data + node * V, data + (node + 1) * V);
@@ -284,7 +282,7 @@ inline Tensor tree_walk(const Tensor& scores, const Tensor& parents_in, const Te
     const Tensor weights = left ? at::from_blob(residual.data(), {V}, at::TensorOptions().dtype(at::kFloat)) : scores[node];
     next = draw_index(weights, u, true);
   }
-  const int64_t length = static_cast<int64_t>(walk.size()) - 1, P = retrieve.size(0), width = retrieve.size(1);
+  const int64_t P = retrieve.size(0), width = retrieve.size(1);
   TORCH_CHECK(length < width, "tree_walk: a walk of ", length + 1, " nodes is longer than retrieve's paths");
   const int64_t* paths = retrieve.data_ptr<int64_t>();
   int64_t best = 0;
