@@ -26,6 +26,14 @@ Works on token ids and knows no UI. Public API:
 - ``physical_cores``: the default torch thread count of the app and the benchmark.
 """
 
+import os
+
+# oneDNN's bfloat16 matmuls (BF16Linear: an LM head's or the heads' product) on AMX tiles block a call by its number of
+# rows, so a row's bits change with it (33 rows against 1 on an AMX CPU), where its AVX512-BF16 kernels do not: cap
+# oneDNN there (read once, at its first use, so before torch runs one; a value set by the user stays). The 4-bit
+# product's own AMX path (medusa_core/lean/int4_matmul.h) is batch-invariant.
+os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+
 from .acceptance import NODE_STATUSES, draw, evaluate_posterior, node_status, residual_distributions, try_children
 from .cpu import physical_cores
 from .export import export_vllm, save_medusa_heads

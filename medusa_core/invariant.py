@@ -315,7 +315,7 @@ def load_kernel(report: Callable[[str], None] | None = None) -> tuple[bool, str]
         return False, why
     _kernel[:] = [module]
     if module.has_int4_matmul() and Int4Linear.kernel is None:  # every 4-bit layer's product, from now on
-        Int4Linear.kernel = module.int4_matmul
+        Int4Linear.kernel, Int4Linear.kernel_name = module.int4_matmul, module.int4_kernel()
     NodeProcessors.slice_kernel = module.filter_slice  # sampling's filters and draws on CPU rows, from now on
     NodeProcessors.penalty_kernel = module.penalise_rows
     SAMPLING_KERNELS.update(draw_index=module.draw_index, tree_walk=module.tree_walk)

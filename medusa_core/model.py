@@ -476,8 +476,9 @@ class MedusaModel:
         implementation's name), the draft vocabulary (``draft_vocabulary`` S, ``draft_ranked``: the heads' frequency
         ranking, else ids 0..S−1), how the heads propose (``proposal``: ``"compiled"``, ``medusa_core.lean.drafting``,
         or ``"ATen"``, with ``proposal_note`` saying why not compiled), which product the 4-bit layers run
-        (``int4_product``: ``"compiled"``, the AVX512-BF16 ``int4_matmul`` of ``medusa_core.lean``, ``"torch"``, its
-        int4-pack kernel, or None without ``Int4Linear`` layers), memory (bytes)."""
+        (``int4_product``: ``"amx"`` or ``"avx512-bf16"``, the compiled ``int4_matmul`` of ``medusa_core.lean`` on AMX
+        tiles or AVX512-BF16 dot products, ``"torch"``, its int4-pack kernel, or None without ``Int4Linear`` layers),
+        memory (bytes)."""
         params = list(self.backbone.parameters()) + list(self.heads.parameters())
         attention = getattr(self.backbone.config, "_attn_implementation", None)
         return {
@@ -500,8 +501,7 @@ class MedusaModel:
             "draft_ranked": getattr(self.heads, "draft_ids", None) is not None,
             "proposal": "compiled" if self._steps.lean_drafts is not None else "ATen",
             "proposal_note": self._steps.lean_drafts_reason,
-            "int4_product": ("compiled" if Int4Linear.kernel is not None else "torch")
-            if any(isinstance(m, Int4Linear) for m in self.backbone.modules()) else None,
+            "int4_product": Int4Linear.kernel_name if any(isinstance(m, Int4Linear) for m in self.backbone.modules()) else None,
             "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
         }
 

@@ -2,9 +2,11 @@
 
 ``python -m medusa_core.bench tune`` measures each tree size on this machine at a settings preset
 (``TUNED_PRESETS``: greedy, and the chat preset the app starts with) and writes one entry per device,
-precision and preset under ``tuned_key``: ``"cpu/gguf@chat"``. Files written before entries were per
-settings hold one entry per device and precision (``"cpu/gguf"``), measured greedy; they are still read,
-as the greedy entry and as the tree of any preset that has no entry of its own.
+precision and preset under ``tuned_key``: ``"cpu/gguf@chat"``, or ``"cpu+amx/gguf@chat"`` where the 4-bit product
+runs on AMX tiles (``machine_class``: a tree row costs a few percent of a pass there, a third of one on AVX512-BF16
+dot products, so such a CPU keeps trees of its own and falls back to the device's entry without one). Files written
+before entries were per settings hold one entry per device and precision (``"cpu/gguf"``), measured greedy; they are
+still read, as the greedy entry and as the tree of any preset that has no entry of its own.
 A reply's settings pick an entry through ``settings_preset``: greedy at temperature 0, chat otherwise.
 """
 
@@ -16,18 +18,25 @@ from typing import Any, Mapping
 import torch
 
 from .processors import SamplingConfig
+from .quant.layers import Int4Linear
 
 #: The settings ``bench tune`` measures at: greedy (the exactness demo) and the chat preset (the app's defaults).
 TUNED_PRESETS = ("greedy", "chat")
 
 
-def tuned_key(device: torch.device, quantization: str | None, preset: str | None = None) -> str:
-    """Key of a tuned entry in ``medusa_tuned.json``: ``"<device type>/<quantization>@<preset>"``, or without
-    ``preset`` the key of files written before entries were per settings (``"cpu/gguf"``).
-    Raises ``ValueError`` for a preset not in ``TUNED_PRESETS``."""
+def machine_class(device: torch.device) -> str:
+    """``"cpu+amx"`` on a CPU whose 4-bit product runs on AMX tiles (``Int4Linear.kernel_name``, set when the lean
+    extension loads), else ``device.type``: the first part of this machine's ``tuned_key``."""
+    return "cpu+amx" if device.type == "cpu" and Int4Linear.kernel_name == "amx" else device.type
+
+
+def tuned_key(device: torch.device, quantization: str | None, preset: str | None = None, machine: str | None = None) -> str:
+    """Key of a tuned entry in ``medusa_tuned.json``: ``"<machine>/<quantization>@<preset>"`` (``machine``: the
+    device's type unless given, e.g. ``machine_class(device)``), or without ``preset`` the key of files written
+    before entries were per settings (``"cpu/gguf"``). Raises ``ValueError`` for a preset not in ``TUNED_PRESETS``."""
     if preset is not None and preset not in TUNED_PRESETS:
         raise ValueError(f"preset must be one of {TUNED_PRESETS}, got {preset!r}")
-    base = f"{device.type}/{quantization or 'none'}"
+    base = f"{machine or device.type}/{quantization or 'none'}"
     return base if preset is None else f"{base}@{preset}"
 
 
@@ -67,13 +76,14 @@ class TunedSettings:
 def tuned_entries(data: Mapping[str, Any], device: torch.device, quantization: str | None) -> dict[str, tuple[str, Any, str]]:
     """This device and precision's entries of a tuned file's ``data``: preset -> (key, entry, measured_at).
 
-    A preset's own entry first, else the entry of a file written before entries were per settings
-    (measured greedy). Presets with neither are left out.
+    A preset's own entry for this machine class (``machine_class``) first, then for the device's type, else the
+    entry of a file written before entries were per settings (measured greedy). Presets with none are left out.
     """
     legacy = tuned_key(device, quantization)
     found = {}
     for preset in TUNED_PRESETS:
-        key = tuned_key(device, quantization, preset)
+        own = tuned_key(device, quantization, preset, machine_class(device))
+        key = own if own in data else tuned_key(device, quantization, preset)
         if key in data:
             found[preset] = (key, data[key], preset)
         elif legacy in data:

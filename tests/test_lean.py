@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import platform
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -278,10 +282,11 @@ def test_the_compiled_int4_product_is_batch_invariant_side_by_side_and_within_on
     torch.manual_seed(0)
     # 6, 26, 3 and 1 blocks of 16 outputs: whole pairs, then a pair and an unpaired block, then one block alone
     layers = [Int4Linear(torch.randint(0, 16, (n, 160)), torch.rand(n, 5) * 0.02, torch.randn(n, 5) * 0.01) for n in (96, 416, 48, 16)]
-    x = torch.randn(9, 160).to(torch.bfloat16)
+    x = torch.randn(40, 160).to(torch.bfloat16)
     for layer in layers:
-        full = extension.int4_matmul(x, layer.tiles)  # 9 rows: passes of 4, 4 and 1 rows
-        for m in range(1, 9):  # every row the bits of the same row in a pass of m rows (the 1-, 2-, 3- and 4-row paths)
+        # 40 rows: passes of 4 rows and a last of 1 to 3 on AVX512-BF16, of 16 and a last of 8 on AMX tiles
+        full = extension.int4_matmul(x, layer.tiles)
+        for m in (*range(1, 10), 15, 16, 17, 31, 32, 33):  # every row the bits of the same row in a call of m rows
             assert torch.equal(extension.int4_matmul(x[:m], layer.tiles), full[:m])
         exact = x.double() @ layer.dequantized().double().T
         assert ((full.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-6).all()  # one bfloat16 rounding
@@ -298,6 +303,32 @@ def test_the_compiled_int4_product_is_batch_invariant_side_by_side_and_within_on
 def test_loading_the_kernels_makes_every_int4_layer_use_the_compiled_product(extension):
     int4_backbone("llama")  # loading makes the model batch-invariant, which loads the kernels
     assert (Int4Linear.kernel is not None) == extension.has_int4_matmul()
+    assert Int4Linear.kernel_name == (extension.int4_kernel() if extension.has_int4_matmul() else "torch")
+
+
+def test_the_int4_product_runs_on_amx_tiles_where_the_cpu_has_them_unless_turned_off(extension):
+    if not extension.has_int4_matmul():
+        pytest.skip("this build has no AVX512-BF16: torch's int4-pack kernel runs")
+    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "").split()
+    if "amx_bf16" not in flags:
+        assert extension.int4_kernel() == "avx512-bf16"
+        return
+    assert extension.int4_kernel() == "amx"  # Linux ≥ 5.16 lets a process use the tiles
+    # $MEDUSA_LEAN_AMX=0: the AVX512-BF16 dot products, within one bfloat16 rounding of the same products in float64
+    script = """
+import torch
+from medusa_core.lean.build import load_extension
+from medusa_core.quant.layers import Int4Linear
+module, _ = load_extension()
+torch.manual_seed(0)
+layer = Int4Linear(torch.randint(0, 16, (64, 160)), torch.rand(64, 5) * 0.02, torch.randn(64, 5) * 0.01)
+x = torch.randn(6, 160).to(torch.bfloat16)
+out, exact = module.int4_matmul(x, layer.tiles).double(), x.double() @ layer.dequantized().double().T
+print(module.int4_kernel(), bool(((out - exact).abs() <= exact.abs() * 2**-8 + 1e-6).all()))
+"""
+    env = {**os.environ, build.AMX_ENV: "0"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.stdout.split() == ["avx512-bf16", "True"], done.stderr[-2000:]
 
 
 def test_a_build_killed_midway_does_not_leave_the_next_start_waiting_forever(extension):

@@ -202,7 +202,7 @@ def model_panel(engine: Engine, session: Session | None = None) -> str:
 
 def _int4_product(d: dict) -> str:
     """Which product the 4-bit layers run, as a clause of the precision row (``MedusaModel.describe()["int4_product"]``)."""
-    kinds = {"compiled": "the compiled AVX512-BF16 kernel", "torch": "torch's int4-pack kernel"}
+    kinds = {"amx": "the compiled kernel on AMX tiles", "avx512-bf16": "the compiled AVX512-BF16 kernel", "torch": "torch's int4-pack kernel"}
     return f"; int4 product: {kinds[d['int4_product']]}" if d.get("int4_product") in kinds else ""
 
 

@@ -19,14 +19,31 @@
 // last block alone. A pair is read as one contiguous stream, which the prefetches below keep ahead of the products:
 // 16 streams of codes and scales a thread (8 blocks) read ~33 GB/s where the machine reads ~46 (docs/BENCH.md, "The
 // 4-bit weights as one stream").
+//
+// On CPUs with AMX-BF16 (Intel Sapphire Rapids and later), where Linux lets the process use the tile registers, every
+// call runs amx_rows instead: a record's codes are widened as above into the [16 × 2-input pair] rows of one tile, and
+// one tile product (TDPBF16PS) multiplies them by up to 16 rows' 32 inputs at once, so that the codes are widened once
+// for every row of the call and a row's products cost the tile unit a sixteenth of an instruction. The scale and zero
+// then follow as above, per row and group. The tile unit adds a group's products in its own order, so its bits differ
+// from the AVX512-BF16 chain's (about half the groups' float32 sums, by an ulp; within one bfloat16 rounding either
+// way): all rows of every call take the same path, so a row's bits still do not depend on M or the other columns.
+// docs/BENCH.md, "AMX tiles for the 4-bit product", has the figures.
 #pragma once
 
 #include <torch/extension.h>
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
+
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define MEDUSA_LEAN_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace medusa_lean {
 
@@ -199,6 +216,141 @@ inline void int4_rows(const uint16_t* x, int64_t M, int64_t ldx, const uint8_t* 
   }
 }
 
+
+#if defined(MEDUSA_LEAN_AMX)
+
+// True once Linux has let this process use the AMX tile registers (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA,
+// Linux ≥ 5.16; process-wide, asked once), unless $MEDUSA_LEAN_AMX is 0 (build.py AMX_ENV): a build for an AMX CPU
+// runs the AVX512-BF16 path where it is refused or turned off. Decided at a process's first product, for good.
+inline bool amx_permitted() {
+  static const bool permitted = [] {
+    const char* env = std::getenv("MEDUSA_LEAN_AMX");
+    if (env != nullptr && std::string(env) == "0") return false;
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  }();
+  return permitted;
+}
+
+// The tiles amx_rows uses: 0 and 1 the two blocks' sums [R, 16] float32 for a pass of R = min(M, 16) rows, 2 those
+// rows' 32 inputs [R, 32] bfloat16, 3 and 4 the two blocks' widened codes [16 pairs, 16 × 2] bfloat16; 5, 6 and 7 as
+// 0, 1 and 2 for the last pass's `tail` rows when M > 16 and M % 16 > 0.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+inline void amx_configure(int64_t R, int64_t tail) {
+  TileConfig c;
+  for (int t : {0, 1, 2, 3, 4}) c.colsb[t] = 64;
+  c.rows[0] = c.rows[1] = c.rows[2] = static_cast<uint8_t>(R);
+  c.rows[3] = c.rows[4] = 16;
+  if (tail > 0) {
+    for (int t : {5, 6, 7}) c.colsb[t] = 64, c.rows[t] = static_cast<uint8_t>(tail);
+  }
+  _tile_loadconfig(&c);
+}
+
+// One record's codes widened to bfloat16 q − 8 as a tile's rows: row 2c (inputs 4c, 4c + 1 of the group) and 2c + 1
+// (4c + 2, 4c + 3) of chunk c, each [16 outputs × 2 inputs], the words int4_groups multiplies.
+inline void widen_record(const uint8_t* record, uint16_t* rows, __m512i values) {
+  _Pragma("GCC unroll 8") for (int c = 0; c < 8; ++c) {
+    const __m512i codes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(record + c * 32)));
+    _mm512_store_si512(rows + 64 * c, _mm512_permutexvar_epi16(codes, values));
+    _mm512_store_si512(rows + 64 * c + 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(codes, 4), values));
+  }
+}
+
+// How far ahead amx_rows prefetches its stream, in bytes (as kAheadBytes).
+constexpr int64_t kAmxAheadBytes = 16384;
+
+// A pass's `rows` rows from x by the H widened blocks in tiles 3 and 4 (tiles 2, 0 and 1 for the rows, the sums; 7, 5
+// and 6 for a `Tail` pass), then per row and block: total += scale · sum, total += zero · Σ x (int4_groups'
+// operations, in its order). The tile macros name their registers literally, hence the two spellings.
+template <bool Tail>
+inline void amx_pass(const uint16_t* x, int64_t ldx, int64_t rows, int H, const uint8_t* records, const float* xsum,
+                     int64_t G, int64_t g, float* total) {
+  alignas(64) float sums[2][16 * 16];
+  if constexpr (Tail) {
+    _tile_zero(5);
+    _tile_loadd(7, x + g * 32, ldx * 2);
+    _tile_dpbf16ps(5, 7, 3);
+    _tile_stored(5, sums[0], 64);
+    if (H == 2) {
+      _tile_zero(6);
+      _tile_dpbf16ps(6, 7, 4);
+      _tile_stored(6, sums[1], 64);
+    }
+  } else {
+    _tile_zero(0);
+    _tile_loadd(2, x + g * 32, ldx * 2);
+    _tile_dpbf16ps(0, 2, 3);
+    _tile_stored(0, sums[0], 64);
+    if (H == 2) {
+      _tile_zero(1);
+      _tile_dpbf16ps(1, 2, 4);
+      _tile_stored(1, sums[1], 64);
+    }
+  }
+  for (int b = 0; b < H; ++b) {
+    const uint16_t* s = reinterpret_cast<const uint16_t*>(records + b * kRecord + 256);
+    const __m512 scale = bf16_to_float(s), zero = bf16_to_float(s + 16);
+    for (int64_t m = 0; m < rows; ++m) {
+      float* t = total + m * 32 + b * 16;
+      __m512 sum = _mm512_fmadd_ps(_mm512_load_ps(sums[b] + m * 16), scale, _mm512_loadu_ps(t));
+      _mm512_storeu_ps(t, _mm512_fmadd_ps(zero, _mm512_set1_ps(xsum[m * G + g]), sum));
+    }
+  }
+}
+
+// Rows 0 .. M − 1 by the pairs begin .. end − 1 (and, with `lone`, the unpaired block after them), pair by pair and
+// group by group: each record widened once into tiles 3 and 4, then multiplied by the rows 16 at a time (the last
+// pass's M % 16 with tiles 5–7); the outputs rounded to bfloat16 once. Configures the tiles and releases them.
+inline void amx_rows(const uint16_t* x, int64_t M, int64_t ldx, const uint8_t* tiles, int64_t pair_bytes, const float* xsum,
+                     int64_t G, int64_t begin, int64_t end, bool lone, uint16_t* out, int64_t ldo, __m512i values,
+                     uintptr_t limit) {
+  const int64_t R = std::min<int64_t>(M, 16), full = M / 16 * 16, tail = M > 16 ? M % 16 : 0;
+  amx_configure(R, tail);
+  alignas(64) uint16_t widened[2][16 * 32];
+  std::vector<float> total(M * 32);
+  for (int64_t p = begin; p < end + lone; ++p) {
+    const int H = p < end ? 2 : 1;
+    const uint8_t* pair = tiles + p * pair_bytes;
+    std::fill(total.begin(), total.end(), 0.0f);
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* records = pair + g * H * kRecord;
+      const uintptr_t ahead = reinterpret_cast<uintptr_t>(records) + kAmxAheadBytes;  // as int4_groups' prefetch
+      if (ahead < limit) {
+        for (int line = 0; line < H * kRecord / 64; ++line) _mm_prefetch(reinterpret_cast<const char*>(ahead + 64 * line), _MM_HINT_T0);
+      }
+      widen_record(records, widened[0], values);
+      _tile_loadd(3, widened[0], 64);
+      if (H == 2) {
+        widen_record(records + kRecord, widened[1], values);
+        _tile_loadd(4, widened[1], 64);
+      }
+      if (M <= 16) {
+        amx_pass<false>(x, ldx, M, H, records, xsum, G, g, total.data());
+        continue;
+      }
+      for (int64_t m = 0; m < full; m += 16) {
+        amx_pass<false>(x + m * ldx, ldx, 16, H, records, xsum + m * G, G, g, total.data() + m * 32);
+      }
+      if (tail > 0) amx_pass<true>(x + full * ldx, ldx, tail, H, records, xsum + full * G, G, g, total.data() + full * 32);
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      for (int b = 0; b < H; ++b) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * ldo + 32 * p + b * 16),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(total.data() + m * 32 + b * 16)));
+      }
+    }
+  }
+  _tile_release();
+}
+
+#endif
+
 #endif
 
 // True where this build computes int4_matmul with AVX512-BF16; elsewhere the engine keeps torch's int4-pack kernel.
@@ -208,6 +360,15 @@ inline bool has_int4_matmul() {
 #else
   return false;
 #endif
+}
+
+// Which kernel int4_matmul runs in this process: "amx" (amx_rows), "avx512-bf16" (int4_rows), or "" where it has none
+// (has_int4_matmul).
+inline std::string int4_kernel() {
+#if defined(MEDUSA_LEAN_AMX)
+  if (amx_permitted()) return "amx";
+#endif
+  return has_int4_matmul() ? "avx512-bf16" : "";
 }
 
 // x [M, K] bfloat16 (rows ldx apart), tiles [N/16, K/32, 320] uint8 (the layout above) -> out [M, N] bfloat16 (rows N
@@ -226,10 +387,16 @@ inline void int4_matmul_into(const uint16_t* xp, int64_t M, int64_t K, int64_t l
   const float* xs = xsum.data();
   const int64_t pair_bytes = 2 * G * kRecord, pairs = blocks / 2;
   const bool odd = blocks % 2 == 1;
+#if defined(MEDUSA_LEAN_AMX)
+  const bool amx = amx_permitted();
+#endif
   at::parallel_for(0, pairs + odd, 4, [&](int64_t begin, int64_t end) {
     const __m512i values = code_values();
     const bool lone = odd && end == pairs + 1;  // this share ends with the unpaired block
     const uintptr_t limit = reinterpret_cast<uintptr_t>(tp) + std::min(end * pair_bytes, blocks * G * kRecord);
+#if defined(MEDUSA_LEAN_AMX)
+    if (amx) return amx_rows(xp, M, ldx, tp, pair_bytes, xs, G, begin, lone ? pairs : end, lone, op, N, values, limit);
+#endif
     int4_rows(xp, M, ldx, tp, pair_bytes, xs, G, begin, lone ? pairs : end, lone, op, N, values, limit);
   });
 #else

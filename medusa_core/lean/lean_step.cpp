@@ -535,6 +535,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("draft_top", &medusa_lean::draft_top, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("has_bf16_dot", &medusa_lean::has_bf16_dot);
   m.def("has_int4_matmul", &medusa_lean::has_int4_matmul);
+  m.def("int4_kernel", &medusa_lean::int4_kernel);
   m.def("int4_matmul", &medusa_lean::int4_matmul, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("refine_top", &medusa_lean::refine_top, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("penalise_rows", &medusa_lean::penalise_rows, pybind11::call_guard<pybind11::gil_scoped_release>());

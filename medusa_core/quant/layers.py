@@ -41,8 +41,8 @@ class Int4Linear(nn.Module):
 
     The weights are kept as ``int4_tiles`` (``tiles`` [N/16, K/32, 320] uint8: codes, scales and zeros).
     ``forward(x [..., K]) -> [..., N]`` in x's dtype; x is rounded to bfloat16
-    first, as bitsandbytes' CPU kernel does. The product is ``Int4Linear.kernel`` (the compiled AVX512-BF16
-    ``int4_matmul`` of ``medusa_core.lean``, which ``invariant.load_kernel`` installs for the process) or, where
+    first, as bitsandbytes' CPU kernel does. The product is ``Int4Linear.kernel`` (the compiled ``int4_matmul`` of
+    ``medusa_core.lean``, on AMX tiles or AVX512-BF16 dot products, which ``invariant.load_kernel`` installs for the process) or, where
     that is not loaded, torch's int4-pack kernel, whose CPU-specific packing is then made on the first pass.
     Both are batch-invariant. Raises ``ValueError`` when K is not a multiple of 32, N not a multiple of 16
     (the kernels' tiles), or the shapes disagree.
@@ -52,6 +52,9 @@ class Int4Linear(nn.Module):
     #: torch's int4-pack kernel. One choice per process, made when the lean extension loads (before a model's
     #: first pass: the two kernels round differently, and a conversation's cached keys must come from one).
     kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    #: Which product runs: ``"amx"`` (the compiled product on AMX tiles), ``"avx512-bf16"`` (on AVX512-BF16 dot
+    #: products) or ``"torch"`` (the int4-pack kernel); set with ``kernel``.
+    kernel_name: str = "torch"
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
