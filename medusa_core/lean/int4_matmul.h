@@ -264,86 +264,119 @@ inline void widen_record(const uint8_t* record, uint16_t* rows, __m512i values) 
 
 // How far ahead amx_rows prefetches its stream, in bytes (as kAheadBytes).
 constexpr int64_t kAmxAheadBytes = 16384;
+// Groups whose tile sums amx_rows keeps before it scales them (a row's total stays in a register over a slab): with 2,
+// passes of 16 rows ran 1.10× as fast as with 1 on the demo's linears, 4 to 16 no faster (docs/BENCH.md, "AMX tiles").
+constexpr int64_t kSlab = 2;
 
-// A pass's `rows` rows from x by the H widened blocks in tiles 3 and 4 (tiles 2, 0 and 1 for the rows, the sums; 7, 5
-// and 6 for a `Tail` pass), then per row and block: total += scale · sum, total += zero · Σ x (int4_groups'
-// operations, in its order). The tile macros name their registers literally, hence the two spellings.
+// The tile sums of one slab of groups g0 .. g0 + n − 1 for a pass of `rows` rows: each group's records widened into
+// tiles 3 and 4, multiplied by the rows' inputs (tile 2 into the sums tiles 0 and 1; 7 into 5 and 6 for a `Tail`
+// pass), stored as sums [n][H][rows][16] float32. The tile macros name their registers literally, hence the two
+// spellings.
 template <bool Tail>
-inline void amx_pass(const uint16_t* x, int64_t ldx, int64_t rows, int H, const uint8_t* records, const float* xsum,
-                     int64_t G, int64_t g, float* total) {
-  alignas(64) float sums[2][16 * 16];
-  if constexpr (Tail) {
-    _tile_zero(5);
-    _tile_loadd(7, x + g * 32, ldx * 2);
-    _tile_dpbf16ps(5, 7, 3);
-    _tile_stored(5, sums[0], 64);
-    if (H == 2) {
-      _tile_zero(6);
-      _tile_dpbf16ps(6, 7, 4);
-      _tile_stored(6, sums[1], 64);
+inline void amx_slab(const uint16_t* x, int64_t ldx, int64_t rows, int H, const uint8_t* pair, int64_t g0, int64_t n,
+                     float* sums, uint16_t* widened, __m512i values, uintptr_t limit) {
+  for (int64_t k = 0; k < n; ++k) {
+    const uint8_t* records = pair + (g0 + k) * H * kRecord;
+    const uintptr_t ahead = reinterpret_cast<uintptr_t>(records) + kAmxAheadBytes;  // as int4_groups' prefetch
+    if (ahead < limit) {
+      for (int line = 0; line < H * kRecord / 64; ++line) _mm_prefetch(reinterpret_cast<const char*>(ahead + 64 * line), _MM_HINT_T0);
     }
-  } else {
-    _tile_zero(0);
-    _tile_loadd(2, x + g * 32, ldx * 2);
-    _tile_dpbf16ps(0, 2, 3);
-    _tile_stored(0, sums[0], 64);
+    const uint16_t* xg = x + (g0 + k) * 32;
+    float* s0 = sums + k * H * rows * 16;
+    float* s1 = s0 + rows * 16;
+    uint16_t* w = widened + (k & 1) * 2 * 16 * 32;  // two buffers in turn: a group's widening need not wait for the last tile loads
+    widen_record(records, w, values);
+    _tile_loadd(3, w, 64);
     if (H == 2) {
-      _tile_zero(1);
-      _tile_dpbf16ps(1, 2, 4);
-      _tile_stored(1, sums[1], 64);
+      widen_record(records + kRecord, w + 16 * 32, values);
+      _tile_loadd(4, w + 16 * 32, 64);
     }
-  }
-  for (int b = 0; b < H; ++b) {
-    const uint16_t* s = reinterpret_cast<const uint16_t*>(records + b * kRecord + 256);
-    const __m512 scale = bf16_to_float(s), zero = bf16_to_float(s + 16);
-    for (int64_t m = 0; m < rows; ++m) {
-      float* t = total + m * 32 + b * 16;
-      __m512 sum = _mm512_fmadd_ps(_mm512_load_ps(sums[b] + m * 16), scale, _mm512_loadu_ps(t));
-      _mm512_storeu_ps(t, _mm512_fmadd_ps(zero, _mm512_set1_ps(xsum[m * G + g]), sum));
+    if constexpr (Tail) {
+      _tile_loadd(7, xg, ldx * 2);
+      _tile_zero(5);
+      _tile_dpbf16ps(5, 7, 3);
+      _tile_stored(5, s0, 64);
+      if (H == 2) {
+        _tile_zero(6);
+        _tile_dpbf16ps(6, 7, 4);
+        _tile_stored(6, s1, 64);
+      }
+    } else {
+      _tile_loadd(2, xg, ldx * 2);
+      _tile_zero(0);
+      _tile_dpbf16ps(0, 2, 3);
+      _tile_stored(0, s0, 64);
+      if (H == 2) {
+        _tile_zero(1);
+        _tile_dpbf16ps(1, 2, 4);
+        _tile_stored(1, s1, 64);
+      }
     }
   }
 }
 
-// Rows 0 .. M − 1 by the pairs begin .. end − 1 (and, with `lone`, the unpaired block after them), pair by pair and
-// group by group: each record widened once into tiles 3 and 4, then multiplied by the rows 16 at a time (the last
-// pass's M % 16 with tiles 5–7); the outputs rounded to bfloat16 once. Configures the tiles and releases them.
+// A pass of `rows` ≤ 16 rows by the H blocks of one pair, slab by slab: per row and block, group by group,
+// total += scale · sum, total += zero · Σ x (int4_groups' operations, in its order), the total in a register over a
+// slab; the outputs rounded to bfloat16 once.
+template <bool Tail>
+inline void amx_pass(const uint16_t* x, int64_t ldx, int64_t rows, int H, const uint8_t* pair, const float* xsum, int64_t G,
+                     uint16_t* out, int64_t ldo, float* sums, float* total, uint16_t* widened, __m512i values, uintptr_t limit) {
+  alignas(64) float factors[kSlab][2][2][16];  // the slab's scales and zeros as float32: [group][block][scale, zero]
+  for (int64_t g0 = 0; g0 < G; g0 += kSlab) {
+    const int64_t n = std::min(kSlab, G - g0);
+    amx_slab<Tail>(x, ldx, rows, H, pair, g0, n, sums, widened, values, limit);
+    for (int64_t k = 0; k < n; ++k) {
+      for (int b = 0; b < H; ++b) {
+        const uint16_t* s = reinterpret_cast<const uint16_t*>(pair + ((g0 + k) * H + b) * kRecord + 256);
+        _mm512_store_ps(factors[k][b][0], bf16_to_float(s));
+        _mm512_store_ps(factors[k][b][1], bf16_to_float(s + 16));
+      }
+    }
+    for (int b = 0; b < H; ++b) {
+      for (int64_t m = 0; m < rows; ++m) {
+        __m512 t = g0 == 0 ? _mm512_setzero_ps() : _mm512_load_ps(total + (m * 2 + b) * 16);
+        const float* xs = xsum + m * G + g0;
+        for (int64_t k = 0; k < n; ++k) {
+          t = _mm512_fmadd_ps(_mm512_load_ps(sums + ((k * H + b) * rows + m) * 16), _mm512_load_ps(factors[k][b][0]), t);
+          t = _mm512_fmadd_ps(_mm512_load_ps(factors[k][b][1]), _mm512_set1_ps(xs[k]), t);
+        }
+        _mm512_store_ps(total + (m * 2 + b) * 16, t);
+      }
+    }
+  }
+  for (int64_t m = 0; m < rows; ++m) {
+    for (int b = 0; b < H; ++b) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * ldo + b * 16),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(total + (m * 2 + b) * 16)));
+    }
+  }
+}
+
+// Rows 0 .. M − 1 by the pairs begin .. end − 1 (and, with `lone`, the unpaired block after them), pair by pair, in
+// passes of 16 rows (the last pass's M % 16 with tiles 5–7): each record widened once a pass and multiplied by all
+// its rows at once. Configures the tiles and releases them.
 inline void amx_rows(const uint16_t* x, int64_t M, int64_t ldx, const uint8_t* tiles, int64_t pair_bytes, const float* xsum,
                      int64_t G, int64_t begin, int64_t end, bool lone, uint16_t* out, int64_t ldo, __m512i values,
                      uintptr_t limit) {
   const int64_t R = std::min<int64_t>(M, 16), full = M / 16 * 16, tail = M > 16 ? M % 16 : 0;
   amx_configure(R, tail);
-  alignas(64) uint16_t widened[2][16 * 32];
-  std::vector<float> total(M * 32);
+  alignas(64) uint16_t widened[2 * 2 * 16 * 32];
+  alignas(64) float sums[kSlab * 2 * 16 * 16];
+  alignas(64) float total[16 * 2 * 16];
   for (int64_t p = begin; p < end + lone; ++p) {
     const int H = p < end ? 2 : 1;
     const uint8_t* pair = tiles + p * pair_bytes;
-    std::fill(total.begin(), total.end(), 0.0f);
-    for (int64_t g = 0; g < G; ++g) {
-      const uint8_t* records = pair + g * H * kRecord;
-      const uintptr_t ahead = reinterpret_cast<uintptr_t>(records) + kAmxAheadBytes;  // as int4_groups' prefetch
-      if (ahead < limit) {
-        for (int line = 0; line < H * kRecord / 64; ++line) _mm_prefetch(reinterpret_cast<const char*>(ahead + 64 * line), _MM_HINT_T0);
-      }
-      widen_record(records, widened[0], values);
-      _tile_loadd(3, widened[0], 64);
-      if (H == 2) {
-        widen_record(records + kRecord, widened[1], values);
-        _tile_loadd(4, widened[1], 64);
-      }
-      if (M <= 16) {
-        amx_pass<false>(x, ldx, M, H, records, xsum, G, g, total.data());
-        continue;
-      }
-      for (int64_t m = 0; m < full; m += 16) {
-        amx_pass<false>(x + m * ldx, ldx, 16, H, records, xsum + m * G, G, g, total.data() + m * 32);
-      }
-      if (tail > 0) amx_pass<true>(x + full * ldx, ldx, tail, H, records, xsum + full * G, G, g, total.data() + full * 32);
+    if (M <= 16) {
+      amx_pass<false>(x, ldx, M, H, pair, xsum, G, out + 32 * p, ldo, sums, total, widened, values, limit);
+      continue;
     }
-    for (int64_t m = 0; m < M; ++m) {
-      for (int b = 0; b < H; ++b) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * ldo + 32 * p + b * 16),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(total.data() + m * 32 + b * 16)));
-      }
+    for (int64_t m = 0; m < full; m += 16) {
+      amx_pass<false>(x + m * ldx, ldx, 16, H, pair, xsum + m * G, G, out + m * ldo + 32 * p, ldo, sums, total, widened,
+                      values, limit);
+    }
+    if (tail > 0) {
+      amx_pass<true>(x + full * ldx, ldx, tail, H, pair, xsum + full * G, G, out + full * ldo + 32 * p, ldo, sums, total,
+                     widened, values, limit);
     }
   }
   _tile_release();
