@@ -3,7 +3,7 @@
 ``python -m medusa_core.bench tune`` measures each tree size on this machine at a settings preset
 (``TUNED_PRESETS``: greedy, and the chat preset the app starts with) and writes one entry per device,
 precision and preset under ``tuned_key``: ``"cpu/gguf@chat"``, or ``"cpu+amx/gguf@chat"`` where the 4-bit product
-runs on AMX tiles (``machine_class``: a tree row costs a few percent of a pass there, a third of one on AVX512-BF16
+runs on AMX tiles (``machine_class``, gguf backbones: a tree row costs a few percent of a pass there, a third of one on AVX512-BF16
 dot products, so such a CPU keeps trees of its own and falls back to the device's entry without one). Files written
 before entries were per settings hold one entry per device and precision (``"cpu/gguf"``), measured greedy; they are
 still read, as the greedy entry and as the tree of any preset that has no entry of its own.
@@ -24,15 +24,17 @@ from .quant.layers import Int4Linear
 TUNED_PRESETS = ("greedy", "chat")
 
 
-def machine_class(device: torch.device) -> str:
-    """``"cpu+amx"`` on a CPU whose 4-bit product runs on AMX tiles (``Int4Linear.kernel_name``, set when the lean
-    extension loads), else ``device.type``: the first part of this machine's ``tuned_key``."""
-    return "cpu+amx" if device.type == "cpu" and Int4Linear.kernel_name == "amx" else device.type
+def machine_class(device: torch.device, quantization: str | None) -> str:
+    """``"cpu+amx"`` for a gguf backbone (``Int4Linear`` layers) on a CPU whose 4-bit product runs on AMX tiles
+    (``Int4Linear.kernel_name``, set when the lean extension loads), else ``device.type``: the first part of this
+    machine's ``tuned_key`` for that precision."""
+    amx = device.type == "cpu" and quantization == "gguf" and Int4Linear.kernel_name == "amx"
+    return "cpu+amx" if amx else device.type
 
 
 def tuned_key(device: torch.device, quantization: str | None, preset: str | None = None, machine: str | None = None) -> str:
     """Key of a tuned entry in ``medusa_tuned.json``: ``"<machine>/<quantization>@<preset>"`` (``machine``: the
-    device's type unless given, e.g. ``machine_class(device)``), or without ``preset`` the key of files written
+    device's type unless given, e.g. ``machine_class(device, quantization)``), or without ``preset`` the key of files written
     before entries were per settings (``"cpu/gguf"``). Raises ``ValueError`` for a preset not in ``TUNED_PRESETS``."""
     if preset is not None and preset not in TUNED_PRESETS:
         raise ValueError(f"preset must be one of {TUNED_PRESETS}, got {preset!r}")
@@ -82,7 +84,7 @@ def tuned_entries(data: Mapping[str, Any], device: torch.device, quantization: s
     legacy = tuned_key(device, quantization)
     found = {}
     for preset in TUNED_PRESETS:
-        own = tuned_key(device, quantization, preset, machine_class(device))
+        own = tuned_key(device, quantization, preset, machine_class(device, quantization))
         key = own if own in data else tuned_key(device, quantization, preset)
         if key in data:
             found[preset] = (key, data[key], preset)

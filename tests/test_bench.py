@@ -561,6 +561,27 @@ def test_the_draft_methods_run_the_engine_with_n_gram_drafts_alone_or_beside_eac
         build_methods(Model(), ["lookup"], ["a"])
 
 
+def test_the_tuned_tree_of_a_bench_run_is_the_one_tuned_at_the_runs_settings_as_generate_reads_it():
+    from medusa_core import CHAT_PRESET, SamplingConfig
+    from medusa_core.bench.methods import build_methods
+    from medusa_core.tuned import TunedSettings
+
+    class Model:
+        trees = {"tuned": [[0], [1], [0, 0]], "tuned_chat": [[0]]}
+        has_corpus = True
+
+        def resolve_tree(self, tree):
+            return tree, self.trees[tree]
+
+        def tuned_for(self, config):
+            return TunedSettings("greedy", "tuned", 0.1, "greedy") if config.greedy else TunedSettings("chat", "tuned_chat", 0.1, "chat")
+
+    chat = build_methods(Model(), ["medusa:tuned", "medusa+corpus:tuned_chat"], [], CHAT_PRESET)
+    assert [(m.name, m.choices) for m in chat] == [("medusa:tuned", ((0,),)), ("medusa+corpus:tuned_chat", ((0,),))]
+    [greedy] = build_methods(Model(), ["medusa:tuned"], [], SamplingConfig())
+    assert (greedy.name, greedy.tree_nodes) == ("medusa:tuned", 4)
+
+
 def test_draft_flags_reach_the_engine_and_the_report_and_shaped_trees_stay_identical_to_hf(tiny, tmp_path, monkeypatch):
     from medusa_core import DraftConfig, MedusaModel
 

@@ -485,27 +485,22 @@ def test_tuned_entries_per_settings_give_each_preset_its_tree_and_tau_and_an_old
     assert {r.tree_name for r in chat_tuned} <= {"prefill", "baseline", "tuned_chat"}
 
 
-def test_a_cpu_whose_4bit_product_runs_on_amx_tiles_reads_its_own_tuned_entries_and_else_the_cpus(base, tmp_path, monkeypatch):
+def test_a_cpu_whose_4bit_product_runs_on_amx_tiles_reads_its_own_tuned_entries_and_else_the_cpus(monkeypatch):
     from medusa_core.quant.layers import Int4Linear
     from medusa_core.tuned import machine_class, tuned_entries
 
-    folder, backbone = base
-    save_medusa_heads(random_heads(backbone, HEADS), tmp_path, base_model_name_or_path=str(folder))
-    tuned = {"cpu/none@greedy": {"choices": [[0]], "min_head_probability": 0.1},
-             "cpu/none@chat": {"choices": [[0]], "min_head_probability": 0.3},
-             "cpu+amx/none@greedy": {"choices": [[0], [1], [0, 0]], "min_head_probability": 0.05}}
-    (tmp_path / "medusa_tuned.json").write_text(json.dumps(tuned))
+    tuned = {"cpu/gguf@greedy": {"choices": [[0]]}, "cpu/gguf@chat": {"choices": [[0]]},
+             "cpu+amx/gguf@greedy": {"choices": [[0], [1], [0, 0]]}, "cpu/none@greedy": {"choices": [[0]]}}
     cpu = torch.device("cpu")
     monkeypatch.setattr(Int4Linear, "kernel_name", "avx512-bf16")
-    assert machine_class(cpu) == "cpu" and {p: k for p, (k, _, _) in tuned_entries(tuned, cpu, None).items()} == {
-        "greedy": "cpu/none@greedy", "chat": "cpu/none@chat"}
+    assert machine_class(cpu, "gguf") == "cpu" and {p: k for p, (k, _, _) in tuned_entries(tuned, cpu, "gguf").items()} == {
+        "greedy": "cpu/gguf@greedy", "chat": "cpu/gguf@chat"}
     monkeypatch.setattr(Int4Linear, "kernel_name", "amx")
-    assert machine_class(cpu) == "cpu+amx" and machine_class(torch.device("meta")) == "meta"
-    assert {p: k for p, (k, _, _) in tuned_entries(tuned, cpu, None).items()} == {
-        "greedy": "cpu+amx/none@greedy", "chat": "cpu/none@chat"}  # no AMX entry at chat: the CPU's
-    model = load(tmp_path)
-    assert model.trees["tuned"] == [[0], [1], [0, 0]] and model.min_head_probability == 0.05
-    assert model.tuned_for(CHAT_PRESET).min_head_probability == 0.3
+    assert machine_class(cpu, "gguf") == "cpu+amx" and {p: k for p, (k, _, _) in tuned_entries(tuned, cpu, "gguf").items()} == {
+        "greedy": "cpu+amx/gguf@greedy", "chat": "cpu/gguf@chat"}  # no AMX entry at chat: the CPU's
+    # a float backbone has no 4-bit layer: its trees are the CPU's whatever the product
+    assert machine_class(cpu, None) == "cpu" and machine_class(torch.device("meta"), "gguf") == "meta"
+    assert {p: k for p, (k, _, _) in tuned_entries(tuned, cpu, None).items()} == {"greedy": "cpu/none@greedy"}
 
 
 def test_head_temperatures_of_the_wrong_length_raise_a_checkpoint_error_naming_the_file_and_the_value(base, tmp_path):

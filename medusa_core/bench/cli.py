@@ -186,8 +186,8 @@ def sampling_settings(model: Any, args: argparse.Namespace) -> tuple[SamplingCon
 def cmd_run(model: Any, args: argparse.Namespace, command: str) -> int:
     """The benchmark: print the table, write CSV, markdown and the chart."""
     prompts = load_prompts(args.prompts, args.limit, args.categories)
-    methods = build_methods(model, args.methods, args.trees or default_trees(model))
     config, sampling = sampling_settings(model, args)
+    methods = build_methods(model, args.methods, args.trees or default_trees(model), config)
     drafts = DraftConfig(max_tokens=args.draft_tokens, min_path_probability=args.min_path_probability,
                          min_head_probability=args.min_head_probability, chain_only_from=args.chain_only_from)
     out = args.out or Path("out") / "bench"

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..processors import SamplingConfig
 from . import llama_cpp
 
 #: Method kinds: HF greedy ``generate``, HF prompt lookup decoding, this project's plain loop, Medusa.
@@ -52,18 +53,21 @@ class Method:
         return len(self.choices) + 1
 
 
-def build_methods(model: Any, methods: Sequence[str], trees: Sequence[str]) -> list[Method]:
+def build_methods(model: Any, methods: Sequence[str], trees: Sequence[str], config: SamplingConfig | None = None) -> list[Method]:
     """Methods from names: ``hf``, ``hf_pld``, ``baseline``, ``medusa`` (one per tree in ``trees``),
     ``medusa:<tree>``, ``ngram`` (n-gram drafts only), ``medusa+ngram`` (the hybrid, one per tree),
     ``medusa+ngram:<tree>``, ``medusa+corpus`` / ``medusa+corpus:<tree>`` (the heads and the model's corpus of its
     replies; skipped, with a line saying so, for a model without one); ``baseline`` and the Medusa names may end in ``TRANSFORMERS_PASS`` (transformers'
-    forward instead of the lean pass). Raises ``ValueError`` for an unknown method or a tree the model cannot run."""
+    forward instead of the lean pass). The tree ``tuned`` is the one tuned at ``config``'s preset
+    (``MedusaModel.tuned_for``, as ``generate`` reads it), named ``tuned`` still. Raises ``ValueError`` for an unknown
+    method or a tree the model cannot run."""
     out: list[Method] = []
     for full_name in methods:
         name = full_name.removesuffix(TRANSFORMERS_PASS)
         if name != full_name:
             if name in ("baseline", "ngram") or name.split(":", 1)[0] in MEDUSA_PREFIXES:
-                out += [dataclasses.replace(m, name=m.name + TRANSFORMERS_PASS, lean=False) for m in build_methods(model, [name], trees)]
+                out += [dataclasses.replace(m, name=m.name + TRANSFORMERS_PASS, lean=False)
+                        for m in build_methods(model, [name], trees, config)]
                 continue
             raise ValueError(f"{TRANSFORMERS_PASS} applies to baseline and Medusa methods, not {name!r}")
         if name in ("hf", "hf_pld", "baseline"):
@@ -91,8 +95,9 @@ def build_methods(model: Any, methods: Sequence[str], trees: Sequence[str]) -> l
                 print(f"skipped {name}: the model has no corpus of its own replies (a distill/ folder beside its heads)")
                 continue
             for tree in trees if ":" not in name else [name.split(":", 1)[1]]:
-                tree_name, choices = model.resolve_tree(tree)
-                out.append(Method(f"{prefix}:{tree_name}", "medusa", tuple(map(tuple, choices)), drafts=drafts))
+                tuned = model.tuned_for(config) if tree == "tuned" and config is not None and hasattr(model, "tuned_for") else None
+                tree_name, choices = model.resolve_tree(tuned.tree if tuned else tree)
+                out.append(Method(f"{prefix}:{tree if tuned else tree_name}", "medusa", tuple(map(tuple, choices)), drafts=drafts))
         else:
             raise ValueError(
                 f"unknown method {name!r}: use {', '.join(METHOD_KINDS + DRAFT_METHODS)}, medusa:<tree>, medusa+ngram:<tree> "

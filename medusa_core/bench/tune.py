@@ -237,7 +237,7 @@ def cmd_tune(model: Any, args: argparse.Namespace, command: str) -> int:
     if args.threshold_only:
         data = json.loads(target.read_text(encoding="utf-8")) if target.exists() else {}
         for preset in args.presets:
-            key = tuned_key(model.device, model.quantization, preset, machine_class(model.device))
+            key = tuned_key(model.device, model.quantization, preset, machine_class(model.device, model.quantization))
             entry = data.get(key)
             if not isinstance(entry, dict):
                 raise SystemExit(f"{target} has no entry {key!r} to derive τ from: run bench tune --presets {preset} first")
@@ -273,7 +273,7 @@ def tune_at(model: Any, args: argparse.Namespace, command: str, preset: str, tre
     """One preset's tuning (``cmd_tune``): time every size of ``trees`` (paths n -> the tree, 0 the plain loop;
     ``expected`` accepted tokens from the rank accuracies), confirm the best by a benchmark, print and write
     the report under ``--out``/<preset>, and merge the entry into ``target``. Returns the entry."""
-    key = tuned_key(model.device, model.quantization, preset, machine_class(model.device))
+    key = tuned_key(model.device, model.quantization, preset, machine_class(model.device, model.quantization))
     config, sampling = preset_settings(model, preset)
     label = config.describe() + ("" if config.greedy else f", {sampling}")
     print(f"tuning at {preset} ({label}) → {target} [{key}]")
