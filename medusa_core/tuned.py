@@ -2,11 +2,11 @@
 
 ``python -m medusa_core.bench tune`` measures each tree size on this machine at a settings preset
 (``TUNED_PRESETS``: greedy, and the chat preset the app starts with) and writes one entry per device,
-precision and preset under ``tuned_key``: ``"cpu/gguf@chat"``, or ``"cpu+amx/gguf@chat"`` where the 4-bit product
-runs on AMX tiles (``machine_class``, gguf backbones: a tree row costs a few percent of a pass there, a third of one on AVX512-BF16
-dot products, so such a CPU keeps trees of its own and falls back to the device's entry without one). Files written
-before entries were per settings hold one entry per device and precision (``"cpu/gguf"``), measured greedy; they are
-still read, as the greedy entry and as the tree of any preset that has no entry of its own.
+precision and preset under ``tuned_key``: ``"cpu/gguf@chat"``, or ``"cpu+amx/gguf@chat"`` for a gguf backbone whose
+4-bit product runs on AMX tiles (``machine_class``: a tree row costs a few percent of a pass there, up to a third of
+one on AVX512-BF16 dot products, so such a CPU keeps trees of its own and falls back to the device's entry without
+one). Files written before entries were per settings hold one entry per device and precision (``"cpu/gguf"``),
+measured greedy; they are still read, as the greedy entry and as the tree of any preset that has no entry of its own.
 A reply's settings pick an entry through ``settings_preset``: greedy at temperature 0, chat otherwise.
 """
 
@@ -34,8 +34,9 @@ def machine_class(device: torch.device, quantization: str | None) -> str:
 
 def tuned_key(device: torch.device, quantization: str | None, preset: str | None = None, machine: str | None = None) -> str:
     """Key of a tuned entry in ``medusa_tuned.json``: ``"<machine>/<quantization>@<preset>"`` (``machine``: the
-    device's type unless given, e.g. ``machine_class(device, quantization)``), or without ``preset`` the key of files written
-    before entries were per settings (``"cpu/gguf"``). Raises ``ValueError`` for a preset not in ``TUNED_PRESETS``."""
+    device's type unless given, e.g. ``machine_class(device, quantization)``), or without ``preset`` the key of files
+    written before entries were per settings (``"cpu/gguf"``). Raises ``ValueError`` for a preset not in
+    ``TUNED_PRESETS``."""
     if preset is not None and preset not in TUNED_PRESETS:
         raise ValueError(f"preset must be one of {TUNED_PRESETS}, got {preset!r}")
     base = f"{machine or device.type}/{quantization or 'none'}"

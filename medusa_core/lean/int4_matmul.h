@@ -270,8 +270,18 @@ constexpr int64_t kSlab = 2;
 
 // The tile sums of one slab of groups g0 .. g0 + n − 1 for a pass of `rows` rows: each group's records widened into
 // tiles 3 and 4, multiplied by the rows' inputs (tile 2 into the sums tiles 0 and 1; 7 into 5 and 6 for a `Tail`
-// pass), stored as sums [n][H][rows][16] float32. The tile macros name their registers literally, hence the two
-// spellings.
+// pass), stored as sums [n][H][rows][16] float32. The tile intrinsics take their registers as literal numbers, which
+// a macro can pass on and a template parameter cannot.
+#define MEDUSA_AMX_GROUP(A, C0, C1)  \
+  _tile_loadd(A, xg, ldx * 2);      \
+  _tile_zero(C0);                   \
+  _tile_dpbf16ps(C0, A, 3);         \
+  _tile_stored(C0, s0, 64);         \
+  if (H == 2) {                     \
+    _tile_zero(C1);                 \
+    _tile_dpbf16ps(C1, A, 4);       \
+    _tile_stored(C1, s1, 64);       \
+  }
 template <bool Tail>
 inline void amx_slab(const uint16_t* x, int64_t ldx, int64_t rows, int H, const uint8_t* pair, int64_t g0, int64_t n,
                      float* sums, uint16_t* widened, __m512i values, uintptr_t limit) {
@@ -292,28 +302,13 @@ inline void amx_slab(const uint16_t* x, int64_t ldx, int64_t rows, int H, const 
       _tile_loadd(4, w + 16 * 32, 64);
     }
     if constexpr (Tail) {
-      _tile_loadd(7, xg, ldx * 2);
-      _tile_zero(5);
-      _tile_dpbf16ps(5, 7, 3);
-      _tile_stored(5, s0, 64);
-      if (H == 2) {
-        _tile_zero(6);
-        _tile_dpbf16ps(6, 7, 4);
-        _tile_stored(6, s1, 64);
-      }
+      MEDUSA_AMX_GROUP(7, 5, 6)
     } else {
-      _tile_loadd(2, xg, ldx * 2);
-      _tile_zero(0);
-      _tile_dpbf16ps(0, 2, 3);
-      _tile_stored(0, s0, 64);
-      if (H == 2) {
-        _tile_zero(1);
-        _tile_dpbf16ps(1, 2, 4);
-        _tile_stored(1, s1, 64);
-      }
+      MEDUSA_AMX_GROUP(2, 0, 1)
     }
   }
 }
+#undef MEDUSA_AMX_GROUP
 
 // A pass of `rows` ≤ 16 rows by the H blocks of one pair, slab by slab: per row and block, group by group,
 // total += scale · sum, total += zero · Σ x (int4_groups' operations, in its order), the total in a register over a
