@@ -150,11 +150,11 @@ class MedusaModel:
 
     def index_corpus_in_background(self) -> None:
         """Start making the corpus index (``corpus``: ~9 s for the demo at a first start in this process, ~12 s apart,
-        then read from the cache folder) in a daemon thread, so that a caller who will want corpus drafts soon does not wait for it: the app at
-        ``ready``, a reply that found it not ready. A source with ``prepare_apart`` (a head folder's replies,
-        ``loading.CorpusIndex``) first makes its index file in a low-priority process of its own, so that replies
-        decoded meanwhile keep their speed. Nothing without a corpus, once it is made, or while a thread this started
-        runs (two callers at once start at most two threads; ``corpus``'s lock makes one build)."""
+        then read from the cache folder) in a daemon thread, so that a caller who will want corpus drafts soon does not
+        wait for it: the app at ``ready``, a reply that found it not ready. A source with ``prepare_apart`` (a head
+        folder's replies, ``loading.CorpusIndex``) first makes its index file in a low-priority process of its own, so
+        that replies decoded meanwhile keep their speed. Nothing without a corpus, once it is made, or while a thread
+        this started runs (two callers at once start at most two threads; ``corpus``'s lock makes one build)."""
         if not self.has_corpus or self.corpus_ready or (self._corpus_thread is not None and self._corpus_thread.is_alive()):
             return
         source = self._corpus

@@ -95,7 +95,7 @@ def build_methods(model: Any, methods: Sequence[str], trees: Sequence[str], conf
                 print(f"skipped {name}: the model has no corpus of its own replies (a distill/ folder beside its heads)")
                 continue
             for tree in trees if ":" not in name else [name.split(":", 1)[1]]:
-                tuned = model.tuned_for(config) if tree == "tuned" and config is not None and hasattr(model, "tuned_for") else None
+                tuned = model.tuned_for(config) if tree == "tuned" and config is not None else None
                 tree_name, choices = model.resolve_tree(tuned.tree if tuned else tree)
                 out.append(Method(f"{prefix}:{tree if tuned else tree_name}", "medusa", tuple(map(tuple, choices)), drafts=drafts))
         else:
