@@ -13,6 +13,8 @@ top-1 where draft 1 is right, and a 2-draft chain's tokens per step 1 + P(d1) + 
 
     # on a GPU (the GGUF weights dequantized to float32): train, write eagle_probe.json and eagle_drafter.safetensors
     python scripts/probe_eagle.py --device cuda --epochs 4 --with-greedy --out out/eagle
+    # the same, continued from saved weights at a lower learning rate
+    python scripts/probe_eagle.py --device cuda --epochs 2 --lr 3e-4 --with-greedy --init assets/eagle-probe/drafter.safetensors
     # on this CPU (the app's own int4 states): measure saved weights, with attention limited to the last w positions
     python scripts/probe_eagle.py --device cpu --quantization gguf --tokens 4096 --eval assets/eagle-probe/drafter.safetensors
     # the same with the drafter's linears in 4 bits (as a compiled int4 product would hold them), all positions
@@ -210,6 +212,7 @@ def main():
     p.add_argument("--w2", type=float, default=0.5, help="weight of the chained draft's loss")
     p.add_argument("--wreg", type=float, default=0.1, help="weight of the feature regression (EAGLE-1)")
     p.add_argument("--deadline", type=float, default=0, help="epoch seconds by which the results must be written")
+    p.add_argument("--init", default="", help="drafter weights to continue training from (else EAGLE's start)")
     p.add_argument("--eval", default="", help="drafter weights: only measure them, once per attention window (--windows)")
     p.add_argument("--windows", type=int, nargs="+", default=[0, 1, 2, 4, 16, 64], help="with --eval: attention windows (0: all)")
     p.add_argument("--int4", action="store_true", help="with --eval: the drafter's linears quantized to 4 bits first")
@@ -293,6 +296,10 @@ def main():
         drafter.fc.weight[:, : cfg.hidden_size].copy_(torch.eye(cfg.hidden_size))
         drafter.o.weight.zero_()
         drafter.d.weight.zero_()
+    if a.init:
+        from safetensors.torch import load_file
+
+        drafter.load_state_dict({k: v.float() for k, v in load_file(a.init).items()})
     for prm in model.parameters():
         prm.requires_grad_(False)
 
