@@ -44,6 +44,8 @@ The backbone is Hugging Face's SmolLM2-135M-Instruct as the Q4_1 GGUF file insid
    ``calibrate``     — (not in the default run) the held-out evaluation and calibration of a trained heads
    folder again, on this machine's served backbone: heads trained on a GPU are measured on the CPU's
    own int4 hidden states before they ship.
+   ``measure``       — (not in the default run) the trained heads folder's held-out figures on the replies of each
+   ``--heldout-settings`` (chat and greedy), into its ``train_stats.json``; the calibration file is left alone.
    ``ranking``       — (not in the default run) the draft vocabulary's frequency ranking from the training
    splits' ``distill_served`` replies (``medusa_core.train.ranking``): ``draft_ranking.json`` beside the heads.
 6. ``export``        — heads, config and calibration into ``assets/demo`` (heads for the plain weights and
@@ -298,28 +300,38 @@ def stage_heads(args) -> None:
     log(f"heads: {json.dumps({k: v for k, v in stats.items() if k != 'config'})}")
 
 
-def evaluate_heads(args, model, heads, out: Path, stats: dict) -> None:
-    """Held-out ranks of ``heads`` on ``model``'s states (over the whole vocabulary), calibration and replayed
-    acceleration (paper 2.3.3) into ``out``'s calibration file, the figures into ``stats``."""
-    from medusa_core.loading import CALIBRATION_FILE
+def heldout_record(model, heads, held_file: Path, held_name: str) -> dict:
+    """``heads``' ranks on ``model``'s states of the replies in ``held_file`` (over the whole vocabulary): the
+    calibration record (rank accuracies, temperatures, optimised trees of 4-64 paths and each tree's acceleration
+    replayed on those replies, paper 2.3.3), with ``positions``, the held-out positions counted."""
     from medusa_core.train import accuracy_from_ranks, calibration, head_temperatures, target_ranks
 
-    _, (held_file, held_name) = heads_data(args)
     held_h, held_l, held_r = positions(model, held_file, held_name, heads.num_heads)  # the served backbone's replies, its states
     rooted = {"roots": held_r} if heads.root_conditioned else {}
     ranks = target_ranks(heads, held_h, held_l, **rooted)
     temperatures = head_temperatures(heads, held_h, held_l, **rooted)  # calibrated path probabilities shape the trees
     record = calibration(accuracy_from_ranks(ranks), budgets=(4, 8, 12, 16, 32, 64), default=16, replayed=(ranks, held_l),
                          temperatures=temperatures)
+    return record | {"positions": len(held_h)}
+
+
+def evaluate_heads(args, model, heads, out: Path, stats: dict) -> None:
+    """Held-out ranks of ``heads`` on ``model``'s states of the first ``--served-settings``' held-out replies,
+    calibration and replayed acceleration into ``out``'s calibration file, the figures into ``stats``."""
+    from medusa_core.loading import CALIBRATION_FILE
+
+    _, (held_file, held_name) = heads_data(args)
+    record = heldout_record(model, heads, held_file, held_name)
+    positions_counted = record.pop("positions")
     (out / CALIBRATION_FILE).write_text(json.dumps(record, indent=1) + "\n")
-    stats.update(heldout_replies=held_file.name, heldout_positions=len(held_h), heldout_backbone=f"{args.quantization} on {args.device}",
+    stats.update(heldout_replies=held_file.name, heldout_positions=positions_counted, heldout_backbone=f"{args.quantization} on {args.device}",
                  heldout_top1=record["top1"], heldout_top5=record["top5"],
                  expected_acceleration=record["expected_acceleration"], simulated_acceleration=record["simulated_acceleration"])
 
 
-def stage_calibrate(args) -> None:
-    """``evaluate_heads`` of the trained heads folder again, on this machine's served backbone (``train_stats.json``
-    keeps the earlier figures under ``heldout_before``)."""
+def trained_heads(args):
+    """The trained heads folder of ``args`` (``heads_folder``): (folder, its ``train_stats.json``, this machine's served
+    backbone, the heads as shipped: float16 values in float32)."""
     from safetensors.torch import load_file
 
     from medusa_core.loading import heads_from_state_dict
@@ -327,11 +339,38 @@ def stage_calibrate(args) -> None:
     out = heads_folder(args)
     stats = json.loads((out / "train_stats.json").read_text())
     model = load_served(args)
-    heads = heads_from_state_dict(load_file(out / "medusa_lm_head.safetensors"), model, source=str(out)).float()  # as shipped (float16 values)
+    heads = heads_from_state_dict(load_file(out / "medusa_lm_head.safetensors"), model, source=str(out)).float()
+    return out, stats, model, heads
+
+
+def stage_calibrate(args) -> None:
+    """``evaluate_heads`` of the trained heads folder again, on this machine's served backbone (``train_stats.json``
+    keeps the earlier figures under ``heldout_before``)."""
+    out, stats, model, heads = trained_heads(args)
     stats["heldout_before"] = {k: stats[k] for k in ("heldout_backbone", "heldout_top1", "heldout_top5", "simulated_acceleration") if k in stats}
     evaluate_heads(args, model, heads, out, stats)
     (out / "train_stats.json").write_text(json.dumps(stats, indent=2))
     log(f"calibrate: held-out top-1 {stats['heldout_top1']}, replayed {stats['simulated_acceleration']}")
+
+
+def stage_measure(args) -> None:
+    """The trained heads folder measured on the held-out replies of each ``--heldout-settings`` (``chat`` and
+    ``greedy`` by default) on this machine's served backbone, into its ``train_stats.json`` as ``heldout_by_settings``
+    (per settings: top-1 and top-5 per head, the replayed acceleration of the optimised trees); the calibration file
+    is left as it is. Raises ``SystemExit`` when a held-out reply file is missing."""
+    held_files = {settings: served_distilled("heldout", args, settings) for settings in args.heldout_settings}
+    for settings, held_file in held_files.items():
+        if not held_file.exists():
+            raise SystemExit(f"measure: no held-out replies at {settings} settings: {held_file} (run distill_served first)")
+    out, stats, model, heads = trained_heads(args)
+    measured = {}
+    for settings, held_file in held_files.items():
+        record = heldout_record(model, heads, held_file, f"heldout-{args.quantization}-{settings}")
+        measured[settings] = {"replies": held_file.name, "positions": record["positions"], "top1": record["top1"],
+                              "top5": record["top5"], "simulated_acceleration": record["simulated_acceleration"]}
+        log(f"measure {settings}: held-out top-1 {record['top1']}, replayed {record['simulated_acceleration']}")
+    stats["heldout_by_settings"] = measured | {"backbone": f"{args.quantization} on {args.device}"}
+    (out / "train_stats.json").write_text(json.dumps(stats, indent=2))
 
 
 def heads_data(args) -> tuple[tuple[list[tuple[Path, str]], str], tuple[Path, str]]:
@@ -493,6 +532,7 @@ STAGES = {
     "distill_served": stage_distill_served,
     "heads": stage_heads,
     "calibrate": stage_calibrate,
+    "measure": stage_measure,
     "ranking": stage_ranking,
     "export": stage_export,
     "evaluate": stage_evaluate,
@@ -502,12 +542,14 @@ STAGES = {
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stages", nargs="+", choices=list(STAGES),
-                   default=[s for s in STAGES if s not in ("distill_served", "ranking", "calibrate")])
+                   default=[s for s in STAGES if s not in ("distill_served", "ranking", "calibrate", "measure")])
     p.add_argument("--distill-dtype", choices=list(DTYPES), default="bfloat16")
     p.add_argument("--distill-batch", type=int, default=64)
     p.add_argument("--max-reply-tokens", type=int, default=128, help="distilled reply length limit")
     p.add_argument("--served-settings", nargs="+", choices=SERVED_SETTINGS, default=["chat", "greedy"],
                    help="distill_served: the sampling settings replies are written with (chat: the app's defaults)")
+    p.add_argument("--heldout-settings", nargs="+", choices=SERVED_SETTINGS, default=["chat", "greedy"],
+                   help="measure: the settings whose held-out replies the heads are measured on")
     p.add_argument("--served-reply-tokens", type=int, default=256, help="distill_served: reply length limit")
     p.add_argument("--train-rounds", type=int, choices=[1, 2, 3], default=2,
                    help="prompt rounds the heads train on (1: train.jsonl; 2: also train_more.jsonl; 3: also train_wide.jsonl)")
