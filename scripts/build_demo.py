@@ -300,19 +300,19 @@ def stage_heads(args) -> None:
     log(f"heads: {json.dumps({k: v for k, v in stats.items() if k != 'config'})}")
 
 
-def heldout_record(model, heads, held_file: Path, held_name: str) -> dict:
-    """``heads``' ranks on ``model``'s states of the replies in ``held_file`` (over the whole vocabulary): the
-    calibration record (rank accuracies, temperatures, optimised trees of 4-64 paths and each tree's acceleration
-    replayed on those replies, paper 2.3.3), with ``positions``, the held-out positions counted."""
+def heldout_record(model, heads, held_file: Path, held_name: str, *, temperatures: bool = True) -> tuple[dict, int]:
+    """``heads``' ranks on ``model``'s states of the replies in ``held_file`` (over the whole vocabulary): (the
+    calibration record -- rank accuracies, optimised trees of 4-64 paths and each tree's acceleration replayed on those
+    replies, paper 2.3.3, and with ``temperatures`` each head's fitted temperature --, the held-out positions counted)."""
     from medusa_core.train import accuracy_from_ranks, calibration, head_temperatures, target_ranks
 
     held_h, held_l, held_r = positions(model, held_file, held_name, heads.num_heads)  # the served backbone's replies, its states
     rooted = {"roots": held_r} if heads.root_conditioned else {}
     ranks = target_ranks(heads, held_h, held_l, **rooted)
-    temperatures = head_temperatures(heads, held_h, held_l, **rooted)  # calibrated path probabilities shape the trees
+    fitted = head_temperatures(heads, held_h, held_l, **rooted) if temperatures else None  # calibrated path probabilities shape the trees
     record = calibration(accuracy_from_ranks(ranks), budgets=(4, 8, 12, 16, 32, 64), default=16, replayed=(ranks, held_l),
-                         temperatures=temperatures)
-    return record | {"positions": len(held_h)}
+                         temperatures=fitted)
+    return record, len(held_h)
 
 
 def evaluate_heads(args, model, heads, out: Path, stats: dict) -> None:
@@ -321,10 +321,9 @@ def evaluate_heads(args, model, heads, out: Path, stats: dict) -> None:
     from medusa_core.loading import CALIBRATION_FILE
 
     _, (held_file, held_name) = heads_data(args)
-    record = heldout_record(model, heads, held_file, held_name)
-    positions_counted = record.pop("positions")
+    record, counted = heldout_record(model, heads, held_file, held_name)
     (out / CALIBRATION_FILE).write_text(json.dumps(record, indent=1) + "\n")
-    stats.update(heldout_replies=held_file.name, heldout_positions=positions_counted, heldout_backbone=f"{args.quantization} on {args.device}",
+    stats.update(heldout_replies=held_file.name, heldout_positions=counted, heldout_backbone=f"{args.quantization} on {args.device}",
                  heldout_top1=record["top1"], heldout_top5=record["top5"],
                  expected_acceleration=record["expected_acceleration"], simulated_acceleration=record["simulated_acceleration"])
 
@@ -365,8 +364,8 @@ def stage_measure(args) -> None:
     out, stats, model, heads = trained_heads(args)
     measured = {}
     for settings, held_file in held_files.items():
-        record = heldout_record(model, heads, held_file, f"heldout-{args.quantization}-{settings}")
-        measured[settings] = {"replies": held_file.name, "positions": record["positions"], "top1": record["top1"],
+        record, counted = heldout_record(model, heads, held_file, f"heldout-{args.quantization}-{settings}", temperatures=False)
+        measured[settings] = {"replies": held_file.name, "positions": counted, "top1": record["top1"],
                               "top5": record["top5"], "simulated_acceleration": record["simulated_acceleration"]}
         log(f"measure {settings}: held-out top-1 {record['top1']}, replayed {record['simulated_acceleration']}")
     stats["heldout_by_settings"] = measured | {"backbone": f"{args.quantization} on {args.device}"}

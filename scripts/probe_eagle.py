@@ -291,15 +291,16 @@ def main():
         return f, x, m1
 
     drafter = Drafter(cfg).to(dev)
-    with torch.no_grad():  # EAGLE's start: fc reads the feature half as identity
-        drafter.fc.weight.zero_()
-        drafter.fc.weight[:, : cfg.hidden_size].copy_(torch.eye(cfg.hidden_size))
-        drafter.o.weight.zero_()
-        drafter.d.weight.zero_()
     if a.init:
         from safetensors.torch import load_file
 
         drafter.load_state_dict({k: v.float() for k, v in load_file(a.init).items()})
+    else:
+        with torch.no_grad():  # EAGLE's start: fc reads the feature half as identity
+            drafter.fc.weight.zero_()
+            drafter.fc.weight[:, : cfg.hidden_size].copy_(torch.eye(cfg.hidden_size))
+            drafter.o.weight.zero_()
+            drafter.d.weight.zero_()
     for prm in model.parameters():
         prm.requires_grad_(False)
 
