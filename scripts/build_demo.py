@@ -228,7 +228,13 @@ DISTILLED = ASSET / "distill"
 
 def served_distilled(split: str, args, settings: str) -> Path:
     """``assets/demo/distill/{split}-{quantization}-{settings}.jsonl.gz``: replies of the served backbone."""
-    return DISTILLED / f"{split}-{args.quantization}-{settings}.jsonl.gz"
+    return DISTILLED / f"{served_name(split, args, settings)}.jsonl.gz"
+
+
+def served_name(split: str, args, settings: str) -> str:
+    """``{split}-{quantization}-{settings}``: a served reply file's name, and its states' cache name (``positions``),
+    so that every stage reading one file shares one cache."""
+    return f"{split}-{args.quantization}-{settings}"
 
 
 def stage_distill_served(args) -> None:
@@ -364,7 +370,7 @@ def stage_measure(args) -> None:
     out, stats, model, heads = trained_heads(args)
     measured = {}
     for settings, held_file in held_files.items():
-        record, counted = heldout_record(model, heads, held_file, f"heldout-{args.quantization}-{settings}", temperatures=False)
+        record, counted = heldout_record(model, heads, held_file, served_name("heldout", args, settings), temperatures=False)
         measured[settings] = {"replies": held_file.name, "positions": counted, "top1": record["top1"],
                               "top5": record["top5"], "simulated_acceleration": record["simulated_acceleration"]}
         log(f"measure {settings}: held-out top-1 {record['top1']}, replayed {record['simulated_acceleration']}")
@@ -378,11 +384,11 @@ def heads_data(args) -> tuple[tuple[list[tuple[Path, str]], str], tuple[Path, st
     rounds; ``served``: the ``distill_served`` files of ``--served-settings`` that exist."""
     suffix = served_suffix(args)
     if args.heads_data == "served":
-        files = [(served_distilled(split, args, s), f"{split}-{args.quantization}-{s}")
+        files = [(served_distilled(split, args, s), served_name(split, args, s))
                  for s in args.served_settings for split in TRAIN_SPLITS[: args.train_rounds]]
         held = args.served_settings[0]
         return ([(f, n) for f, n in files if f.exists()], "reply"), (served_distilled("heldout", args, held),
-                                                                      f"heldout-{args.quantization}-{held}")
+                                                                      served_name("heldout", args, held))
     targets = "reply" if args.quantization == "none" else "backbone"  # NF4: its own greedy tokens
     own = "_own" if own_replies(args) else ""  # the served backbone's states either way
     files = [(WORK / f"distill_{replies}.jsonl", f"{split}{suffix}{own}") for split, replies in zip(TRAIN_SPLITS, training_replies(args))]
