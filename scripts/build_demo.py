@@ -16,7 +16,7 @@ The backbone is Hugging Face's SmolLM2-135M-Instruct as the Q4_1 GGUF file insid
 2. ``self_instruct`` — the backbone writes its own questions about seed topics (self-instruct).
 3. ``prompts``       — the seed prompt set (``scripts/demo_prompts.py``) into ``assets/demo/prompts``:
    held-out prompts, round-1 training prompts (``train``) and round-2 training prompts (``train_more``);
-   round 3 (``train_wide``) is written by ``python scripts/demo_prompts.py --wide``.
+   rounds 3 (``train_wide``) and 4 (``train_deep``) are written by ``python scripts/demo_prompts.py --round N``.
 4. ``distill``       — self-distillation: the backbone's greedy replies (paper 2.3.2), batched, on plain
    bfloat16 (default: about 3× faster than float32 on this CPU) or float32 weights; the held-out
    prompts also by the served backbone (``--quantization``, NF4 by default), whose greedy replies
@@ -26,7 +26,7 @@ The backbone is Hugging Face's SmolLM2-135M-Instruct as the Q4_1 GGUF file insid
    raised held-out head-1 top-1 from 0.36 to 0.44 at equal training (model card).
    ``distill_served`` — the served backbone's replies written the way the app serves them
    (``--served-settings``: ``chat``, the app's default sampling settings, and/or ``greedy``), batched,
-   to the held-out and both training rounds' prompts, ≤ ``--served-reply-tokens`` tokens, gzip JSONL in
+   to the held-out and every training round's prompts (or only ``--distill-splits``), ≤ ``--served-reply-tokens`` tokens, gzip JSONL in
    ``assets/demo/distill`` (kept in the repository: the run takes hours and resumes in a later session).
    With ``--device cuda`` the GGUF file's weights are dequantized to float32 on the GPU (the CPU's int4
    kernels compute the same products, in another order and on bfloat16 activations).
@@ -77,8 +77,8 @@ PROMPTS = ASSET / "prompts"
 SEED = 0
 BASE_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-#: Training prompt files in ``assets/demo/prompts`` (rounds 1-3 of ``scripts/demo_prompts.py``).
-TRAIN_SPLITS = ("train", "train_more", "train_wide")
+#: Training prompt files in ``assets/demo/prompts`` (rounds 1-4 of ``scripts/demo_prompts.py``).
+TRAIN_SPLITS = ("train", "train_more", "train_wide", "train_deep")
 
 
 def log(msg: str) -> None:
@@ -248,7 +248,7 @@ def stage_distill_served(args) -> None:
     DISTILLED.mkdir(parents=True, exist_ok=True)
     for settings in args.served_settings:
         sampling = CHAT_PRESET if settings == "chat" else SamplingConfig()
-        for split in ("heldout", *TRAIN_SPLITS):
+        for split in args.distill_splits or ("heldout", *TRAIN_SPLITS):
             out = served_distilled(split, args, settings)
             before = len(read_distilled(out)) if out.exists() else 0
             t0 = time.time()
@@ -556,8 +556,11 @@ def main() -> None:
     p.add_argument("--heldout-settings", nargs="+", choices=SERVED_SETTINGS, default=["chat", "greedy"],
                    help="measure: the settings whose held-out replies the heads are measured on")
     p.add_argument("--served-reply-tokens", type=int, default=256, help="distill_served: reply length limit")
-    p.add_argument("--train-rounds", type=int, choices=[1, 2, 3], default=2,
-                   help="prompt rounds the heads train on (1: train.jsonl; 2: also train_more.jsonl; 3: also train_wide.jsonl)")
+    p.add_argument("--distill-splits", nargs="+", choices=["heldout", *TRAIN_SPLITS],
+                   help="distill_served: only these prompt files (default: heldout and every training round)")
+    p.add_argument("--train-rounds", type=int, choices=[1, 2, 3, 4], default=2,
+                   help="prompt rounds the heads train on (1: train.jsonl; 2: also train_more.jsonl; 3: also "
+                        "train_wide.jsonl; 4: also train_deep.jsonl)")
     p.add_argument("--num-heads", type=int, default=4)
     p.add_argument("--head-layers", type=int, default=2, help="residual blocks per head")
     p.add_argument("--head-epochs", type=float, default=3.0)

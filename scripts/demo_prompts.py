@@ -11,11 +11,14 @@ No dataset can be downloaded here, so prompts come from four sources, all on thi
 4. self-instruct: questions the backbone itself writes about seed topics (``--self-instruct FILE``,
    made by ``scripts/build_demo.py --stages self_instruct``).
 
-Round 3 (``--wide``, ``train_wide.jsonl``; distilled on a GPU) widens the training set without touching
+Round 3 (``--round 3``, ``train_wide.jsonl``; distilled on a GPU) widens the training set without touching
 rounds 1-2: every pairing of the seed topics with every task template, more drawn problems and texts,
 docstrings of the whole standard library, and the short descriptions of the ~63,000 packages in the
 Debian archive's index (``/var/lib/apt/lists``, read with ``lz4cat``); prompts already in a round, and
-every prompt of a held-out group, are left out.
+every prompt of a held-out group, are left out. Round 4 (``--round 4``, ``train_deep.jsonl``; distilled
+on a GPU at the app's chat settings) goes deeper into the same sources, the templates being used up: 5,000
+more packages of the index (with writing, everyday and roleplay tasks too), 3,000 more docstrings, more drawn
+problems and extraction texts.
 
 About one prompt in seven gets a follow-up turn (``"followup"``), which distillation answers after
 the model's own first reply, so the heads also see multi-turn conversations.
@@ -25,7 +28,8 @@ Held-out prompts never share a *topic group* with training prompts: the split ha
 inflated by near-duplicates. Output rows: ``{"id", "category", "source", "messages", "followup"?}``.
 
     python scripts/demo_prompts.py --out assets/demo/prompts [--self-instruct build/demo/self_instruct.jsonl]
-    python scripts/demo_prompts.py --wide   # round 3 only: assets/demo/prompts/train_wide.jsonl
+    python scripts/demo_prompts.py --round 3   # round 3 only: assets/demo/prompts/train_wide.jsonl
+    python scripts/demo_prompts.py --round 4   # round 4 only: assets/demo/prompts/train_deep.jsonl
 """
 
 from __future__ import annotations
@@ -259,11 +263,19 @@ DEBIAN_INDEX_TASKS = [
     ("stem", "Explain what '{short}' means to someone new to computers."),
     ("coding", "How would I install and start using the Debian package '{name}'?"),
 ]
+#: Round 4's tasks on a package of the index: round 3's and some of the other categories'.
+DEEP_INDEX_TASKS = DEBIAN_INDEX_TASKS + [
+    ("writing", "Write a short announcement for a new release of '{name}' ({short})."),
+    ("everyday", "A friend recommends '{name}' ({short}). What are the pros and cons of trying it?"),
+    ("writing", "Write a two-sentence description of '{name}' for a software catalogue: {short}."),
+    ("roleplay", "Pretend you are the author of '{name}' ({short}). Introduce your program to a new user."),
+]
 
 
-def debian_index_prompts(rng: random.Random, n: int, lists: Path = Path("/var/lib/apt/lists")):
-    """Prompts about packages of the Debian archive's index (``*_Packages.lz4``, read with ``lz4cat``);
-    nothing when the index or ``lz4cat`` is missing."""
+def debian_index_prompts(rng: random.Random, n: int, lists: Path = Path("/var/lib/apt/lists"),
+                         tasks: list[tuple[str, str]] = DEBIAN_INDEX_TASKS):
+    """Prompts about packages of the Debian archive's index (``*_Packages.lz4``, read with ``lz4cat``), one of
+    ``tasks`` each; nothing when the index or ``lz4cat`` is missing."""
     entries = {}
     for index in sorted(lists.glob("*_Packages.lz4")):
         try:
@@ -276,7 +288,7 @@ def debian_index_prompts(rng: random.Random, n: int, lists: Path = Path("/var/li
     items = sorted(entries.items())
     rng.shuffle(items)
     for name, short in items[:n]:
-        category, template = rng.choice(DEBIAN_INDEX_TASKS)
+        category, template = rng.choice(tasks)
         lower = short[0].lower() + short[1:] if short[:2].isalpha() and not short[:2].isupper() else short
         yield category, f"deb:{name}", template.format(name=name, short=short, lower=lower)
 
@@ -376,11 +388,14 @@ def build(self_instruct: Path | None = None) -> tuple[list[dict], list[dict], li
     return train, heldout, train_more
 
 
-def build_wide(existing: list[Path]) -> list[dict]:
-    """Round-3 training rows: prompts of none of the ``existing`` prompt files and of no held-out group."""
-    seen = {m["content"] for path in existing for line in path.read_text(encoding="utf-8").splitlines() if line.strip()
+def _seen_prompts(existing: list[Path]) -> set[str]:
+    """Every user message of the ``existing`` prompt files."""
+    return {m["content"] for path in existing for line in path.read_text(encoding="utf-8").splitlines() if line.strip()
             for m in json.loads(line)["messages"] if m["role"] == "user"}
-    rng = random.Random(SEED + 2)
+
+
+def _stdlib_modules() -> list[str]:
+    """The standard library's public modules that import on this machine."""
     stdlib = sorted(m for m in sys.stdlib_module_names if not m.startswith("_") and m not in ("antigravity", "this", "idlelib", "turtledemo"))
     modules = []
     for name in stdlib:
@@ -391,10 +406,30 @@ def build_wide(existing: list[Path]) -> list[dict]:
             modules.append(name)
         except Exception:  # platform-only or broken modules (msvcrt, tkinter without Tk...)
             continue
+    return modules
+
+
+def build_wide(existing: list[Path]) -> list[dict]:
+    """Round-3 training rows: prompts of none of the ``existing`` prompt files and of no held-out group."""
+    rng = random.Random(SEED + 2)
     sources = [("template", wide_template_prompts(rng)), ("generated", reasoning_and_math(rng, 2000, start=1320)),
-               ("generated", extraction_prompts(rng, 800, start=460)), ("python-docs", python_doc_prompts(rng, 2500, modules)),
+               ("generated", extraction_prompts(rng, 800, start=460)), ("python-docs", python_doc_prompts(rng, 2500, _stdlib_modules())),
                ("debian-index", debian_index_prompts(rng, 2500))]
-    train, _ = _rows(sources, rng, seen)
+    train, _ = _rows(sources, rng, _seen_prompts(existing))
+    return train
+
+
+def build_deep(existing: list[Path]) -> list[dict]:
+    """Round-4 training rows (``train_deep``): deeper into the same documentation and drawn problems, none
+    of the ``existing`` prompt files' prompts and no held-out group. The templates were used up by round 3,
+    so this round is the Debian archive's index (7,000 more packages, with writing, everyday and roleplay
+    tasks too), the standard library (3,000 more docstrings, those round 3 did not ask about), 2,000 more
+    reasoning/math problem pairs and 1,000 more extraction texts."""
+    rng = random.Random(SEED + 3)
+    sources = [("debian-index", debian_index_prompts(rng, 7000, tasks=DEEP_INDEX_TASKS)),
+               ("python-docs", python_doc_prompts(rng, 3000, _stdlib_modules())),
+               ("generated", reasoning_and_math(rng, 2000, start=3320)), ("generated", extraction_prompts(rng, 1000, start=1260))]
+    train, _ = _rows(sources, rng, _seen_prompts(existing))
     return train
 
 
@@ -409,13 +444,16 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "assets" / "demo" / "prompts")
     p.add_argument("--self-instruct", type=Path, help="questions the backbone wrote (JSONL)")
-    p.add_argument("--wide", action="store_true", help="write round 3 only (train_wide.jsonl), next to the other rounds")
+    p.add_argument("--round", type=int, choices=[3, 4], help="write only this training round (3: train_wide.jsonl; "
+                   "4: train_deep.jsonl), next to the rounds before it")
     args = p.parse_args(argv)
-    if args.wide:
-        rows = build_wide([args.out / f"{name}.jsonl" for name in ("train", "heldout", "train_more")])
-        write_rows(args.out / "train_wide.jsonl", rows)
+    if args.round:
+        names = ["train", "heldout", "train_more", "train_wide"][: args.round]
+        rows = (build_wide if args.round == 3 else build_deep)([args.out / f"{name}.jsonl" for name in names])
+        name = "train_wide" if args.round == 3 else "train_deep"
+        write_rows(args.out / f"{name}.jsonl", rows)
         counts = Counter(row["category"] for row in rows)
-        print(f"{len(rows)} round-3 training prompts ({sum('followup' in r for r in rows)} with a follow-up turn): "
+        print(f"{len(rows)} round-{args.round} training prompts ({sum('followup' in r for r in rows)} with a follow-up turn): "
               + ", ".join(f"{c} {n}" for c, n in sorted(counts.items())), file=sys.stderr)
         return
     train, heldout, train_more = build(args.self_instruct)

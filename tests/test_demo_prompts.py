@@ -1,4 +1,4 @@
-"""The demo's prompt set (scripts/demo_prompts.py): held-out prompts stay unseen in both training rounds."""
+"""The demo's prompt set (scripts/demo_prompts.py): held-out prompts stay unseen in every training round."""
 
 from __future__ import annotations
 
@@ -43,3 +43,27 @@ def test_shipped_prompt_files_keep_held_out_prompts_unseen():
     assert all(demo_prompts.is_heldout(r["group"]) for r in heldout)
     texts = [r["messages"][0]["content"] for r in train + heldout + more]
     assert len(texts) == len(set(texts))
+
+
+def test_later_rounds_repeat_no_prompt_and_hold_no_held_out_group():
+    rounds = {name: _read(name) for name in ("train", "train_more", "train_wide", "train_deep")}
+    held_groups = {r["group"] for r in _read("heldout")}
+    seen: set[str] = {r["messages"][0]["content"] for r in _read("heldout")}
+    for name, rows in rounds.items():
+        texts = {r["messages"][0]["content"] for r in rows}
+        assert len(texts) == len(rows), name
+        assert not texts & seen, name
+        seen |= texts
+        assert held_groups.isdisjoint(r["group"] for r in rows), name
+        assert not any(demo_prompts.is_heldout(r["group"]) for r in rows), name
+    assert len(rounds["train_deep"]) >= 10_000
+
+
+def test_round_four_builds_on_the_rounds_before_it(tmp_path):
+    for name in ("train", "heldout", "train_more", "train_wide"):
+        (tmp_path / f"{name}.jsonl").write_text((PROMPTS / f"{name}.jsonl").read_text(encoding="utf-8"), encoding="utf-8")
+    rows = demo_prompts.build_deep([tmp_path / f"{n}.jsonl" for n in ("train", "heldout", "train_more", "train_wide")])
+    before = {m["content"] for n in ("train", "heldout", "train_more", "train_wide") for m in
+              (m for r in _read(n) for m in r["messages"])}
+    assert rows and not before & {r["messages"][0]["content"] for r in rows}
+    assert {r["source"] for r in rows} >= {"python-docs", "generated"}
