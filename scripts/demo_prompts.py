@@ -16,9 +16,9 @@ rounds 1-2: every pairing of the seed topics with every task template, more draw
 docstrings of the whole standard library, and the short descriptions of the ~63,000 packages in the
 Debian archive's index (``/var/lib/apt/lists``, read with ``lz4cat``); prompts already in a round, and
 every prompt of a held-out group, are left out. Round 4 (``--round 4``, ``train_deep.jsonl``; distilled
-on a GPU at the app's chat settings, then left out of the heads and the repository: the model card says why) goes deeper into the same sources, the templates being used up: 5,000
-more packages of the index (with writing, everyday and roleplay tasks too), 3,000 more docstrings, more drawn
-problems and extraction texts.
+on a GPU at the app's chat settings, then left out of the heads and the repository: the model card says why)
+goes deeper into the same sources, the templates being used up: 7,000 more packages of the index (with
+writing, everyday and roleplay tasks too), 3,000 more docstrings, more drawn problems and extraction texts.
 
 About one prompt in seven gets a follow-up turn (``"followup"``), which distillation answers after
 the model's own first reply, so the heads also see multi-turn conversations.
