@@ -238,17 +238,27 @@ def served_name(split: str, args, settings: str) -> str:
 
 
 def stage_distill_served(args) -> None:
-    """The served backbone's replies at the served settings, held-out prompts first (resumable)."""
+    """The served backbone's replies at the served settings, held-out prompts first (resumable). A prompt file
+    that is not there (round 4's, which the repository does not hold) is skipped, or with ``--distill-splits``
+    naming it, refused (``SystemExit`` saying how to write it) before the backbone loads."""
     from transformers import AutoTokenizer
 
     from medusa_core import CHAT_PRESET, SamplingConfig
     from medusa_core.train import distill, read_distilled, read_prompts
 
+    splits = args.distill_splits or ("heldout", *TRAIN_SPLITS)
+    missing = [split for split in splits if not (PROMPTS / f"{split}.jsonl").exists()]
+    if missing:
+        how = f"no prompt file {PROMPTS / (missing[0] + '.jsonl')} (rounds 3 and 4: python scripts/demo_prompts.py --round 3 / --round 4)"
+        if args.distill_splits:
+            raise SystemExit(f"distill_served: {how}")
+        log(f"distill_served: {how}; skipped")
+        splits = [split for split in splits if split not in missing]
     served, tok = load_served(args), AutoTokenizer.from_pretrained(backbone_folder())
     DISTILLED.mkdir(parents=True, exist_ok=True)
     for settings in args.served_settings:
         sampling = CHAT_PRESET if settings == "chat" else SamplingConfig()
-        for split in args.distill_splits or ("heldout", *TRAIN_SPLITS):
+        for split in splits:
             out = served_distilled(split, args, settings)
             before = len(read_distilled(out)) if out.exists() else 0
             t0 = time.time()

@@ -69,3 +69,15 @@ def test_round_four_asks_nothing_the_rounds_before_it_asked(tmp_path):
     assert not any(demo_prompts.is_heldout(r["group"]) for r in rows)
     assert {r["source"] for r in rows} >= {"python-docs", "generated"}
     assert [r["id"] for r in rows] == list(range(len(rows)))
+
+
+def test_distilling_a_round_whose_prompt_file_is_missing_says_how_to_write_it(tmp_path, monkeypatch):
+    import argparse
+
+    import build_demo
+
+    monkeypatch.setattr(build_demo, "PROMPTS", tmp_path)
+    monkeypatch.setattr(build_demo, "load_served", lambda args: pytest.fail("the backbone loads before the check"))
+    args = argparse.Namespace(distill_splits=["train_deep"], served_settings=["chat"], quantization="gguf")
+    with pytest.raises(SystemExit, match=r"train_deep\.jsonl.*--round 4"):
+        build_demo.stage_distill_served(args)
