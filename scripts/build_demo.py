@@ -203,6 +203,15 @@ def stage_distill(args) -> None:
             _distill_split(served, tok, split, split + suffix, args, args.quantization, "float32")
 
 
+def prompt_file(split: str) -> Path:
+    """``assets/demo/prompts/{split}.jsonl``; raises ``SystemExit`` saying how to write it when it is not there (round 4's,
+    which the repository does not hold)."""
+    path = PROMPTS / f"{split}.jsonl"
+    if not path.exists():
+        raise SystemExit(f"no prompt file {path} (rounds 3 and 4: python scripts/demo_prompts.py --round 3 / --round 4)")
+    return path
+
+
 def _distill_split(model, tok, split: str, name: str, args, backbone: str, dtype: str) -> None:
     """Greedy replies to ``prompts/{split}.jsonl`` into ``distill_{name}.jsonl`` (resumed), and the run's speed."""
     from medusa_core.train import distill, read_distilled, read_prompts
@@ -210,7 +219,7 @@ def _distill_split(model, tok, split: str, name: str, args, backbone: str, dtype
     out = WORK / f"distill_{name}.jsonl"
     before = len(read_distilled(out)) if out.exists() else 0
     t0 = time.time()
-    distill(model, tok, read_prompts(PROMPTS / f"{split}.jsonl"), out,
+    distill(model, tok, read_prompts(prompt_file(split)), out,
             max_new_tokens=args.max_reply_tokens, batch_size=args.distill_batch)
     rows = read_distilled(out)
     new_tokens, seconds = sum(len(r["reply_ids"]) for r in rows[before:]), time.time() - t0
@@ -246,14 +255,14 @@ def stage_distill_served(args) -> None:
     from medusa_core import CHAT_PRESET, SamplingConfig
     from medusa_core.train import distill, read_distilled, read_prompts
 
-    splits = args.distill_splits or ("heldout", *TRAIN_SPLITS)
-    missing = [split for split in splits if not (PROMPTS / f"{split}.jsonl").exists()]
-    if missing:
-        how = f"no prompt file {PROMPTS / (missing[0] + '.jsonl')} (rounds 3 and 4: python scripts/demo_prompts.py --round 3 / --round 4)"
-        if args.distill_splits:
-            raise SystemExit(f"distill_served: {how}")
-        log(f"distill_served: {how}; skipped")
-        splits = [split for split in splits if split not in missing]
+    if args.distill_splits:
+        for split in args.distill_splits:
+            prompt_file(split)  # a missing one is refused before the backbone loads
+        splits = args.distill_splits
+    else:
+        splits = [split for split in ("heldout", *TRAIN_SPLITS) if (PROMPTS / f"{split}.jsonl").exists()]
+        for split in sorted(set(TRAIN_SPLITS) - set(splits)):
+            log(f"distill_served: no prompt file {split}.jsonl; skipped (python scripts/demo_prompts.py --round N writes rounds 3 and 4)")
     served, tok = load_served(args), AutoTokenizer.from_pretrained(backbone_folder())
     DISTILLED.mkdir(parents=True, exist_ok=True)
     for settings in args.served_settings:
@@ -262,7 +271,7 @@ def stage_distill_served(args) -> None:
             out = served_distilled(split, args, settings)
             before = len(read_distilled(out)) if out.exists() else 0
             t0 = time.time()
-            distill(served, tok, read_prompts(PROMPTS / f"{split}.jsonl"), out, max_new_tokens=args.served_reply_tokens,
+            distill(served, tok, read_prompts(prompt_file(split)), out, max_new_tokens=args.served_reply_tokens,
                     batch_size=args.distill_batch, sampling=sampling, seed=SEED)
             rows = read_distilled(out)
             new_tokens, seconds = sum(len(r["reply_ids"]) for r in rows[before:]), time.time() - t0
