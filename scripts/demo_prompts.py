@@ -433,6 +433,12 @@ def build_deep(existing: list[Path]) -> list[dict]:
     return train
 
 
+#: The prompt files in the order they were written (``build`` writes the first three).
+PROMPT_FILES = ("train", "heldout", "train_more", "train_wide", "train_deep")
+#: ``--round N``: (its file, the function that builds its rows from the files before it).
+LATER_ROUNDS = {3: ("train_wide", build_wide), 4: ("train_deep", build_deep)}
+
+
 def write_rows(path: Path, rows: list[dict]) -> None:
     """Prompt rows as JSONL, each row's ``id`` first."""
     with open(path, "w", encoding="utf-8") as f:
@@ -448,9 +454,9 @@ def main(argv: list[str] | None = None) -> None:
                    "4: train_deep.jsonl), next to the rounds before it")
     args = p.parse_args(argv)
     if args.round:
-        names = ["train", "heldout", "train_more", "train_wide"][: args.round]
-        rows = (build_wide if args.round == 3 else build_deep)([args.out / f"{name}.jsonl" for name in names])
-        name = "train_wide" if args.round == 3 else "train_deep"
+        name, build_round = LATER_ROUNDS[args.round]
+        before = PROMPT_FILES[: PROMPT_FILES.index(name)]  # every file written before this round
+        rows = build_round([args.out / f"{earlier}.jsonl" for earlier in before])
         write_rows(args.out / f"{name}.jsonl", rows)
         counts = Counter(row["category"] for row in rows)
         print(f"{len(rows)} round-{args.round} training prompts ({sum('followup' in r for r in rows)} with a follow-up turn): "

@@ -58,11 +58,9 @@ def test_later_rounds_repeat_no_prompt_and_hold_no_held_out_group():
         assert not any(demo_prompts.is_heldout(r["group"]) for r in rows), name
 
 
-def test_round_four_asks_nothing_the_rounds_before_it_asked(tmp_path):
+def test_round_four_asks_nothing_the_rounds_before_it_asked():
     names = ("train", "heldout", "train_more", "train_wide")
-    for name in names:
-        (tmp_path / f"{name}.jsonl").write_text((PROMPTS / f"{name}.jsonl").read_text(encoding="utf-8"), encoding="utf-8")
-    rows = demo_prompts.build_deep([tmp_path / f"{name}.jsonl" for name in names])
+    rows = demo_prompts.build_deep([PROMPTS / f"{name}.jsonl" for name in names])
     before = {r["messages"][0]["content"] for name in names for r in _read(name)}
     texts = {r["messages"][0]["content"] for r in rows}
     assert len(texts) == len(rows) and not before & texts
