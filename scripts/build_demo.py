@@ -16,7 +16,7 @@ The backbone is Hugging Face's SmolLM2-135M-Instruct as the Q4_1 GGUF file insid
 2. ``self_instruct`` — the backbone writes its own questions about seed topics (self-instruct).
 3. ``prompts``       — the seed prompt set (``scripts/demo_prompts.py``) into ``assets/demo/prompts``:
    held-out prompts, round-1 training prompts (``train``) and round-2 training prompts (``train_more``);
-   rounds 3 (``train_wide``) and 4 (``train_deep``) are written by ``python scripts/demo_prompts.py --round N``.
+   rounds 3 (``train_wide``), 4 (``train_deep``) and 5 (``train_topics``) are written by ``python scripts/demo_prompts.py --round N``.
 4. ``distill``       — self-distillation: the backbone's greedy replies (paper 2.3.2), batched, on plain
    bfloat16 (default: about 3× faster than float32 on this CPU) or float32 weights; the held-out
    prompts also by the served backbone (``--quantization``, NF4 by default), whose greedy replies
@@ -46,6 +46,9 @@ The backbone is Hugging Face's SmolLM2-135M-Instruct as the Q4_1 GGUF file insid
    own int4 hidden states before they ship.
    ``measure``       — (not in the default run) the trained heads folder's held-out figures on the replies of each
    ``--heldout-settings`` (chat and greedy), into its ``train_stats.json``; the calibration file is left alone.
+   ``topics``        — (not in the default run) round 5's topics: the backbone continues lists of seed topics
+   (``demo_prompts.topic_requests``, sampled) into ``assets/demo/prompts/topics.jsonl``; ``demo_prompts.py --round 5`` makes
+   them prompts (``train_topics``).
    ``ranking``       — (not in the default run) the draft vocabulary's frequency ranking from the training
    splits' ``distill_served`` replies (``medusa_core.train.ranking``): ``draft_ranking.json`` beside the heads.
 6. ``export``        — heads, config and calibration into ``assets/demo`` (heads for the plain weights and
@@ -77,8 +80,8 @@ PROMPTS = ASSET / "prompts"
 SEED = 0
 BASE_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-#: Training prompt files in ``assets/demo/prompts`` (rounds 1-4 of ``scripts/demo_prompts.py``).
-TRAIN_SPLITS = ("train", "train_more", "train_wide", "train_deep")
+#: Training prompt files in ``assets/demo/prompts`` (rounds 1-5 of ``scripts/demo_prompts.py``).
+TRAIN_SPLITS = ("train", "train_more", "train_wide", "train_deep", "train_topics")
 
 
 def log(msg: str) -> None:
@@ -182,6 +185,41 @@ def stage_self_instruct(args) -> None:
     save_figures(self_instruct={"requests": len(requests), "questions": len(unique), "seconds": round(time.time() - t0)})
 
 
+def stage_topics(args) -> None:
+    """Round 5's topics: the backbone continues ``demo_prompts.topic_requests`` (``--topic-requests`` per kind), sampled
+    (T 0.8, top-p 0.95, seeded per batch), into ``assets/demo/prompts/topics.jsonl`` rows ``{"kind", "topic"}``
+    (resumable by batch on the machine that writes it, ``build/demo/topics.done`` counting the requests done; a file
+    without that count, as the repository holds it, is kept); ``demo_prompts.py --round 5`` makes them prompts."""
+    from demo_prompts import parse_topics, topic_requests
+
+    out, done = PROMPTS / "topics.jsonl", WORK / "topics.done"
+    if out.exists() and not done.exists():
+        log(f"topics: {out} is there (delete it to write it again)")
+        return
+    requests = topic_requests(args.topic_requests)
+    first = int(done.read_text()) if done.exists() else 0
+    if first >= len(requests):
+        return
+    model, tok = load(DTYPES[args.distill_dtype])
+    tok.padding_side = "left"
+    t0, topics = time.time(), 0
+    for start in range(first, len(requests), 64):
+        batch = requests[start : start + 64]
+        enc = tok([r["request"] for r in batch], return_tensors="pt", padding=True)
+        torch.manual_seed(SEED + start)
+        with torch.inference_mode():
+            gen = model.generate(**enc, max_new_tokens=60, do_sample=True, temperature=0.8, top_p=0.95,
+                                 pad_token_id=tok.pad_token_id)
+        rows = [{"kind": r["kind"], "topic": t} for r, ids in zip(batch, gen[:, enc["input_ids"].shape[1] :])
+                for t in parse_topics(r["kind"], tok.decode(ids, skip_special_tokens=True))]
+        with open(out, "a", encoding="utf-8") as f:
+            f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+        done.write_text(str(start + len(batch)))
+        topics += len(rows)
+        log(f"topics: {start + len(batch)}/{len(requests)} requests, {topics} topics this run")
+    save_figures(topics={"requests": len(requests), "seconds": round(time.time() - t0)})
+
+
 def stage_prompts(args) -> None:
     import demo_prompts
 
@@ -208,7 +246,7 @@ def prompt_file(split: str) -> Path:
     which the repository does not hold)."""
     path = PROMPTS / f"{split}.jsonl"
     if not path.exists():
-        raise SystemExit(f"no prompt file {path} (rounds 3 and 4: python scripts/demo_prompts.py --round 3 / --round 4)")
+        raise SystemExit(f"no prompt file {path} (rounds 3-5: python scripts/demo_prompts.py --round 3, --round 4 or --round 5)")
     return path
 
 
@@ -262,7 +300,7 @@ def stage_distill_served(args) -> None:
     else:
         splits = [split for split in ("heldout", *TRAIN_SPLITS) if (PROMPTS / f"{split}.jsonl").exists()]
         for split in sorted(set(TRAIN_SPLITS) - set(splits)):
-            log(f"distill_served: no prompt file {split}.jsonl; skipped (python scripts/demo_prompts.py --round N writes rounds 3 and 4)")
+            log(f"distill_served: no prompt file {split}.jsonl; skipped (python scripts/demo_prompts.py --round N writes rounds 3-5)")
     served, tok = load_served(args), AutoTokenizer.from_pretrained(backbone_folder())
     DISTILLED.mkdir(parents=True, exist_ok=True)
     for settings in args.served_settings:
@@ -558,6 +596,7 @@ STAGES = {
     "calibrate": stage_calibrate,
     "measure": stage_measure,
     "ranking": stage_ranking,
+    "topics": stage_topics,
     "export": stage_export,
     "evaluate": stage_evaluate,
 }
@@ -566,7 +605,7 @@ STAGES = {
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stages", nargs="+", choices=list(STAGES),
-                   default=[s for s in STAGES if s not in ("distill_served", "ranking", "calibrate", "measure")])
+                   default=[s for s in STAGES if s not in ("distill_served", "ranking", "calibrate", "measure", "topics")])
     p.add_argument("--distill-dtype", choices=list(DTYPES), default="bfloat16")
     p.add_argument("--distill-batch", type=int, default=64)
     p.add_argument("--max-reply-tokens", type=int, default=128, help="distilled reply length limit")
@@ -577,9 +616,10 @@ def main() -> None:
     p.add_argument("--served-reply-tokens", type=int, default=256, help="distill_served: reply length limit")
     p.add_argument("--distill-splits", nargs="+", choices=["heldout", *TRAIN_SPLITS],
                    help="distill_served: only these prompt files (default: heldout and every training round)")
-    p.add_argument("--train-rounds", type=int, choices=[1, 2, 3, 4], default=2,
+    p.add_argument("--train-rounds", type=int, choices=range(1, len(TRAIN_SPLITS) + 1), default=2,
                    help="prompt rounds the heads train on (1: train.jsonl; 2: also train_more.jsonl; 3: also "
-                        "train_wide.jsonl; 4: also train_deep.jsonl)")
+                        "train_wide.jsonl; 4: also train_deep.jsonl; 5: also train_topics.jsonl)")
+    p.add_argument("--topic-requests", type=int, default=200, help="topics: list openings per kind of topic")
     p.add_argument("--num-heads", type=int, default=4)
     p.add_argument("--head-layers", type=int, default=2, help="residual blocks per head")
     p.add_argument("--head-epochs", type=float, default=3.0)

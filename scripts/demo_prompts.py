@@ -19,6 +19,10 @@ every prompt of a held-out group, are left out. Round 4 (``--round 4``, ``train_
 on a GPU at the app's chat settings, then left out of the heads and the repository: the model card says why)
 goes deeper into the same sources, the templates being used up: 7,000 more packages of the index (with
 writing, everyday and roleplay tasks too), 3,000 more docstrings, more drawn problems and extraction texts.
+Round 5 (``--round 5``, ``train_topics.jsonl``) gives round 3's task templates new topics, written by the
+backbone itself: it continues lists of seed topics (``topic_requests``, sampled by ``scripts/build_demo.py --stages
+topics`` into ``prompts/topics.jsonl``), and every new topic that is no seed or held-out topic (up to case,
+articles and a plural) gets two task templates of its kind.
 
 About one prompt in seven gets a follow-up turn (``"followup"``), which distillation answers after
 the model's own first reply, so the heads also see multi-turn conversations.
@@ -30,6 +34,7 @@ inflated by near-duplicates. Output rows: ``{"id", "category", "source", "messag
     python scripts/demo_prompts.py --out assets/demo/prompts [--self-instruct build/demo/self_instruct.jsonl]
     python scripts/demo_prompts.py --round 3   # round 3 only: assets/demo/prompts/train_wide.jsonl
     python scripts/demo_prompts.py --round 4   # round 4 only: assets/demo/prompts/train_deep.jsonl
+    python scripts/demo_prompts.py --round 5   # round 5 only: assets/demo/prompts/train_topics.jsonl, from topics.jsonl
 """
 
 from __future__ import annotations
@@ -115,7 +120,7 @@ def template_prompts(rng: random.Random):
 def more_template_prompts(rng: random.Random):
     """Round 2 (category, group, prompt): new seed topics and templates, and unused round-1 pairings."""
     for topic in WRITING_TOPICS + MORE_WRITING_TOPICS:
-        for form in rng.sample(WRITING_FORMS, 4):
+        for form in rng.sample(WRITING_FORMS, TEMPLATES_PER_TOPIC):
             template = rng.choice(MORE_WRITING_TASKS + ["Write a {form} about {topic}."])
             yield "writing", f"w:{topic}", template.format(form=form, topic=topic, audience=rng.choice(AUDIENCES))
     for role in ROLES + MORE_ROLES:
@@ -433,10 +438,128 @@ def build_deep(existing: list[Path]) -> list[dict]:
     return train
 
 
+#: Round 5's topic kinds: kind -> (category, group prefix as in round 3, what the list is of, the seed topics
+#: a request shows as examples). Coding seeds are whole exercises, "Write a function that ...".
+TOPIC_KINDS = {
+    "writing": ("writing", "w:", "things someone could write a poem or a story about", WRITING_TOPICS + MORE_WRITING_TOPICS),
+    "roleplay": ("roleplay", "r:", "characters someone could pretend to be", ROLES + MORE_ROLES),
+    "stem": ("stem", "s:", "science and technology concepts", STEM_CONCEPTS + MORE_STEM_CONCEPTS),
+    "humanities": ("humanities", "h:", "topics in history, art, literature and culture", HUMANITIES + MORE_HUMANITIES),
+    "everyday": ("everyday", "d:", "things people want to learn to do", EVERYDAY + MORE_EVERYDAY),
+    "coding": ("coding", "c:", "small programming exercises",
+               [f"Write a function that {t}." for t in CODING_TASKS + MORE_CODING_TASKS]),
+}
+#: Round 5's prompts per new topic: many topics, few prompts each (the topics are what round 3 used up).
+TEMPLATES_PER_TOPIC = 2
+_CODING_EXERCISE = re.compile(r"Write a function that ([a-z][^.?!:;`]{8,90})\.?$")
+
+
+def topic_requests(per_kind: int, seed: int = SEED + 4) -> list[dict]:
+    """Round 5's requests: ``per_kind`` list openings of each ``TOPIC_KINDS`` kind for the backbone to continue
+    (plain text, no chat template), each with six seed topics of training groups as its first items.
+    Rows ``{"kind", "request"}``; deterministic for a seed."""
+    rng = random.Random(seed)
+    requests = []
+    for kind, (_, prefix, what, seeds) in TOPIC_KINDS.items():
+        shown = [s for s in seeds if not is_heldout(prefix + _coding_task(s) if kind == "coding" else prefix + s)]
+        for _ in range(per_kind):
+            items = "".join(f"- {s}\n" for s in rng.sample(shown, 6))
+            requests.append({"kind": kind, "request": f"A list of {what}:\n{items}-"})
+    return requests
+
+
+def _coding_task(line: str) -> str:
+    match = _CODING_EXERCISE.match(line)
+    return match.group(1).strip() if match else ""
+
+
+def parse_topics(kind: str, continuation: str) -> list[str]:
+    """The topics in the backbone's continuation of a ``topic_requests`` list (which ends with ``"-"``): its
+    ``"- item"`` lines up to the first line that is not one, each kept when it reads like a seed topic
+    (3-60 characters, ≤ 8 words, starting with a letter, no digits, quotes or sentence punctuation;
+    coding: the task of a "Write a function that ..." exercise)."""
+    topics = []
+    for n, line in enumerate(("-" + continuation).splitlines()):
+        if not line.startswith("- "):
+            if n == 0 or line.strip():
+                break
+            continue
+        item = line[2:].strip().rstrip(".").strip()
+        if kind == "coding":
+            item = _coding_task(item + ".")
+        elif not (3 <= len(item) <= 60 and len(item.split()) <= 8 and item[0].isalpha()
+                  and not re.search(r"[0-9\"*:;?!()\[\]{}<>/#=_`|]", item)):
+            continue
+        if item:
+            topics.append(item)
+    return topics
+
+
+def _topic_key(topic: str) -> str:
+    """A topic compared without case, a leading article or a trailing plural "s"."""
+    words = topic.lower().split()
+    if words and words[0] in ("a", "an", "the"):
+        words = words[1:]
+    return " ".join(words).rstrip("s")
+
+
+def topic_prompts(rng: random.Random, topics: list[tuple[str, str]], seen_groups: set[str]):
+    """Round 5 (category, group, prompt): each new topic with ``TEMPLATES_PER_TOPIC`` of round 3's task templates of
+    its kind, drawn (coding: a language's function, then the rest). A topic that is a seed topic, or a held-out topic up to case, articles and a
+    plural, is left out (``seen_groups``: the groups of the files before, held-out ones included; and every seed
+    topic, whose held-out groups round 3 dropped)."""
+    taken = {_topic_key(g.split(":", 1)[1]) for g in seen_groups if ":" in g}
+    taken |= {_topic_key(_coding_task(s) if kind == "coding" else s) for kind, (*_, seeds) in TOPIC_KINDS.items() for s in seeds}
+    for kind, topic in topics:
+        category, prefix, _, _ = TOPIC_KINDS[kind]
+        if _topic_key(topic) in taken:
+            continue
+        taken.add(_topic_key(topic))
+        group = prefix + topic
+        if kind == "writing":
+            for form in rng.sample(WRITING_FORMS, TEMPLATES_PER_TOPIC):
+                template = rng.choice(MORE_WRITING_TASKS + ["Write a {form} about {topic}."])
+                yield category, group, template.format(form=form, topic=topic, audience=rng.choice(AUDIENCES))
+        elif kind == "roleplay":
+            for request in rng.sample(ROLE_REQUESTS + MORE_ROLE_REQUESTS, TEMPLATES_PER_TOPIC):
+                yield category, group, f"Pretend you are {topic}. {request}"
+        elif kind == "coding":
+            yield category, group, f"Write a {rng.choice(CODING_LANGS)} function that {topic}."
+            for template in rng.sample(MORE_CODING_TEMPLATES, TEMPLATES_PER_TOPIC - 1):
+                yield category, group, template.format(t=topic, lang=rng.choice(CODING_LANGS[1:]))
+        else:
+            templates = {"stem": MORE_STEM_TASKS + ["Explain {c} in simple terms.", "How does {c} work?",
+                                                    "Explain {c} to a ten-year-old."],
+                         "humanities": MORE_HUMANITIES_TASKS + ["Tell me about {c}.", "What can we learn today from {c}?"],
+                         "everyday": MORE_EVERYDAY_TASKS + ["Give me three tips to {g}.", "I want to {g}. Where should I start?"]}[kind]
+            for template in rng.sample(templates, TEMPLATES_PER_TOPIC):
+                yield category, group, template.format(c=topic, g=topic)
+
+
+def _seen_groups(existing: list[Path]) -> set[str]:
+    """Every row's topic group in the ``existing`` prompt files."""
+    return {json.loads(line)["group"] for path in existing for line in path.read_text(encoding="utf-8").splitlines()
+            if line.strip()}
+
+
+def build_topics(existing: list[Path], topics: Path) -> list[dict]:
+    """Round-5 training rows (``train_topics``): topics the backbone listed itself (``topics``: JSONL rows
+    ``{"kind", "topic"}`` from ``scripts/build_demo.py --stages topics``), each with round 3's task templates of
+    its kind; none of the ``existing`` files' prompts, topics or held-out groups. Raises ``SystemExit`` saying
+    how to write ``topics`` when it is not there."""
+    if not topics.exists():
+        raise SystemExit(f"no topics file {topics} (python scripts/build_demo.py --stages topics writes it)")
+    rows = [json.loads(line) for line in topics.read_text(encoding="utf-8").splitlines() if line.strip()]
+    rng = random.Random(SEED + 4)
+    sources = [("backbone-topics", topic_prompts(rng, [(r["kind"], r["topic"]) for r in rows], _seen_groups(existing)))]
+    train, _ = _rows(sources, rng, _seen_prompts(existing))
+    return train
+
+
 #: The prompt files in the order they were written (``build`` writes the first three).
-PROMPT_FILES = ("train", "heldout", "train_more", "train_wide", "train_deep")
+PROMPT_FILES = ("train", "heldout", "train_more", "train_wide", "train_deep", "train_topics")
 #: ``--round N``: (its file, the function that builds its rows from the files before it).
-LATER_ROUNDS = {3: ("train_wide", build_wide), 4: ("train_deep", build_deep)}
+LATER_ROUNDS = {3: ("train_wide", build_wide), 4: ("train_deep", build_deep), 5: ("train_topics", build_topics)}
 
 
 def write_rows(path: Path, rows: list[dict]) -> None:
@@ -450,13 +573,16 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "assets" / "demo" / "prompts")
     p.add_argument("--self-instruct", type=Path, help="questions the backbone wrote (JSONL)")
-    p.add_argument("--round", type=int, choices=[3, 4], help="write only this training round (3: train_wide.jsonl; "
-                   "4: train_deep.jsonl), next to the rounds before it")
+    p.add_argument("--round", type=int, choices=sorted(LATER_ROUNDS), help="write only this training round (3: "
+                   "train_wide.jsonl; 4: train_deep.jsonl; 5: train_topics.jsonl, from --topics), next to the rounds before it")
+    p.add_argument("--topics", type=Path, help="round 5: the topics the backbone listed (default: topics.jsonl in --out, "
+                   "from scripts/build_demo.py --stages topics)")
     args = p.parse_args(argv)
     if args.round:
         name, build_round = LATER_ROUNDS[args.round]
         before = PROMPT_FILES[: PROMPT_FILES.index(name)]  # every file written before this round
-        rows = build_round([args.out / f"{earlier}.jsonl" for earlier in before])
+        rows = build_round([args.out / f"{earlier}.jsonl" for earlier in before],
+                           *([args.topics or args.out / "topics.jsonl"] if args.round == 5 else []))
         write_rows(args.out / f"{name}.jsonl", rows)
         counts = Counter(row["category"] for row in rows)
         print(f"{len(rows)} round-{args.round} training prompts ({sum('followup' in r for r in rows)} with a follow-up turn): "

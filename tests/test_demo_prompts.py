@@ -69,6 +69,56 @@ def test_round_four_asks_nothing_the_rounds_before_it_asked():
     assert [r["id"] for r in rows] == list(range(len(rows)))
 
 
+def test_topics_are_read_from_the_backbones_list_lines_only():
+    continuation = " a dream gone wrong\n- A sunset over a cathedral.\n- 100 stars\n- a poem: love\n\n- a red kite\nThe end\n- x y"
+    assert demo_prompts.parse_topics("writing", continuation) == ["a dream gone wrong", "A sunset over a cathedral", "a red kite"]
+    assert demo_prompts.parse_topics("writing", "100 stars\n- a lighthouse") == []  # the list's first item is not one
+    coding = " Write a function that checks if a number is prime.\n- Write a function that sums.\n- Sort a list.\n- Write a"
+    assert demo_prompts.parse_topics("coding", coding) == ["checks if a number is prime"]
+
+
+def test_topic_requests_show_only_training_topics():
+    requests = demo_prompts.topic_requests(30)
+    assert len(requests) == 30 * len(demo_prompts.TOPIC_KINDS) and requests == demo_prompts.topic_requests(30)
+    for row in requests:
+        _, prefix, _, _ = demo_prompts.TOPIC_KINDS[row["kind"]]
+        shown = [line[2:] for line in row["request"].splitlines()[1:-1]]
+        assert len(shown) == 6 and row["request"].endswith("\n-")
+        topics = [demo_prompts.parse_topics("coding", " " + s)[0] for s in shown] if row["kind"] == "coding" else shown
+        assert not any(demo_prompts.is_heldout(prefix + t) for t in topics)
+
+
+def test_round_five_gives_new_topics_the_round_three_templates_and_keeps_held_out_topics_out(tmp_path):
+    names = ("train", "heldout", "train_more", "train_wide", "train_deep")
+    (tmp_path / "train_deep.jsonl").write_text("")  # round 4's file, which the repository does not hold
+    existing = [PROMPTS / f"{n}.jsonl" for n in names[:-1]] + [tmp_path / "train_deep.jsonl"]
+    held = next(r["group"] for r in _read("heldout") if r["group"].startswith("w:"))[2:]
+    variant = "The " + held.split(" ", 1)[1] + "s" if held.split()[0] in ("a", "an", "the") else "The " + held + "s"
+    topics = [("writing", "a paper boat in the gutter"), ("roleplay", "a lighthouse keeper's cat"),
+              ("stem", "tidal energy"), ("coding", "counts the words in a sentence"),
+              ("writing", variant),  # a held-out topic, up to an article and a plural
+              ("writing", "autumn leaves"),  # a seed topic
+              ("writing", "A paper boat in the gutter")]  # the first one again
+    topics += [("everyday", f"fold paper crane number {n}") for n in range(40)]
+    file = tmp_path / "topics.jsonl"
+    file.write_text("".join(json.dumps({"kind": k, "topic": t}) + "\n" for k, t in topics))
+    assert not any(demo_prompts.is_heldout(g) for g in ("w:a paper boat in the gutter", "s:tidal energy"))
+    rows = demo_prompts.build_topics(existing, file)
+    groups = {r["group"] for r in rows}
+    assert "w:a paper boat in the gutter" in groups and "s:tidal energy" in groups
+    assert not {"w:" + variant, "w:autumn leaves", "w:A paper boat in the gutter"} & groups
+    assert not any(demo_prompts.is_heldout(g) for g in groups)
+    assert sum(not demo_prompts.is_heldout("d:" + t) for k, t in topics if k == "everyday") * demo_prompts.TEMPLATES_PER_TOPIC == sum(
+        r["category"] == "everyday" for r in rows)  # held-out hashes dropped
+    before = {r["messages"][0]["content"] for n in names[:-1] for r in _read(n)}
+    texts = [r["messages"][0]["content"] for r in rows]
+    assert len(set(texts)) == len(texts) and not before & set(texts)
+    assert any(t.startswith("Pretend you are a lighthouse keeper's cat. ") for t in texts)
+    assert any("function that counts the words in a sentence" in t for t in texts)
+    with pytest.raises(SystemExit, match="--stages topics"):
+        demo_prompts.build_topics(existing, tmp_path / "missing.jsonl")
+
+
 def test_distilling_a_round_whose_prompt_file_is_missing_says_how_to_write_it(tmp_path, monkeypatch):
     import argparse
 
@@ -79,3 +129,16 @@ def test_distilling_a_round_whose_prompt_file_is_missing_says_how_to_write_it(tm
     args = argparse.Namespace(distill_splits=["train_deep"], served_settings=["chat"], quantization="gguf")
     with pytest.raises(SystemExit, match=r"train_deep\.jsonl.*--round 4"):
         build_demo.stage_distill_served(args)
+
+
+def test_the_topics_stage_keeps_a_topics_file_it_did_not_write_here(tmp_path, monkeypatch):
+    import argparse
+
+    import build_demo
+
+    (tmp_path / "topics.jsonl").write_text('{"kind": "stem", "topic": "tidal energy"}\n')
+    monkeypatch.setattr(build_demo, "PROMPTS", tmp_path)
+    monkeypatch.setattr(build_demo, "WORK", tmp_path / "work")
+    monkeypatch.setattr(build_demo, "load", lambda dtype: pytest.fail("the backbone loads to write the file again"))
+    build_demo.stage_topics(argparse.Namespace(topic_requests=3, distill_dtype="float32"))
+    assert (tmp_path / "topics.jsonl").read_text() == '{"kind": "stem", "topic": "tidal energy"}\n'
