@@ -120,7 +120,7 @@ def template_prompts(rng: random.Random):
 def more_template_prompts(rng: random.Random):
     """Round 2 (category, group, prompt): new seed topics and templates, and unused round-1 pairings."""
     for topic in WRITING_TOPICS + MORE_WRITING_TOPICS:
-        for form in rng.sample(WRITING_FORMS, TEMPLATES_PER_TOPIC):
+        for form in rng.sample(WRITING_FORMS, 4):
             template = rng.choice(MORE_WRITING_TASKS + ["Write a {form} about {topic}."])
             yield "writing", f"w:{topic}", template.format(form=form, topic=topic, audience=rng.choice(AUDIENCES))
     for role in ROLES + MORE_ROLES:

@@ -35,6 +35,17 @@ def test_round_two_adds_new_prompts_and_never_a_held_out_group(built):
     assert [r["id"] for r in more] == list(range(len(more)))
 
 
+def test_round_two_writing_prompts_are_four_forms_a_topic_as_shipped():
+    """Round 2's templates, as the shipped file was written: four writing forms for each writing topic (round 5's
+    ``TEMPLATES_PER_TOPIC`` is its own)."""
+    import random
+
+    from demo_seeds import MORE_WRITING_TOPICS, WRITING_TOPICS
+
+    writing = [row for row in demo_prompts.more_template_prompts(random.Random(demo_prompts.SEED + 1)) if row[0] == "writing"]
+    assert len(writing) == 4 * len(WRITING_TOPICS + MORE_WRITING_TOPICS)
+
+
 def test_shipped_prompt_files_keep_held_out_prompts_unseen():
     train, heldout, more = _read("train"), _read("heldout"), _read("train_more")
     held_groups = {r["group"] for r in heldout}
