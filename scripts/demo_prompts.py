@@ -581,6 +581,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.round:
         name, build_round = LATER_ROUNDS[args.round]
         before = PROMPT_FILES[: PROMPT_FILES.index(name)]  # every file written before this round
+        missing = [earlier for earlier in before if not (args.out / f"{earlier}.jsonl").exists()]
+        if missing:
+            later = [n for n, (f, _) in LATER_ROUNDS.items() if f in missing]
+            raise SystemExit(f"round {args.round} reads every prompt file before it; missing in {args.out}: "
+                             + ", ".join(f"{m}.jsonl" for m in missing)
+                             + (f" (write it first: python scripts/demo_prompts.py --round {later[0]})" if later else ""))
         rows = build_round([args.out / f"{earlier}.jsonl" for earlier in before],
                            *([args.topics or args.out / "topics.jsonl"] if args.round == 5 else []))
         write_rows(args.out / f"{name}.jsonl", rows)

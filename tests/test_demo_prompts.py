@@ -153,3 +153,11 @@ def test_the_topics_stage_keeps_a_topics_file_it_did_not_write_here(tmp_path, mo
     monkeypatch.setattr(build_demo, "load", lambda dtype: pytest.fail("the backbone loads to write the file again"))
     build_demo.stage_topics(argparse.Namespace(topic_requests=3, distill_dtype="float32"))
     assert (tmp_path / "topics.jsonl").read_text() == '{"kind": "stem", "topic": "tidal energy"}\n'
+
+
+def test_a_round_whose_earlier_prompt_file_is_missing_says_which_round_writes_it(tmp_path):
+    for name in ("train", "heldout", "train_more", "train_wide"):
+        (tmp_path / f"{name}.jsonl").write_text((PROMPTS / f"{name}.jsonl").read_text(encoding="utf-8"), encoding="utf-8")
+    with pytest.raises(SystemExit, match=r"train_deep\.jsonl \(write it first: python scripts/demo_prompts\.py --round 4\)"):
+        demo_prompts.main(["--out", str(tmp_path), "--round", "5", "--topics", str(tmp_path / "topics.jsonl")])
+    assert not (tmp_path / "train_topics.jsonl").exists()
