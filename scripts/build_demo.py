@@ -157,6 +157,14 @@ def stage_convert(args) -> None:
     save_figures(convert={"folder": str(folder), "seconds": round(time.time() - t0, 1)})
 
 
+def continuations(model, tok, enc, **generate) -> list[str]:
+    """HF ``generate`` on a left-padded batch ``enc`` (``input_ids`` [B, T]) with the keyword arguments ``generate``;
+    each row's new tokens decoded, special tokens left out."""
+    with torch.inference_mode():
+        gen = model.generate(**enc, **generate, pad_token_id=tok.pad_token_id)
+    return [tok.decode(ids, skip_special_tokens=True) for ids in gen[:, enc["input_ids"].shape[1] :]]
+
+
 def stage_self_instruct(args) -> None:
     """Questions the backbone writes itself, one per seed topic and style (greedy, batched)."""
     from demo_prompts import self_instruct_requests
@@ -172,10 +180,8 @@ def stage_self_instruct(args) -> None:
         batch = requests[start : start + 64]
         chats = [[{"role": "user", "content": r["request"]}] for r in batch]
         enc = tok.apply_chat_template(chats, add_generation_prompt=True, return_tensors="pt", return_dict=True, padding=True)
-        with torch.inference_mode():
-            gen = model.generate(**enc, max_new_tokens=40, do_sample=False, pad_token_id=tok.pad_token_id)
-        for r, ids in zip(batch, gen[:, enc["input_ids"].shape[1] :]):
-            text = tok.decode(ids, skip_special_tokens=True).strip().splitlines()
+        for r, reply in zip(batch, continuations(model, tok, enc, max_new_tokens=40, do_sample=False)):
+            text = reply.strip().splitlines()
             q = text[0].strip().strip('"') if text else ""
             if 15 <= len(q) <= 200 and q.endswith("?"):
                 rows.append({"category": r["category"], "topic": r["topic"], "question": q})
@@ -207,11 +213,8 @@ def stage_topics(args) -> None:
         batch = requests[start : start + 64]
         enc = tok([r["request"] for r in batch], return_tensors="pt", padding=True)
         torch.manual_seed(SEED + start)
-        with torch.inference_mode():
-            gen = model.generate(**enc, max_new_tokens=60, do_sample=True, temperature=0.8, top_p=0.95,
-                                 pad_token_id=tok.pad_token_id)
-        rows = [{"kind": r["kind"], "topic": t} for r, ids in zip(batch, gen[:, enc["input_ids"].shape[1] :])
-                for t in parse_topics(r["kind"], tok.decode(ids, skip_special_tokens=True))]
+        texts = continuations(model, tok, enc, max_new_tokens=60, do_sample=True, temperature=0.8, top_p=0.95)
+        rows = [{"kind": r["kind"], "topic": t} for r, text in zip(batch, texts) for t in parse_topics(r["kind"], text)]
         with open(out, "a", encoding="utf-8") as f:
             f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
         done.write_text(str(start + len(batch)))

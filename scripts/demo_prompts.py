@@ -65,6 +65,13 @@ from demo_seeds import (  # the seed tables
     MORE_CODING_TASKS, MORE_CODING_TEMPLATES, MORE_CODING_HOWTO, MORE_PYTHON_MODULES,
 )
 
+#: Round 3's task templates of each kind (round 2 draws from the writing ones, round 5 two of its kind a topic).
+WRITING_TASKS = MORE_WRITING_TASKS + ["Write a {form} about {topic}."]
+STEM_TASKS = MORE_STEM_TASKS + ["Explain {c} in simple terms.", "How does {c} work?", "Explain {c} to a ten-year-old."]
+HUMANITIES_TASKS = MORE_HUMANITIES_TASKS + ["Tell me about {c}.", "What can we learn today from {c}?"]
+EVERYDAY_TASKS = MORE_EVERYDAY_TASKS + ["Give me three tips to {g}.", "I want to {g}. Where should I start?"]
+
+
 # --------------------------------------------------------------------------------- generators
 def template_prompts(rng: random.Random):
     """(category, group, prompt) from seed topics × templates."""
@@ -121,7 +128,7 @@ def more_template_prompts(rng: random.Random):
     """Round 2 (category, group, prompt): new seed topics and templates, and unused round-1 pairings."""
     for topic in WRITING_TOPICS + MORE_WRITING_TOPICS:
         for form in rng.sample(WRITING_FORMS, 4):
-            template = rng.choice(MORE_WRITING_TASKS + ["Write a {form} about {topic}."])
+            template = rng.choice(WRITING_TASKS)
             yield "writing", f"w:{topic}", template.format(form=form, topic=topic, audience=rng.choice(AUDIENCES))
     for role in ROLES + MORE_ROLES:
         for request in rng.sample(ROLE_REQUESTS + MORE_ROLE_REQUESTS, 5):
@@ -147,7 +154,7 @@ def wide_template_prompts(rng: random.Random):
     """Round 3 (category, group, prompt): every seed topic with every task template of its category."""
     for topic in WRITING_TOPICS + MORE_WRITING_TOPICS:
         for form in WRITING_FORMS:
-            template = rng.choice(MORE_WRITING_TASKS + ["Write a {form} about {topic}."])
+            template = rng.choice(WRITING_TASKS)
             yield "writing", f"w:{topic}", template.format(form=form, topic=topic, audience=rng.choice(AUDIENCES))
     for situation in EMAIL_SITUATIONS:
         for person in AUDIENCES:
@@ -156,13 +163,13 @@ def wide_template_prompts(rng: random.Random):
         for request in ROLE_REQUESTS + MORE_ROLE_REQUESTS:
             yield "roleplay", f"r:{role}", f"Pretend you are {role}. {request}"
     for concept in STEM_CONCEPTS + MORE_STEM_CONCEPTS:
-        for template in MORE_STEM_TASKS + ["Explain {c} in simple terms.", "How does {c} work?", "Explain {c} to a ten-year-old."]:
+        for template in STEM_TASKS:
             yield "stem", f"s:{concept}", template.format(c=concept)
     for topic in HUMANITIES + MORE_HUMANITIES:
-        for template in MORE_HUMANITIES_TASKS + ["Tell me about {c}.", "What can we learn today from {c}?"]:
+        for template in HUMANITIES_TASKS:
             yield "humanities", f"h:{topic}", template.format(c=topic)
     for goal in EVERYDAY + MORE_EVERYDAY:
-        for template in MORE_EVERYDAY_TASKS + ["Give me three tips to {g}.", "I want to {g}. Where should I start?"]:
+        for template in EVERYDAY_TASKS:
             yield "everyday", f"d:{goal}", template.format(g=goal)
     for task in CODING_TASKS + MORE_CODING_TASKS:
         for lang in CODING_LANGS:
@@ -393,10 +400,14 @@ def build(self_instruct: Path | None = None) -> tuple[list[dict], list[dict], li
     return train, heldout, train_more
 
 
-def _seen_prompts(existing: list[Path]) -> set[str]:
-    """Every user message of the ``existing`` prompt files."""
-    return {m["content"] for path in existing for line in path.read_text(encoding="utf-8").splitlines() if line.strip()
-            for m in json.loads(line)["messages"] if m["role"] == "user"}
+def _existing_rows(existing: list[Path]) -> list[dict]:
+    """Every row of the ``existing`` prompt files."""
+    return [json.loads(line) for path in existing for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def _seen_prompts(rows: list[dict]) -> set[str]:
+    """Every user message of prompt ``rows``."""
+    return {m["content"] for row in rows for m in row["messages"] if m["role"] == "user"}
 
 
 def _stdlib_modules() -> list[str]:
@@ -420,7 +431,7 @@ def build_wide(existing: list[Path]) -> list[dict]:
     sources = [("template", wide_template_prompts(rng)), ("generated", reasoning_and_math(rng, 2000, start=1320)),
                ("generated", extraction_prompts(rng, 800, start=460)), ("python-docs", python_doc_prompts(rng, 2500, _stdlib_modules())),
                ("debian-index", debian_index_prompts(rng, 2500))]
-    train, _ = _rows(sources, rng, _seen_prompts(existing))
+    train, _ = _rows(sources, rng, _seen_prompts(_existing_rows(existing)))
     return train
 
 
@@ -434,7 +445,7 @@ def build_deep(existing: list[Path]) -> list[dict]:
     sources = [("debian-index", debian_index_prompts(rng, 7000, tasks=DEEP_INDEX_TASKS)),
                ("python-docs", python_doc_prompts(rng, 3000, _stdlib_modules())),
                ("generated", reasoning_and_math(rng, 2000, start=3320)), ("generated", extraction_prompts(rng, 1000, start=1260))]
-    train, _ = _rows(sources, rng, _seen_prompts(existing))
+    train, _ = _rows(sources, rng, _seen_prompts(_existing_rows(existing)))
     return train
 
 
@@ -518,7 +529,7 @@ def topic_prompts(rng: random.Random, topics: list[tuple[str, str]], seen_groups
         group = prefix + topic
         if kind == "writing":
             for form in rng.sample(WRITING_FORMS, TEMPLATES_PER_TOPIC):
-                template = rng.choice(MORE_WRITING_TASKS + ["Write a {form} about {topic}."])
+                template = rng.choice(WRITING_TASKS)
                 yield category, group, template.format(form=form, topic=topic, audience=rng.choice(AUDIENCES))
         elif kind == "roleplay":
             for request in rng.sample(ROLE_REQUESTS + MORE_ROLE_REQUESTS, TEMPLATES_PER_TOPIC):
@@ -528,18 +539,9 @@ def topic_prompts(rng: random.Random, topics: list[tuple[str, str]], seen_groups
             for template in rng.sample(MORE_CODING_TEMPLATES, TEMPLATES_PER_TOPIC - 1):
                 yield category, group, template.format(t=topic, lang=rng.choice(CODING_LANGS[1:]))
         else:
-            templates = {"stem": MORE_STEM_TASKS + ["Explain {c} in simple terms.", "How does {c} work?",
-                                                    "Explain {c} to a ten-year-old."],
-                         "humanities": MORE_HUMANITIES_TASKS + ["Tell me about {c}.", "What can we learn today from {c}?"],
-                         "everyday": MORE_EVERYDAY_TASKS + ["Give me three tips to {g}.", "I want to {g}. Where should I start?"]}[kind]
+            templates = {"stem": STEM_TASKS, "humanities": HUMANITIES_TASKS, "everyday": EVERYDAY_TASKS}[kind]
             for template in rng.sample(templates, TEMPLATES_PER_TOPIC):
                 yield category, group, template.format(c=topic, g=topic)
-
-
-def _seen_groups(existing: list[Path]) -> set[str]:
-    """Every row's topic group in the ``existing`` prompt files."""
-    return {json.loads(line)["group"] for path in existing for line in path.read_text(encoding="utf-8").splitlines()
-            if line.strip()}
 
 
 def build_topics(existing: list[Path], topics: Path) -> list[dict]:
@@ -549,10 +551,11 @@ def build_topics(existing: list[Path], topics: Path) -> list[dict]:
     how to write ``topics`` when it is not there."""
     if not topics.exists():
         raise SystemExit(f"no topics file {topics} (python scripts/build_demo.py --stages topics writes it)")
-    rows = [json.loads(line) for line in topics.read_text(encoding="utf-8").splitlines() if line.strip()]
+    listed = [json.loads(line) for line in topics.read_text(encoding="utf-8").splitlines() if line.strip()]
+    before = _existing_rows(existing)
     rng = random.Random(SEED + 4)
-    sources = [("backbone-topics", topic_prompts(rng, [(r["kind"], r["topic"]) for r in rows], _seen_groups(existing)))]
-    train, _ = _rows(sources, rng, _seen_prompts(existing))
+    sources = [("backbone-topics", topic_prompts(rng, [(r["kind"], r["topic"]) for r in listed], {r["group"] for r in before}))]
+    train, _ = _rows(sources, rng, _seen_prompts(before))
     return train
 
 
