@@ -467,8 +467,9 @@ _CODING_EXERCISE = re.compile(r"Write a function that ([a-z][^.?!:;`]{8,90})\.?$
 
 def topic_requests(per_kind: int, seed: int = SEED + 4) -> list[dict]:
     """Round 5's requests: ``per_kind`` list openings of each ``TOPIC_KINDS`` kind for the backbone to continue
-    (plain text, no chat template), each with six seed topics of training groups as its first items.
-    Rows ``{"kind", "request"}``; deterministic for a seed."""
+    (plain text, no chat template), each with six seed topics of training groups as its first items; the topics
+    become prompts for self-distillation (paper 2.3.2). Rows ``{"kind", "request"}``; deterministic for a seed.
+    Raises ``ValueError`` (``random.sample``) when a kind has fewer than six training seed topics."""
     rng = random.Random(seed)
     requests = []
     for kind, (_, prefix, what, seeds) in TOPIC_KINDS.items():
@@ -547,8 +548,8 @@ def topic_prompts(rng: random.Random, topics: list[tuple[str, str]], seen_groups
 def build_topics(existing: list[Path], topics: Path) -> list[dict]:
     """Round-5 training rows (``train_topics``): topics the backbone listed itself (``topics``: JSONL rows
     ``{"kind", "topic"}`` from ``scripts/build_demo.py --stages topics``), each with round 3's task templates of
-    its kind; none of the ``existing`` files' prompts, topics or held-out groups. Raises ``SystemExit`` saying
-    how to write ``topics`` when it is not there."""
+    its kind, for self-distillation (paper 2.3.2); none of the ``existing`` files' prompts, topics or held-out groups.
+    Raises ``SystemExit`` saying how to write ``topics`` when it is not there."""
     if not topics.exists():
         raise SystemExit(f"no topics file {topics} (python scripts/build_demo.py --stages topics writes it)")
     listed = [json.loads(line) for line in topics.read_text(encoding="utf-8").splitlines() if line.strip()]
