@@ -109,12 +109,13 @@ class AppSettings(BaseSettings):
                              "sampling distribution) or typical acceptance (paper 2.3.1)"
     )
     tree: str | None = Field(None, description="initial tree name; default: the model's own default tree")
-    drafts: Literal["heads", "hybrid", "ngram", "corpus"] | None = Field(
-        None, description="initial source of each step's candidates; default: corpus for a model with a corpus of its own "
-                          "replies (the demo: the fastest at both presets, README Speed), else heads. heads (the paper's "
-                          "Medusa), hybrid (the heads' tree plus a chain copied from the conversation by prompt lookup), "
-                          "ngram (prompt lookup only) or corpus (the heads' tree, or a chain from the model's corpus of its "
-                          "own replies where that is confident)"
+    drafts: Literal["heads", "hybrid", "ngram", "corpus", "eagle"] | None = Field(
+        None, description="initial source of each step's candidates; default: eagle for a model with an EAGLE-style "
+                          "drafter (the demo: the fastest at both presets, README Speed), else corpus for a model with a "
+                          "corpus of its own replies, else heads. heads (the paper's Medusa), hybrid (the heads' tree plus "
+                          "a chain copied from the conversation by prompt lookup), ngram (prompt lookup only), corpus (the "
+                          "heads' tree, or a chain from the model's corpus of its own replies where that is confident) or "
+                          "eagle (the corpus's chain, else the drafter's)"
     )
     # ---- live view and files
     redraw_interval_s: float = Field(0.25, ge=0.0, allow_inf_nan=False, description="seconds between redraws of the plots while a reply streams")

@@ -193,8 +193,8 @@ def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
                     )
                 with gr.Tab("Compare"):
                     gr.Markdown("Re-runs the last prompt greedily with Medusa off, then with each source of drafts (heads only, "
-                                "n-gram only, hybrid, heads + corpus), with the tree and token limit of Controls.")
-                    compare = gr.Button("Compare Medusa off / heads / n-gram / hybrid / corpus", variant="primary", elem_id="compare")
+                                "n-gram only, hybrid, heads + corpus, drafter + corpus), with the tree and token limit of Controls.")
+                    compare = gr.Button("Compare Medusa off / heads / n-gram / hybrid / corpus / drafter", variant="primary", elem_id="compare")
                     compare_result = gr.Markdown(elem_id="compare-result")
                 with gr.Tab("Model"):
                     model_info = gr.Markdown(handlers.model_panel(engine), elem_id="model-panel")

@@ -28,11 +28,12 @@ LAYOUT = {"fc.weight": ("H", "2H"), "n1.w": ("H",), "q.weight": ("H", "H"), "k.w
           "u.weight": ("I", "H"), "d.weight": ("H", "I")}
 
 
-#: The most drafts a step, and the chain probability a draft needs (``EagleDrafts.propose``): of depth 2 or 3 and
-#: thresholds 0.2 / 0.3 / 0.4, interleaved on the 24 held-out prompts, 2 and 0.3 made the most tokens/s at the chat
-#: preset and were within noise of the most at greedy (``scripts/eagle_sweep.py``; docs/BENCH.md, "Prefetched 4-bit
-#: weights, a prompt's first pass in one call, the drafter compiled"); the drafter was trained two drafts deep.
-DEPTH, THRESHOLD = 2, 0.3
+#: The most drafts a step, and the chain probability a draft needs (``EagleDrafts.propose``): with the drafter trained
+#: on prompt rounds 1-5 (docs/BENCH.md, "The drafter on prompt rounds 1-5, five drafts deep, the app's default"), depth
+#: 5 at 0.3 made the most tokens/s at the chat preset (1.88 tokens per step against 1.67 two deep) and was within
+#: noise of the most at greedy (``scripts/eagle_sweep.py``, 24 held-out prompts); the drafter was trained two drafts
+#: deep, and deeper chains still pay.
+DEPTH, THRESHOLD = 5, 0.3
 
 
 class EagleDrafter:

@@ -44,6 +44,11 @@ log = logging.getLogger(__name__)
 
 #: The shipped demo model (``load_medusa_model("demo")``).
 DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "demo"
+#: The EAGLE-style drafter a head folder may ship beside its heads (``load_medusa_model(drafter="auto")``).
+DRAFTER_FILE = "drafter.safetensors"
+#: The demo's drafter, trained on its GGUF backbone's replies (``scripts/probe_eagle.py``); kept outside the demo folder,
+#: whose size the tests hold to 40 MiB.
+DEMO_DRAFTER = DEMO_MODEL_DIR.parent / "eagle-probe" / DRAFTER_FILE
 HEAD_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 CALIBRATION_FILE = "medusa_calibration.json"
 TUNED_FILE = "medusa_tuned.json"
@@ -75,6 +80,7 @@ def load_medusa_model(
     draft_vocabulary: int | str | None = "auto",
     trust_remote_code: bool = False,
     report: Callable[[str], None] | None = None,
+    drafter: str | Path | None = "auto",
 ) -> MedusaModel:
     """Load a backbone with its Medusa heads (any of the three layouts) into a ``MedusaModel``.
 
@@ -102,7 +108,13 @@ def load_medusa_model(
             None: all V.
         trust_remote_code: passed to transformers; off unless the caller asks.
         report: told, one line at a time, of slow first-start work: compiling the lean decoding step
-            (``medusa_core.lean``, about a minute once per install) and indexing the model's replies.
+            (``medusa_core.lean``, about a minute once per install) and indexing the model's replies; and why an
+            ``"auto"`` drafter was not loaded.
+        drafter: an EAGLE-style drafter for ``generate(drafts="eagle")`` (``MedusaModel.load_drafter``; Li et al.
+            2024): ``"auto"`` (default) loads the one the checkpoint ships, on a CPU: ``DRAFTER_FILE`` beside the
+            heads, or for the demo's GGUF backbone ``DEMO_DRAFTER``; where the lean step's compiled extension does
+            not load it is left out with a line to ``report``. A path loads that file (``ValueError`` where it
+            cannot run); None: no drafter.
 
     A head-only folder with a ``distill/`` folder of this backbone's own replies (``train.distill`` files named
     ``<split>-<quantization>-<settings>.jsonl.gz``) gets them as its corpus (``MedusaModel.corpus``,
@@ -118,7 +130,8 @@ def load_medusa_model(
 
     Raises:
         MedusaCheckpointError: missing files or heads, head shapes that do not match the backbone,
-            an unknown quantization, or a Hub id that is not cached while offline.
+            an unknown quantization, a Hub id that is not cached while offline, or a drafter file whose tensors do
+            not fit the backbone.
     """
     quantization = None if quantization in (None, "none") else quantization
     if quantization not in QUANTIZATIONS:
@@ -214,7 +227,27 @@ def load_medusa_model(
         report=report,
     )
     model.backbone_file = base if str(base).lower().endswith(".gguf") else None  # what llama.cpp can read (bench)
+    drafter_file = _shipped_drafter(folder, heads_folder, quantization, dev) if drafter == "auto" else drafter
+    if drafter_file is not None:
+        try:
+            model.load_drafter(drafter_file)
+        except ValueError as e:  # no compiled extension here (a file that does not fit raises MedusaCheckpointError)
+            if drafter != "auto":
+                raise
+            if report is not None:
+                report(f"no EAGLE drafter: {e}")
     return model
+
+
+def _shipped_drafter(folder: Path, heads_folder: Path, quantization: str | None, dev: torch.device) -> Path | None:
+    """The drafter ``drafter="auto"`` loads: on a CPU, ``DEMO_DRAFTER`` for the demo's GGUF backbone (whose states it
+    was trained on), else ``DRAFTER_FILE`` beside the heads; None where there is none."""
+    if dev.type != "cpu":
+        return None
+    if folder == DEMO_MODEL_DIR:
+        return DEMO_DRAFTER if quantization == "gguf" and DEMO_DRAFTER.exists() else None
+    found = heads_folder / DRAFTER_FILE
+    return found if found.exists() else None
 
 
 def _corpus(folder: Path, quantization: str | None, report: Callable[[str], None] | None) -> CorpusIndex | None:

@@ -13,6 +13,8 @@ top-1 where draft 1 is right, and a 2-draft chain's tokens per step 1 + P(d1) + 
 
     # on a GPU (the GGUF weights dequantized to float32): train, write eagle_probe.json and eagle_drafter.safetensors
     python scripts/probe_eagle.py --device cuda --epochs 4 --with-greedy --out out/eagle
+    # the same on the replies of prompt rounds 1-5 (rounds 4 and 5: chat replies only, written by build_demo.py)
+    python scripts/probe_eagle.py --device cuda --epochs 5 --with-greedy --train-rounds 5 --out out/eagle
     # the same, continued from saved weights at a lower learning rate
     python scripts/probe_eagle.py --device cuda --epochs 2 --lr 3e-4 --with-greedy --init assets/eagle-probe/drafter.safetensors
     # on this CPU (the app's own int4 states): measure saved weights, with attention limited to the last w positions
@@ -45,6 +47,8 @@ sys.path.insert(0, str(ROOT))
 from medusa_core.gguf import demo_gguf_file  # noqa: E402
 from medusa_core.loading import load_backbone  # noqa: E402
 from medusa_core.train import read_distilled  # noqa: E402
+
+from build_demo import TRAIN_SPLITS  # noqa: E402  (scripts/ is on the path when a script runs)
 
 D = ROOT / "assets/demo/distill"
 
@@ -206,6 +210,9 @@ def main():
     p.add_argument("--limit", type=int, default=0, help="replies per file (0: all)")
     p.add_argument("--budget", type=float, default=240, help="training seconds at most (the cosine schedule is cut there)")
     p.add_argument("--with-greedy", action="store_true", help="train on the greedy replies too (else the chat ones)")
+    p.add_argument("--train-rounds", type=int, choices=range(1, len(TRAIN_SPLITS) + 1), default=3,
+                   help="the prompt rounds whose replies it trains on (build_demo's --train-rounds; a round without replies "
+                        "for a setting, such as round 4's and 5's greedy ones, is skipped with a line in the log)")
     p.add_argument("--epochs", type=float, default=4)
     p.add_argument("--tokens", type=int, default=16384, help="padded tokens per batch")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -368,7 +375,12 @@ def main():
             log(f"window {win}: {res[win]}")
         print(json.dumps({"eval": a.eval, "int4": a.int4, "backbone": f"{a.quantization or 'float32'} on {a.device}", "windows": res}))
         return
-    train_rows = rows_of(["train-gguf-chat", "train_more-gguf-chat", "train_wide-gguf-chat"] + (["train-gguf-greedy", "train_more-gguf-greedy", "train_wide-gguf-greedy"] if a.with_greedy else []))
+    names = [f"{split}-gguf-{setting}" for setting in ("chat", "greedy") if setting == "chat" or a.with_greedy
+             for split in TRAIN_SPLITS[: a.train_rounds]]
+    missing = [n for n in names if not (D / f"{n}.jsonl.gz").exists()]
+    if missing:
+        log(f"no replies for {', '.join(missing)}: trained without them")
+    train_rows = rows_of([n for n in names if n not in missing])
     held_rows = rows_of(["heldout-gguf-chat"])
     t1 = time.time()
     tf, ti, toffs = featurize(train_rows)
@@ -410,7 +422,7 @@ def main():
     held = evaluate(hf, hi, hoffs)
     train_eval = evaluate(tf, ti, toffs, limit=40)
     result = dict(heldout=held, train_sample=train_eval, steps=step, epochs=round(step / per_epoch, 3),
-                  training_sequences=len(toffs), training_tokens=len(tf), seconds=round(time.time() - t0),
+                  training_files=[n for n in names if n not in missing], training_sequences=len(toffs), training_tokens=len(tf), seconds=round(time.time() - t0),
                   config=vars(a), device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", history=history)
     log(json.dumps({k: v for k, v in result.items() if k != "history"}))
     os.makedirs(a.out, exist_ok=True)

@@ -336,7 +336,42 @@ def test_a_model_with_a_corpus_of_its_replies_starts_with_heads_plus_corpus_draf
     assert handlers.page_status(with_corpus, chosen)["drafts"].value == "hybrid"
 
 
-def test_a_reply_sent_before_the_corpus_index_is_built_drafts_with_the_heads_and_says_so(engine, settings, controls):
+def _with_drafter(engine, tmp_path, **corpus) -> Engine:
+    """The tiny model (its weights shared) with a random EAGLE-style drafter, and ``corpus`` if given."""
+    from medusa_core import MedusaModel
+    from test_eagle import _random_drafter
+
+    model = engine.model
+    drafted = MedusaModel(model.backbone, model.heads, model.tokenizer, name="tiny with a drafter", trees=model.trees, **corpus)
+    drafted.load_drafter(_random_drafter(tmp_path / "drafter.safetensors", drafted.config))
+    return Engine.of(drafted)
+
+
+def test_a_model_with_a_drafter_starts_with_drafter_plus_corpus_drafts_and_compare_runs_them(engine, settings, controls,
+                                                                                              tmp_path):
+    from medusa_core.datastore import Datastore
+
+    session = Session()
+    send(engine, settings, session, controls)
+    reply = [t for r in session.last_records for t in r.token_ids]
+    drafted = _with_drafter(engine, tmp_path, corpus=Datastore.build([(list(range(1, 5)) + reply, 4)] * 2))
+    assert Controls.from_settings(settings, drafted.model).drafts == "eagle"
+    assert handlers.page_status(drafted, settings)["drafts"].value == "eagle"
+    chosen = settings.model_copy(update={"drafts": "corpus"})
+    assert Controls.from_settings(chosen, drafted.model).drafts == "corpus"
+    updates = list(handlers.compare(drafted, settings, session, controls))
+    table = updates[-1]["compare_result"]
+    assert "| drafter |" in table and table.count("**yes** ✓") == 5  # each source of drafts: identical to Medusa off
+    assert {r.drafts for r in session.rows if r.source == "compare"} == {"", "heads", "ngram", "hybrid", "corpus", "eagle"}
+    eagle = dataclasses.replace(controls, drafts="eagle")
+    send(drafted, settings, session, eagle)
+    turn = session.turns[-1]
+    assert not turn.error and "drafter + corpus chains" in turn.stats and "from the drafter or corpus" in turn.stats
+
+
+@pytest.mark.parametrize("drafts", ["corpus", "eagle"])
+def test_a_reply_sent_before_the_corpus_index_is_built_drafts_with_the_heads_and_says_so(engine, settings, controls, drafts,
+                                                                                          tmp_path):
     # A first start indexes the model's own replies after ``ready`` (~9 s on the demo): a reply sent meanwhile does
     # not wait for the index (its time to the first token was those seconds); it drafts with the heads alone, its
     # note says why, the index is built in the background, and a later reply drafts from the corpus too.
@@ -353,9 +388,12 @@ def test_a_reply_sent_before_the_corpus_index_is_built_drafts_with_the_heads_and
         built.append(1)
         return Datastore.build([([1, 2, 3, 4], 1)] * 2)
 
-    lazy = Engine.of(MedusaModel(model.backbone, model.heads, model.tokenizer, name="tiny with a lazy corpus", trees=model.trees,
-                                 corpus=index))
-    corpus = dataclasses.replace(controls, drafts="corpus")
+    if drafts == "eagle":  # drafter + corpus: its chains wait for the corpus too
+        lazy = _with_drafter(engine, tmp_path, corpus=index)
+    else:
+        lazy = Engine.of(MedusaModel(model.backbone, model.heads, model.tokenizer, name="tiny with a lazy corpus",
+                                     trees=model.trees, corpus=index))
+    corpus = dataclasses.replace(controls, drafts=drafts)
     session = Session()
     updates = send(lazy, settings, session, corpus)
     assert updates[-1]["reply_status"].startswith("Latest reply: ") and built == []  # answered while not indexed

@@ -19,7 +19,7 @@ TRAINED = Path(__file__).resolve().parent.parent / "assets" / "eagle-probe" / "d
 
 @pytest.fixture(scope="module")
 def demo():
-    return load_medusa_model("demo")
+    return load_medusa_model("demo", drafter=None)
 
 
 def _random_drafter(path, config, seed=0, **override):
@@ -66,8 +66,8 @@ def test_greedy_eagle_drafts_equal_plain_greedy_even_from_a_random_drafter(tmp_p
 
 
 def test_the_trained_drafter_drafts_several_tokens_a_step_on_the_demo_and_stays_exact():
-    model = load_medusa_model("demo")
-    model.load_drafter(TRAINED)
+    model = load_medusa_model("demo")  # drafter="auto": the demo's shipped drafter (TRAINED)
+    assert model.has_drafter
     produced = steps = 0
     for text in PROMPTS:
         ids = _ids(model, text)
@@ -129,21 +129,56 @@ def test_the_corpus_chain_is_taken_where_the_corpus_has_one():
             self.calls += 1
             return [7, 8, 9][:limit] if self.calls % 2 else []
 
-    model = load_medusa_model("demo")
-    model.load_drafter(TRAINED)
+    model = load_medusa_model("demo")  # with its shipped drafter (TRAINED)
     drafter = EagleDrafts(model._drafter[0], model.backbone.get_input_embeddings(), *model._drafter[1:], capacity=8,
                           threshold=0.0, chains=Corpus())
     drafter.observe(torch.randn(2, 576), [1, 2])
     assert drafter.propose(3) == [7, 8, 9]
-    assert len(drafter.propose(3)) == 2 and drafter.propose(2) == [7, 8]
+    assert len(drafter.propose(3)) == min(3, eagle.DEPTH) and drafter.propose(2) == [7, 8]  # the drafter's, then the corpus's
 
 
 def test_without_the_compiled_extension_a_drafter_is_refused_with_the_reason(monkeypatch, tmp_path):
     import medusa_core.model as model_module
 
-    model = load_medusa_model("demo")
+    model = load_medusa_model("demo", drafter=None)
     monkeypatch.setattr(model._steps, "extension", None)
     monkeypatch.setattr(model_module, "load_extension", lambda: (None, "no C++ compiler found"))
     with pytest.raises(ValueError, match="compiled extension, which is not available here: no C\\+\\+ compiler found"):
         model.load_drafter(_random_drafter(tmp_path / "d.safetensors", model.config))
     assert not model.has_drafter
+
+
+def test_the_demo_loads_its_shipped_drafter_unless_told_not_to():
+    assert load_medusa_model("demo").has_drafter
+    assert not load_medusa_model("demo", drafter=None).has_drafter
+
+
+def test_a_head_folder_with_a_drafter_beside_its_heads_gets_it_and_a_given_file_that_does_not_fit_is_refused(demo, tmp_path):
+    from medusa_core.gguf import demo_gguf_file
+    from medusa_core.loading import DEMO_MODEL_DIR, DRAFTER_FILE
+
+    for name in ("config.json", "medusa_lm_head.safetensors"):
+        (tmp_path / name).symlink_to(DEMO_MODEL_DIR / name)
+    base = str(demo_gguf_file())
+    assert not load_medusa_model(tmp_path, base_model=base).has_drafter  # none shipped
+    _random_drafter(tmp_path / DRAFTER_FILE, demo.config)
+    assert load_medusa_model(tmp_path, base_model=base).has_drafter
+    bad = _random_drafter(tmp_path / "bad.safetensors", demo.config, **{"n1.w": torch.ones(7)})
+    with pytest.raises(MedusaCheckpointError, match=r"n1.w should be \[576\]"):
+        load_medusa_model(tmp_path, base_model=base, drafter=bad)
+
+
+def test_a_shipped_drafter_that_cannot_run_here_is_left_out_with_a_line_and_a_given_one_raises(monkeypatch):
+    from medusa_core import MedusaModel
+    from medusa_core.loading import DEMO_DRAFTER
+
+    def no_extension(self, path):
+        raise ValueError("the drafter runs in the lean step's compiled extension, which is not available here: no C++ compiler")
+
+    monkeypatch.setattr(MedusaModel, "load_drafter", no_extension)
+    lines = []
+    model = load_medusa_model("demo", report=lines.append)
+    assert not model.has_drafter
+    assert any(line.startswith("no EAGLE drafter: ") and "no C++ compiler" in line for line in lines)
+    with pytest.raises(ValueError, match="no C\\+\\+ compiler"):
+        load_medusa_model("demo", drafter=DEMO_DRAFTER)

@@ -106,8 +106,9 @@ def respond(engine: Engine, settings: AppSettings, session: Session, controls: C
 
     A message sent while the model loaded first waits for it (the status line says so, Stop ends the wait), then
     is answered at the controls the page shows once the model is ready (``ready_controls``), its TTFT counted from
-    then; a load that fails leaves the message in the chat with the reason. A reply that asks for corpus drafts before
-    the model's own replies are indexed (a first start) drafts with the heads alone, with a note (``CORPUS_PENDING``)."""
+    then; a load that fails leaves the message in the chat with the reason. A reply that asks for corpus drafts (or
+    drafter + corpus) before the model's own replies are indexed (a first start) drafts with the heads alone, with a
+    note (``CORPUS_PENDING``)."""
     index = waiting_turn(session)
     if index is None or session.busy:  # the send was refused: nothing to answer
         yield {"reply_status": gr.skip()}
@@ -125,7 +126,7 @@ def respond(engine: Engine, settings: AppSettings, session: Session, controls: C
         return
     model = engine.model
     notes = []
-    if controls.medusa and controls.drafts == "corpus" and model.has_corpus and not model.corpus_ready:
+    if controls.medusa and controls.drafts in ("corpus", "eagle") and model.has_corpus and not model.corpus_ready:
         controls = dataclasses.replace(controls, drafts="heads")  # not a wait of seconds for the first token
         notes.append(CORPUS_PENDING)
         model.index_corpus_in_background()  # under way since ready (launch.py), or from here

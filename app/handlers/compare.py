@@ -29,13 +29,13 @@ log = logging.getLogger(__name__)
 
 OFF = "Medusa off"
 #: The runs of a Compare: its label, and ``generate``'s ``drafts`` (None: Medusa off), in the order they run.
-VARIANTS = {OFF: None, "heads": "heads", "n-gram": "ngram", "hybrid": "hybrid", "corpus": "corpus"}
+VARIANTS = {OFF: None, "heads": "heads", "n-gram": "ngram", "hybrid": "hybrid", "corpus": "corpus", "drafter": "eagle"}
 
 
 def compare(engine: Engine, settings: AppSettings, session: Session, controls: Controls) -> Iterator[Updates]:
     """Re-run the last prompt greedily (with the controls' repetition penalty) with Medusa off, then with
-    heads, n-gram, hybrid and (for a model with a corpus of its replies) corpus drafts; report tokens/s, speedup and
-    identity of each."""
+    heads, n-gram, hybrid, (for a model with a corpus of its replies) corpus and (for one with an EAGLE-style drafter)
+    drafter drafts; report tokens/s, speedup and identity of each."""
     index = next((i for i in range(len(session.turns) - 1, -1, -1) if session.turns[i].state != "pending"), None)
     if engine.model is None or index is None:
         yield {"compare_result": "Send a message first: Compare re-runs the last prompt."}
@@ -52,7 +52,8 @@ def compare(engine: Engine, settings: AppSettings, session: Session, controls: C
         runs = {mode: engine.steps(model.generate(ids, max_new_tokens=greedy.max_new_tokens, tree=tree, config=config,
                                                   medusa=drafts is not None, drafts=drafts or "heads", progress=True,
                                                   prefill_chunk=settings.prefill_chunk))
-                for mode, drafts in VARIANTS.items() if drafts != "corpus" or model.has_corpus}
+                for mode, drafts in VARIANTS.items()
+                if (drafts != "corpus" or model.has_corpus) and (drafts != "eagle" or model.has_drafter)}
     except (ValueError, TemplateError) as e:
         yield {"compare_result": f"⚠ {html.escape(str(e))}"}
         return

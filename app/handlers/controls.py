@@ -98,7 +98,7 @@ CONTROL_RANGES: dict[str, Range] = {
 }
 #: The choice controls: label and allowed values.
 CONTROL_CHOICES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "drafts": ("Drafts", tuple(s for s in DRAFT_SOURCES if s != "eagle")),  # the app loads no drafter (medusa_core.eagle)
+    "drafts": ("Drafts", tuple(DRAFT_SOURCES)),
     "sampling": ("Sampling", tuple(SAMPLING_MODES)),
 }
 CONTROL_FLAGS = {"medusa": "Medusa", "highlight": "Highlight drafted tokens"}
@@ -162,12 +162,15 @@ def chat_defaults(settings: AppSettings, model: MedusaModel | None) -> SamplingC
 
 
 def drafts_default(settings: AppSettings, model: MedusaModel | None) -> str:
-    """The Drafts control's first value: the settings' ``drafts``, else ``"corpus"`` (heads + corpus) for a model with a
-    corpus of its own replies, the fastest drafts on the demo at the chat preset and at greedy (README, Speed), else
-    ``"heads"`` (also while no model is loaded)."""
+    """The Drafts control's first value: the settings' ``drafts``, else ``"eagle"`` (drafter + corpus) for a model
+    with an EAGLE-style drafter, the fastest drafts on the demo at the chat preset and at greedy (README, Speed), else
+    ``"corpus"`` (heads + corpus) for a model with a corpus of its own replies, else ``"heads"`` (also while no model
+    is loaded)."""
     if settings.drafts is not None:
         return settings.drafts
-    return "corpus" if model is not None and model.has_corpus else "heads"
+    if model is None:
+        return "heads"
+    return "eagle" if model.has_drafter else "corpus" if model.has_corpus else "heads"
 
 
 def ready_controls(controls: Controls, settings: AppSettings, model: MedusaModel) -> Controls:
@@ -216,10 +219,11 @@ def chat_preset(engine: Engine, settings: AppSettings) -> Updates:
 TREE_INFO = "the candidate tree verified at each step: the model's own trees first"
 DRAFTS_INFO = ("where each step's candidates come from: heads = the heads only (the paper's Medusa); hybrid = the heads' tree "
                "plus a chain copied from the conversation (prompt lookup), both verified in one pass; n-gram = the copied chain only; "
-               "heads + corpus = the heads' tree, or where the model's corpus of its own replies is confident a chain from it. "
+               "heads + corpus = the heads' tree, or where the model's corpus of its own replies is confident a chain from it; "
+               "drafter + corpus = the corpus's chain, else a chain from the model's EAGLE-style drafter (a model that ships one). "
                "The heads' tree is shaped per step by the model's tuned τ (Model panel: tree shaping)")
-#: The Drafts control's choices: (label, ``generate(drafts=...)`` value), the two ``drafts_default`` gives first.
-DRAFT_CHOICES = [("heads only", "heads"), ("heads + corpus", "corpus"), ("hybrid (heads + n-gram)", "hybrid"),
+#: The Drafts control's choices: (label, ``generate(drafts=...)`` value), those ``drafts_default`` gives first.
+DRAFT_CHOICES = [("drafter + corpus", "eagle"), ("heads only", "heads"), ("heads + corpus", "corpus"), ("hybrid (heads + n-gram)", "hybrid"),
                  ("n-gram only", "ngram")]
 PUBLISHED_TREE_NODES = 64  # the Medusa paper's published trees: 63 candidates + root, tuned for 7B–33B models on GPUs
 

@@ -11,7 +11,7 @@ from typing import Any
 import gradio as gr
 import torch
 
-from medusa_core import MedusaModel, ReadProgress, SamplingConfig, StepRecord
+from medusa_core import MedusaModel, ReadProgress, SamplingConfig, StepRecord, eagle
 
 from ..charts import EMPTY_TREE, empty_figure, speed_figure, tree_figure
 from ..engine import Engine
@@ -94,10 +94,10 @@ def turn_stats(session: Session, turn: Turn) -> str:
         # The tree asked for, not a step's: a hybrid step may verify the n-gram chain alone ("ngram").
         drafts = rows[0].drafts
         extra = {"hybrid": " + n-gram", "corpus": " + corpus"}.get(drafts, "")
-        tree = "n-gram drafts" if drafts == "ngram" else f"tree {turn.tree}{extra}"
+        tree = {"ngram": "n-gram drafts", "eagle": "drafter + corpus chains"}.get(drafts, f"tree {turn.tree}{extra}")
         heads, ngram = sum(r.head_tokens for r in rows), sum(r.ngram_tokens for r in rows)
         sources = {"heads": f"{heads} from heads", "ngram": f"{ngram} from n-gram",
-                   "corpus": f"{heads} from heads, {ngram} from the corpus"}
+                   "corpus": f"{heads} from heads, {ngram} from the corpus", "eagle": f"{ngram} from the drafter or corpus"}
         parts += [tree, sources.get(drafts, f"{heads} from heads, {ngram} from n-gram")]  # hybrid: both
     else:
         parts.append("Medusa off")
@@ -187,6 +187,8 @@ def model_panel(engine: Engine, session: Session | None = None) -> str:
                            else f"transformers' forward ({html.escape(d['step_note'], quote=False)})") + _attention(d)),
         ("Medusa heads", f"{d['num_heads']} ({d['head_layers']} residual block{'s' if d['head_layers'] != 1 else ''} each); "
                          + _drafting(d, model.vocab_size)),
+        ("EAGLE drafter", f"one decoder layer in 4 bits, chains of up to {eagle.DEPTH} drafts while their probability stays ≥ "
+                          f"{eagle.THRESHOLD} (Drafts: drafter + corpus)" if model.has_drafter else "none"),
         ("context window", f"{d['max_context']} tokens"),
         ("tree in use", f"{in_use} (latest reply)" if in_use else f"{d['default_tree']} (the model's default)"),
         ("tree shaping", _shaping(d, model.tuned)),

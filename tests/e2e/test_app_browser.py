@@ -139,15 +139,15 @@ def test_a_new_users_session_in_headless_chromium(app_url, tmp_path):
         _idle(page)
         expect(page.locator("#send")).to_be_enabled()
 
-        # Stats under the reply: tokens, tokens/s, time to first token, wall time, the drafts: the demo starts with heads +
-        # corpus, its fastest, or, while a first start still indexes the model's own replies (a fresh cache), the heads
-        # alone, with a note under the reply that says so; the status line agrees.
+        # Stats under the reply: tokens, tokens/s, time to first token, wall time, the drafts: the demo starts with its
+        # drafter + corpus, its fastest, or, while a first start still indexes the model's own replies (a fresh cache),
+        # the heads alone, with a note under the reply that says so; the status line agrees.
         stats = page.locator("#chat [data-testid=bot] .medusa-stats").last.inner_text()
-        head = r"\d+ tokens · [\d.]+ tokens/s · TTFT [\d.]+ s · [\d.]+ s total · [\d.]+ tokens/step · tree sparse_16"
-        if " + corpus · " in stats:
-            assert re.match(head + r" \+ corpus · [\d,]+ from heads, [\d,]+ from the corpus · ", stats), stats
+        head = r"\d+ tokens · [\d.]+ tokens/s · TTFT [\d.]+ s · [\d.]+ s total · [\d.]+ tokens/step · "
+        if "drafter + corpus chains" in stats:
+            assert re.match(head + r"drafter \+ corpus chains · [\d,]+ from the drafter or corpus · ", stats), stats
         else:
-            assert re.match(head + r" · [\d,]+ from heads · ", stats), stats
+            assert re.match(head + r"tree sparse_16 · [\d,]+ from heads · ", stats), stats
             expect(page.locator("#chat [data-testid=bot]").last).to_contain_text("still being indexed for corpus drafts")
         expect(page.locator("#reply-status")).to_contain_text(stats.split(" · ")[0])
 
@@ -165,7 +165,8 @@ def test_a_new_users_session_in_headless_chromium(app_url, tmp_path):
         number = page.locator("#step-slider input[type=number]")
         number.fill("1")
         number.blur()
-        expect(tree_title).to_contain_text(re.compile(r"^step 1 · sparse_16 \(\d+ nodes?\)"))  # shaping may leave the root alone
+        # the demo's drafts: a chain (the drafter's or the corpus's); the heads' shaped tree while the corpus is indexed
+        expect(tree_title).to_contain_text(re.compile(r"^step 1 · (chain|sparse_16) \(\d+ nodes?\)"))
         page.locator("#step-slider input[type=range]").focus()
         page.keyboard.press("ArrowLeft")  # step 0: the prefill, which emitted the first token
         expect(tree_title).to_contain_text(re.compile(r"^step 0 · prefill \(1 node\)"))
@@ -224,13 +225,14 @@ def test_a_new_users_session_in_headless_chromium(app_url, tmp_path):
         expect(bots).to_have_count(3)
         expect(page.locator("#chat [data-testid=user]")).to_have_count(3)
 
-        # Compare re-runs the last prompt with Medusa off, then with heads, n-gram and hybrid drafts.
+        # Compare re-runs the last prompt with Medusa off, then with heads, n-gram, hybrid, corpus and drafter drafts.
         page.get_by_role("tab", name="Compare").click()
         page.locator("#compare").click()
         result = page.locator("#compare-result")
         expect(result).to_contain_text("identical reply", timeout=REPLY_TIMEOUT_S * 4_000)
         expect(result).to_contain_text(re.compile(r"hybrid\s+[\d.]+×"))
         expect(result).to_contain_text(re.compile(r"corpus\s+[\d.]+×"))
+        expect(result).to_contain_text(re.compile(r"drafter\s+[\d.]+×"))
         page.screenshot(path=str(SCREENSHOTS / "3-compare.png"), full_page=True)
 
         # The statistics CSV: one row per step of the session, and a saved copy whose path is shown.
@@ -243,8 +245,8 @@ def test_a_new_users_session_in_headless_chromium(app_url, tmp_path):
         replies: dict[int, list[dict[str, str]]] = {}
         for r in rows:
             replies.setdefault(int(r["reply_index"]), []).append(r)
-        assert sorted(replies) == list(range(9))  # four chat replies (one regenerated), then compare's five runs
-        assert [r["source"] for r in rows if r["step"] == "0"] == ["chat"] * 4 + ["compare"] * 5
+        assert sorted(replies) == list(range(10))  # four chat replies (one regenerated), then compare's six runs
+        assert [r["source"] for r in rows if r["step"] == "0"] == ["chat"] * 4 + ["compare"] * 6
         assert len(replies[0]) == steps
         assert {r["mode"] for r in replies[1]} == {r["mode"] for r in replies[4]} == {"baseline"}
         assert (replies[2][-1]["stop_reason"] == "stopped") == stopped
