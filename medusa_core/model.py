@@ -323,7 +323,8 @@ class MedusaModel:
                 ``Datastore.chain``) verifies the root and that chain alone (REST, SuffixDecoding); needs a
                 model with a corpus. ``"eagle"``: the root and the chain of the drafter ``load_drafter`` gave
                 the model (``medusa_core.eagle``: up to ``DEPTH`` drafts while confident), or the corpus's chain
-                where the model has a corpus and it has one, verified alone. Drafts are point masses like the heads' candidates, so greedy
+                where the model has a corpus and it has one, verified alone; while ``index_corpus_in_background``
+                is still making the corpus's index, the drafter's chains alone (no wait). Drafts are point masses like the heads' candidates, so greedy
                 output stays plain greedy output and exact sampling stays exact. Ignored with
                 ``medusa=False``.
             draft_config: n-gram sizes and the longest chain (``DraftConfig``); the chain is also cut so
@@ -411,7 +412,9 @@ class MedusaModel:
             seed = random.SystemRandom().randrange(2**63)
         rule = "greedy" if settings.greedy else sampling if medusa else "sample"
         drafter = corpus_chains = None
-        if medusa and drafts in ("corpus", "eagle") and self.has_corpus:  # the corpus's chains ("corpus" checked above)
+        # the corpus's chains ("corpus" checked above); the drafter drafts alone rather than wait for a background index
+        indexing = drafts == "eagle" and not self.corpus_ready and self._corpus_thread is not None and self._corpus_thread.is_alive()
+        if medusa and drafts in ("corpus", "eagle") and self.has_corpus and not indexing:
             corpus_chains = NgramDrafter(draft_config, input_ids[0].tolist(), corpus=self.corpus, copy=False)
         if medusa and drafts == "corpus":
             drafter = corpus_chains

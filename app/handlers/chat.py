@@ -106,9 +106,9 @@ def respond(engine: Engine, settings: AppSettings, session: Session, controls: C
 
     A message sent while the model loaded first waits for it (the status line says so, Stop ends the wait), then
     is answered at the controls the page shows once the model is ready (``ready_controls``), its TTFT counted from
-    then; a load that fails leaves the message in the chat with the reason. A reply that asks for corpus drafts (or
-    drafter + corpus) before the model's own replies are indexed (a first start) drafts with the heads alone, with a
-    note (``CORPUS_PENDING``)."""
+    then; a load that fails leaves the message in the chat with the reason. A reply that asks for corpus drafts before the
+    model's own replies are indexed (a first start) drafts with the heads alone, with a note (``CORPUS_PENDING``); one
+    that asks for drafter + corpus drafts with the drafter alone until then."""
     index = waiting_turn(session)
     if index is None or session.busy:  # the send was refused: nothing to answer
         yield {"reply_status": gr.skip()}
@@ -127,9 +127,10 @@ def respond(engine: Engine, settings: AppSettings, session: Session, controls: C
     model = engine.model
     notes = []
     if controls.medusa and controls.drafts in ("corpus", "eagle") and model.has_corpus and not model.corpus_ready:
-        controls = dataclasses.replace(controls, drafts="heads")  # not a wait of seconds for the first token
-        notes.append(CORPUS_PENDING)
         model.index_corpus_in_background()  # under way since ready (launch.py), or from here
+        if controls.drafts == "corpus":  # (the drafter drafts alone meanwhile: generate does not wait for the index)
+            controls = dataclasses.replace(controls, drafts="heads")  # not a wait of seconds for the first token
+            notes.append(CORPUS_PENDING)
     try:
         tree = tree_argument(model, controls.tree, controls.custom_tree) if controls.medusa else None
         turn.tree = model.resolve_tree(tree or model.default_tree)[0] if controls.medusa else ""

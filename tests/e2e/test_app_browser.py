@@ -140,15 +140,12 @@ def test_a_new_users_session_in_headless_chromium(app_url, tmp_path):
         expect(page.locator("#send")).to_be_enabled()
 
         # Stats under the reply: tokens, tokens/s, time to first token, wall time, the drafts: the demo starts with its
-        # drafter + corpus, its fastest, or, while a first start still indexes the model's own replies (a fresh cache),
-        # the heads alone, with a note under the reply that says so; the status line agrees.
+        # drafter + corpus, its fastest (while a first start still indexes the model's own replies, a fresh cache, the
+        # drafter drafts alone: no note); the status line agrees.
         stats = page.locator("#chat [data-testid=bot] .medusa-stats").last.inner_text()
         head = r"\d+ tokens · [\d.]+ tokens/s · TTFT [\d.]+ s · [\d.]+ s total · [\d.]+ tokens/step · "
-        if "drafter + corpus chains" in stats:
-            assert re.match(head + r"drafter \+ corpus chains · [\d,]+ from the drafter or corpus · ", stats), stats
-        else:
-            assert re.match(head + r"tree sparse_16 · [\d,]+ from heads · ", stats), stats
-            expect(page.locator("#chat [data-testid=bot]").last).to_contain_text("still being indexed for corpus drafts")
+        assert re.match(head + r"drafter \+ corpus chains · [\d,]+ from the drafter or corpus · ", stats), stats
+        expect(page.locator("#chat [data-testid=bot]").last).not_to_contain_text("still being indexed")
         expect(page.locator("#reply-status")).to_contain_text(stats.split(" · ")[0])
 
         # The tree plot and the speed charts render with plotly, and the summary fills in.
@@ -165,8 +162,7 @@ def test_a_new_users_session_in_headless_chromium(app_url, tmp_path):
         number = page.locator("#step-slider input[type=number]")
         number.fill("1")
         number.blur()
-        # the demo's drafts: a chain (the drafter's or the corpus's); the heads' shaped tree while the corpus is indexed
-        expect(tree_title).to_contain_text(re.compile(r"^step 1 · (chain|sparse_16) \(\d+ nodes?\)"))
+        expect(tree_title).to_contain_text(re.compile(r"^step 1 · chain \(\d+ nodes?\)"))  # the drafter's or the corpus's
         page.locator("#step-slider input[type=range]").focus()
         page.keyboard.press("ArrowLeft")  # step 0: the prefill, which emitted the first token
         expect(tree_title).to_contain_text(re.compile(r"^step 0 · prefill \(1 node\)"))
