@@ -155,7 +155,7 @@ class MedusaModel:
         folder's replies, ``loading.CorpusIndex``) first makes its index file in a low-priority process of its own, so
         that replies decoded meanwhile keep their speed. Nothing without a corpus, once it is made, or while a thread
         this started runs (two callers at once start at most two threads; ``corpus``'s lock makes one build)."""
-        if not self.has_corpus or self.corpus_ready or (self._corpus_thread is not None and self._corpus_thread.is_alive()):
+        if not self.has_corpus or self.corpus_ready or self._indexing_in_background:
             return
         source = self._corpus
 
@@ -172,6 +172,11 @@ class MedusaModel:
     def has_corpus(self) -> bool:
         """Whether the model has a corpus of its own replies (``generate(drafts="corpus")``)."""
         return self._corpus is not None
+
+    @property
+    def _indexing_in_background(self) -> bool:
+        """Whether a thread ``index_corpus_in_background`` started is still making the corpus."""
+        return self._corpus_thread is not None and self._corpus_thread.is_alive()
 
     @property
     def corpus_ready(self) -> bool:
@@ -413,8 +418,8 @@ class MedusaModel:
         rule = "greedy" if settings.greedy else sampling if medusa else "sample"
         drafter = corpus_chains = None
         # the corpus's chains ("corpus" checked above); the drafter drafts alone rather than wait for a background index
-        indexing = drafts == "eagle" and not self.corpus_ready and self._corpus_thread is not None and self._corpus_thread.is_alive()
-        if medusa and drafts in ("corpus", "eagle") and self.has_corpus and not indexing:
+        waits = drafts == "eagle" and not self.corpus_ready and self._indexing_in_background
+        if medusa and drafts in ("corpus", "eagle") and self.has_corpus and not waits:
             corpus_chains = NgramDrafter(draft_config, input_ids[0].tolist(), corpus=self.corpus, copy=False)
         if medusa and drafts == "corpus":
             drafter = corpus_chains

@@ -14,7 +14,7 @@ top-1 where draft 1 is right, and a 2-draft chain's tokens per step 1 + P(d1) + 
     # on a GPU (the GGUF weights dequantized to float32): train, write eagle_probe.json and eagle_drafter.safetensors
     python scripts/probe_eagle.py --device cuda --epochs 4 --with-greedy --out out/eagle
     # the same on the replies of prompt rounds 1-5 (rounds 4 and 5: chat replies only, written by build_demo.py)
-    python scripts/probe_eagle.py --device cuda --epochs 5 --with-greedy --train-rounds 5 --out out/eagle
+    python scripts/probe_eagle.py --device cuda --epochs 4 --with-greedy --train-rounds 5 --out out/eagle
     # the same, continued from saved weights at a lower learning rate
     python scripts/probe_eagle.py --device cuda --epochs 2 --lr 3e-4 --with-greedy --init assets/eagle-probe/drafter.safetensors
     # on this CPU (the app's own int4 states): measure saved weights, with attention limited to the last w positions
@@ -377,10 +377,10 @@ def main():
         return
     names = [f"{split}-gguf-{setting}" for setting in ("chat", "greedy") if setting == "chat" or a.with_greedy
              for split in TRAIN_SPLITS[: a.train_rounds]]
-    missing = [n for n in names if not (D / f"{n}.jsonl.gz").exists()]
-    if missing:
-        log(f"no replies for {', '.join(missing)}: trained without them")
-    train_rows = rows_of([n for n in names if n not in missing])
+    files = [n for n in names if (D / f"{n}.jsonl.gz").exists()]
+    if len(files) < len(names):
+        log(f"no replies for {', '.join(n for n in names if n not in files)}: trained without them")
+    train_rows = rows_of(files)
     held_rows = rows_of(["heldout-gguf-chat"])
     t1 = time.time()
     tf, ti, toffs = featurize(train_rows)
@@ -422,7 +422,7 @@ def main():
     held = evaluate(hf, hi, hoffs)
     train_eval = evaluate(tf, ti, toffs, limit=40)
     result = dict(heldout=held, train_sample=train_eval, steps=step, epochs=round(step / per_epoch, 3),
-                  training_files=[n for n in names if n not in missing], training_sequences=len(toffs), training_tokens=len(tf), seconds=round(time.time() - t0),
+                  training_files=files, training_sequences=len(toffs), training_tokens=len(tf), seconds=round(time.time() - t0),
                   config=vars(a), device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", history=history)
     log(json.dumps({k: v for k, v in result.items() if k != "history"}))
     os.makedirs(a.out, exist_ok=True)

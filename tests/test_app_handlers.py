@@ -369,38 +369,50 @@ def test_a_model_with_a_drafter_starts_with_drafter_plus_corpus_drafts_and_compa
     assert not turn.error and "drafter + corpus chains" in turn.stats and "from the drafter or corpus" in turn.stats
 
 
+class _HeldIndex:
+    """A corpus (``MedusaModel(corpus=...)``'s callable) whose index is "being built" until ``finish``."""
+
+    def __init__(self):
+        self.built, self._release = [], threading.Event()
+
+    def __call__(self):
+        from medusa_core.datastore import Datastore
+
+        self._release.wait(30)
+        self.built.append(1)
+        return Datastore.build([([1, 2, 3, 4], 1)] * 2)
+
+    def finish(self, model) -> None:
+        """Let the build end, and wait (up to 3 s) until ``model`` has its corpus."""
+        self._release.set()
+        for _ in range(300):
+            if model.corpus_ready:
+                break
+            threading.Event().wait(0.01)
+
+
 def test_a_reply_sent_before_the_corpus_index_is_built_drafts_with_the_heads_and_says_so(engine, settings, controls):
     # A first start indexes the model's own replies after ``ready`` (~9 s on the demo): a reply sent meanwhile does
     # not wait for the index (its time to the first token was those seconds); it drafts with the heads alone, its
     # note says why, the index is built in the background, and a later reply drafts from the corpus too.
     from medusa_core import MedusaModel
-    from medusa_core.datastore import Datastore
 
     from app.engine import Engine
 
     model = engine.model
-    built, release = [], threading.Event()
-
-    def index():
-        release.wait(30)  # the index is "being built" until the test releases it
-        built.append(1)
-        return Datastore.build([([1, 2, 3, 4], 1)] * 2)
+    index = _HeldIndex()
 
     lazy = Engine.of(MedusaModel(model.backbone, model.heads, model.tokenizer, name="tiny with a lazy corpus", trees=model.trees,
                                  corpus=index))
     corpus = dataclasses.replace(controls, drafts="corpus")
     session = Session()
     updates = send(lazy, settings, session, corpus)
-    assert updates[-1]["reply_status"].startswith("Latest reply: ") and built == []  # answered while not indexed
+    assert updates[-1]["reply_status"].startswith("Latest reply: ") and index.built == []  # answered while not indexed
     first = session.turns[-1]
     assert "corpus" not in first.stats.split(" · ")[4] and "from heads" in first.stats  # drafted by the heads alone
     assert "still being indexed" in first.note and "still being indexed" in reply_html(updates[-1])
-    release.set()
-    for _ in range(300):  # the background build ends
-        if lazy.model.corpus_ready:
-            break
-        threading.Event().wait(0.01)
-    assert built == [1]
+    index.finish(lazy.model)
+    assert index.built == [1]
     send(lazy, settings, session, corpus)
     assert " + corpus" in session.turns[-1].stats and session.turns[-1].note == ""
 
@@ -410,28 +422,17 @@ def test_a_drafter_reply_sent_before_the_corpus_index_is_built_drafts_with_the_d
 ):
     # Drafter + corpus needs no corpus to draft: while a first start indexes the model's replies in the background, a
     # reply drafts with the drafter alone (not the heads, not a wait for the index); once indexed, with both.
-    from medusa_core.datastore import Datastore
-
-    built, release = [], threading.Event()
-
-    def index():
-        release.wait(30)  # the index is "being built" until the test releases it
-        built.append(1)
-        return Datastore.build([([1, 2, 3, 4], 1)] * 2)
+    index = _HeldIndex()
 
     lazy = _with_drafter(engine, tmp_path, corpus=index)
     eagle = dataclasses.replace(controls, drafts="eagle")
     session = Session()
     updates = send(lazy, settings, session, eagle)
-    assert updates[-1]["reply_status"].startswith("Latest reply: ") and built == []  # answered while not indexed
+    assert updates[-1]["reply_status"].startswith("Latest reply: ") and index.built == []  # answered while not indexed
     first = session.turns[-1]
     assert "drafter + corpus chains" in first.stats and first.note == ""  # the drafter's chains, no fallback
-    release.set()
-    for _ in range(300):  # the background build ends
-        if lazy.model.corpus_ready:
-            break
-        threading.Event().wait(0.01)
-    assert built == [1]
+    index.finish(lazy.model)
+    assert index.built == [1]
     send(lazy, settings, session, eagle)
     assert "drafter + corpus chains" in session.turns[-1].stats and session.turns[-1].note == ""
 
