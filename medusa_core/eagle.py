@@ -4,8 +4,8 @@ One Llama decoder layer reads fc([f_t, e(x_{t+1})]) -- the backbone's final-norm
 the token after it -- attends over its own states at earlier positions (a KV cache of its own, written for
 accepted tokens only) and proposes the next token through the backbone's LM head rows of the heads' draft
 vocabulary; each further draft chains from its own output, while the chain's probability under the drafter stays
-above a threshold (EAGLE-2's confidence). The layer runs in the lean step's compiled decoder (one call a pass).
-The chain is verified alone by the backbone (point-mass drafts: greedy output stays plain greedy output, exact
+above a threshold (EAGLE-2's confidence). The layer runs in the lean step's compiled decoder, and each pass -- reading the accepted rows, proposing a chain --
+is one compiled call (``eagle_chain.h``). The chain is verified alone by the backbone (point-mass drafts: greedy output stays plain greedy output, exact
 sampling stays exact).
 """
 
@@ -18,8 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from .errors import MedusaCheckpointError
-from .invariant import MAX_ROWWISE, row_keys
-from .lean.step import MODEL
+from .invariant import MAX_ROWWISE
 from .quant.layers import Int4Linear
 
 #: Tensor names and shapes (H: hidden size, I: MLP width) of a drafter file.
@@ -65,8 +64,8 @@ class EagleDrafter:
         self.head_dim = h // self.heads
         params = getattr(config, "rope_parameters", None) or {}
         self.theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
-        self.fc = Int4Linear.quantize(sd["fc.weight"])
-        self.top = module.draft_top  # logits [1, S] -> (best columns, their log-probabilities)
+        self.fc = list(Int4Linear.quantize(sd["fc.weight"]).kernel_weights())  # the input linear (2H -> H)
+        self.observe_rows, self.chain = module.eagle_observe, module.eagle_chain  # eagle_chain.h
         linears = [Int4Linear.quantize(sd[f"{name}.weight"]) for name in "qkvogud"]  # LeanDecoder's order
         tensors = [sd["n1.w"].float(), sd["n2.w"].float()]
         for linear in linears:
@@ -90,7 +89,7 @@ class EagleDrafts:
 
     Args:
         drafter: the weights.
-        embed: the backbone's input embedding (token ids [r] -> [r, H]).
+        embed: the backbone's input embedding, an ``nn.Embedding`` (its table [V, H] is read for each token).
         projection: the LM head's rows the drafts choose among (H -> S, an ``Int4Linear``); ``draft_ids`` [S] their
             token ids (None: 0..S-1).
         capacity: entries the cache can hold (prompt + reply).
@@ -104,10 +103,13 @@ class EagleDrafts:
     #: Rows the compiled layer reads in one call (at most the lean step's largest pass; a prompt goes in chunks).
     CHUNK = MAX_ROWWISE
 
-    def __init__(self, drafter: EagleDrafter, embed, projection: Int4Linear, draft_ids: torch.Tensor | None, capacity: int,
-                 depth: int | None = None, threshold: float | None = None, chains=None):
-        self.d, self.embed, self.chains = drafter, embed, chains
-        self.projection, self.draft_ids = projection, draft_ids
+    def __init__(self, drafter: EagleDrafter, embed: torch.nn.Embedding, projection: Int4Linear, draft_ids: torch.Tensor | None,
+                 capacity: int, depth: int | None = None, threshold: float | None = None, chains=None):
+        self.d, self.chains = drafter, chains
+        table = embed.weight.detach()
+        self.embed = table if table.dtype in (torch.bfloat16, torch.float32) else table.float()  # as the fc reads it
+        self.projection, self.vocabulary = list(projection.kernel_weights()), projection.out_features
+        self.draft_ids = torch.empty(0, dtype=torch.long) if draft_ids is None else draft_ids.long().contiguous()
         depth, threshold = DEPTH if depth is None else depth, THRESHOLD if threshold is None else threshold
         self.depth, self.log_threshold = depth, math.log(threshold) if threshold > 0 else -math.inf
         # keys and values, with room for the drafts' rows after the accepted entries
@@ -122,15 +124,14 @@ class EagleDrafts:
 
     def observe(self, states: torch.Tensor, next_tokens: list[int]) -> None:
         """Append the accepted positions: ``states`` [r, H] their final-norm states, ``next_tokens`` the token after
-        each (the last one: the step's new root). Raises ``ValueError`` when the cache is full."""
+        each (the last one: the step's new root); the layer reads them ``CHUNK`` rows a call, each row attending to
+        the cache's entries before it. Raises ``ValueError`` when the cache is full."""
         r = states.shape[0]
         if self.length + r > self.cache.shape[3] - self.depth:
             raise ValueError(f"the drafter's cache holds {self.cache.shape[3] - self.depth} entries; {self.length + r} asked")
-        x = self.d.fc(torch.cat([states.float(), self.embed(torch.tensor(next_tokens)).float()], -1))  # [r, H]
-        for begin in range(0, r, self.CHUNK):
-            out = self._layer(x[begin : begin + self.CHUNK], self.length)
-            self.length += out.shape[0]
-        self.last = out[-1:]
+        self.last = self.d.observe_rows(self.d.layer, self.d.fc, self.embed, states.float().contiguous(),
+                                        next_tokens, self.cache, self.cos, self.sin, self.length, self.CHUNK)  # [1, H]
+        self.length += r
 
     def propose(self, limit: int) -> list[int]:
         """Drafts after the root, each chained from the drafter's output before it, while their chain's probability
@@ -138,30 +139,8 @@ class EagleDrafts:
         ≥ ``threshold``: at most ``depth`` and ``limit`` of them, none when the first is below it. Where the corpus
         has a chain (``chains``), that chain instead."""
         chain = self.chains.propose(limit) if self.chains is not None else []
-        if chain:
+        if chain or self.last is None:
             return chain
-        drafts, out, log_chance = [], self.last, 0.0
-        most = min(limit, self.depth)
-        while out is not None and len(drafts) < most:
-            column, log_p = self.d.top(self.projection(out), 1, _ONE)  # [1, 1] each: the best column, its log p
-            log_chance += float(log_p)
-            if log_chance < self.log_threshold:
-                break
-            token = int(column) if self.draft_ids is None else int(self.draft_ids[column[0, 0]])
-            drafts.append(token)
-            if len(drafts) < most:  # its entry past ``length``: the next observe writes over it
-                x = self.d.fc(torch.cat([out, self.embed(torch.tensor([token])).float()], -1))
-                out = self._layer(x, self.length + len(drafts) - 1)
-        return drafts
-
-    def _layer(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        """The decoder layer over rows x [r, H] float32 at positions start .. start+r-1, each attending to the
-        cache's entries before it and the rows before it; their keys and values are written at those positions.
-        Returns [r, H]."""
-        r = x.shape[0]
-        cos, sin = self.cos[None, start : start + r], self.sin[None, start : start + r]
-        rows = row_keys(None, r, start + r)  # causal: row i sees keys 0 .. start + i
-        return self.d.layer.forward(x[None].contiguous(), cos, sin, [self.cache[0]], [self.cache[1]], start, [], [], [],
-                                    rows.prefix, rows.offsets, rows.extras, MODEL)[0]
-
-_ONE = torch.ones(1)  # draft_top's temperature
+        return self.d.chain(self.d.layer, self.d.fc, self.projection, self.vocabulary, self.draft_ids,
+                            self.embed, self.last, self.cache, self.cos, self.sin, self.length, min(limit, self.depth),
+                            self.log_threshold)

@@ -103,6 +103,70 @@ def test_observing_a_prompt_in_chunks_or_a_row_at_a_time_gives_the_same_states_a
     assert whole.propose(2) == single.propose(2) and len(whole.propose(2)) == 2
 
 
+class _Reference:
+    """The drafter's passes as the Python calls computed them before eagle_chain.h (the 4-bit fc and projection
+    through ``Int4Linear``, the embedding module, the compiled layer one pass a call, ``draft_top``): the compiled
+    observe and chain must give the same bits."""
+
+    def __init__(self, state, path, module):
+        from safetensors.torch import load_file
+
+        self.s, self.module = state, module
+        self.fc = Int4Linear.quantize(load_file(str(path))["fc.weight"])
+
+    def layer(self, x, start):
+        from medusa_core.invariant import row_keys
+        from medusa_core.lean.step import MODEL
+
+        s, r = self.s, x.shape[0]
+        rows = row_keys(None, r, start + r)
+        return s.d.layer.forward(x[None].contiguous(), s.cos[None, start : start + r], s.sin[None, start : start + r],
+                                 [s.cache[0]], [s.cache[1]], start, [], [], [], rows.prefix, rows.offsets, rows.extras, MODEL)[0]
+
+    def observe(self, embed, states, tokens):
+        x = self.fc(torch.cat([states.float(), embed(torch.tensor(tokens)).float()], -1))
+        for begin in range(0, x.shape[0], EagleDrafts.CHUNK):
+            out = self.layer(x[begin : begin + EagleDrafts.CHUNK], self.s.length + begin)
+        self.s.length += x.shape[0]
+        self.s.last = out[-1:]
+
+    def propose(self, embed, projection, draft_ids, most):
+        drafts, out, log_chance = [], self.s.last, 0.0
+        while len(drafts) < most:
+            column, log_p = self.module.draft_top(projection(out), 1, torch.ones(1))
+            log_chance += float(log_p)
+            if log_chance < self.s.log_threshold:
+                break
+            drafts.append(int(draft_ids[column[0, 0]]))
+            if len(drafts) < most:
+                x = self.fc(torch.cat([out, embed(torch.tensor(drafts[-1:])).float()], -1))
+                out = self.layer(x, self.s.length + len(drafts) - 1)
+        return drafts
+
+
+def test_the_compiled_observe_and_chain_give_the_python_calls_bits(demo):
+    module = load_extension()[0]
+    drafter = EagleDrafter(TRAINED, demo.config, module)
+    embed = demo.backbone.get_input_embeddings()
+    projection = Int4Linear.quantize(torch.randn(512, 576, generator=torch.Generator().manual_seed(1)) * 0.1)
+    draft_ids = torch.randperm(demo.vocab_size, generator=torch.Generator().manual_seed(2))[:512]
+    states = torch.randn(EagleDrafts.CHUNK + 5, 576, generator=torch.Generator().manual_seed(3)) * 3
+    tokens = torch.randint(demo.vocab_size, (states.shape[0],), generator=torch.Generator().manual_seed(4)).tolist()
+    lengths = []
+    for threshold in (0.0, 0.1):
+        compiled, python = (EagleDrafts(drafter, embed, projection, draft_ids, capacity=128, depth=4, threshold=threshold)
+                            for _ in range(2))
+        reference = _Reference(python, TRAINED, module)
+        compiled.observe(states, tokens)
+        reference.observe(embed, states, tokens)
+        assert compiled.length == python.length and torch.equal(compiled.last, python.last)
+        chain = compiled.propose(6)
+        assert chain == reference.propose(embed, projection, draft_ids, 4)
+        assert torch.equal(compiled.cache, python.cache)  # the drafts' entries past length too
+        lengths.append(len(chain))
+    assert lengths[0] == 4 and 0 < lengths[1] < 4, lengths  # every draft, then a chain the threshold stops
+
+
 def test_a_chain_stops_where_its_probability_falls_below_the_threshold(demo):
     # a projection of zeros: every draft has probability 1/256, a chain of k drafts 256**-k
     drafter = EagleDrafter(TRAINED, demo.config, load_extension()[0])

@@ -293,7 +293,7 @@ def test_the_compiled_int4_product_is_batch_invariant_side_by_side_and_within_on
     separate = torch.cat([extension.int4_matmul(x, layer.tiles) for layer in layers[:3]], dim=1)
     # fused linears, every part but the last of whole pairs: side by side is the layout, and each column keeps its bits
     assert torch.equal(extension.int4_matmul(x, torch.cat([layer.tiles for layer in layers[:3]])), separate)
-    # a part with an unpaired block before another: not the layout (lean_step.cpp fuse's probe refuses such a fusion)
+    # a part with an unpaired block before another: not the layout (decoder.h fuse's probe refuses such a fusion)
     odd_first = torch.cat([layers[2].tiles, layers[0].tiles])
     assert not torch.equal(extension.int4_matmul(x, odd_first), torch.cat([separate[:, 512:], separate[:, :96]], dim=1))
     with pytest.raises(RuntimeError, match="160 inputs, the weights 128"):

@@ -103,6 +103,20 @@ inline Tensor head_states(const Tensor& hidden, const Tensor& embedding, int64_t
   return out;
 }
 
+// The top `k` of one row of logits [S] float32 and their log-probabilities under softmax(row · inv_t): columns into
+// where[0..k−1] (best first, ties to the lower column), log-probabilities into log_p[0..k−1]; `scaled` holds S floats
+// rounded up to whole 16 lanes and `best` k (draft_top's work on each row, and the EAGLE drafter's chain's).
+inline void row_top(const float* row, int64_t S, int64_t k, float inv_t, std::vector<float>& scaled, float* best,
+                    int64_t* where, float* log_p) {
+  top_columns(row, S, k, best, where);
+  scaled.assign((S + kLanes - 1) / kLanes * kLanes, -INFINITY);
+  for (int64_t j = 0; j < S; ++j) scaled[j] = row[j] * inv_t;
+  const int64_t padded = static_cast<int64_t>(scaled.size());  // a whole number of 16 lanes, −∞ past S
+  const float top = row_max(scaled.data(), padded);
+  const float lse = top + std::log(row_exp_sum(scaled.data(), padded, top));
+  for (int64_t j = 0; j < k; ++j) log_p[j] = row[where[j]] * inv_t - lse;
+}
+
 // Each row's top `k` of logits [D, S] (bfloat16 or float32) and their log-probabilities under
 // softmax(logits / temperatures[d]): (indices [D, k] int64, best first, ties to the lower index;
 // log_p [D, k] float32). The log-sum-exp is a fixed-order sum (16 lanes, then a fixed tree).
@@ -114,23 +128,10 @@ inline std::tuple<Tensor, Tensor> draft_top(const Tensor& logits, int64_t k, con
   const int64_t D = z.size(0), S = z.size(1);
   Tensor indices = at::empty({D, k}, z.options().dtype(at::kLong));
   Tensor log_p = at::empty({D, k}, z.options());
-  int64_t* indices_out = indices.data_ptr<int64_t>();
-  float* log_p_out = log_p.data_ptr<float>();
-  std::vector<float> scaled((S + kLanes - 1) / kLanes * kLanes, -INFINITY);
-  std::vector<float> best(k);
-  std::vector<int64_t> where(k);
+  std::vector<float> scaled, best(k);
   for (int64_t d = 0; d < D; ++d) {
-    const float* row = z.data_ptr<float>() + d * S;
-    top_columns(row, S, k, best.data(), where.data());
-    const float inv_t = 1.0f / t.data_ptr<float>()[d];
-    for (int64_t j = 0; j < S; ++j) scaled[j] = row[j] * inv_t;
-    const int64_t padded = static_cast<int64_t>(scaled.size());  // a whole number of 16 lanes, −∞ past S
-    const float top = row_max(scaled.data(), padded);
-    const float lse = top + std::log(row_exp_sum(scaled.data(), padded, top));
-    for (int64_t j = 0; j < k; ++j) {
-      indices_out[d * k + j] = where[j];
-      log_p_out[d * k + j] = row[where[j]] * inv_t - lse;
-    }
+    row_top(z.data_ptr<float>() + d * S, S, k, 1.0f / t.data_ptr<float>()[d], scaled, best.data(),
+            indices.data_ptr<int64_t>() + d * k, log_p.data_ptr<float>() + d * k);
   }
   return {indices, log_p};
 }

@@ -3,7 +3,7 @@
 On this project's CPU more than half of a one-token step was overhead around the int4 linears: Python
 module calls, hooks, output capture, thousands of small ops (docs/BENCH.md, "Where a step's time goes").
 ``LeanStep`` runs the decoder layers of a pass of at most ``MAX_ROWWISE`` rows (a decoding step: one token
-or a tree) through ``lean_step.cpp``, which computes every value as transformers' Llama modules and this
+or a tree) through ``decoder.h`` (bound in ``lean_step.cpp``), which computes every value as transformers' Llama modules and this
 project's layers do: the same kernels for products and attention, ATen's SiLU, the norms' sums in ATen's order,
 and chains of elementwise operations as loops of the same IEEE operations in the same order. The hidden states are the
 same bits (``tests/test_lean.py``): greedy output stays HF ``generate``'s and greedy Medusa stays plain greedy.
@@ -75,7 +75,7 @@ def unsupported(backbone: nn.Module) -> str:
     return ""
 
 
-#: How a pass attends (``lean_step.cpp`` ``LeanDecoder::forward``): as the model decodes (the row kernel or SDPA
+#: How a pass attends (``decoder.h`` ``LeanDecoder::forward``): as the model decodes (the row kernel or SDPA
 #: calls per row group), by SDPA calls per row group (a prompt's short first pass), or as one SDPA call over the
 #: cache (every other pass of a prompt's reading).
 MODEL, ROW_GROUPS, READING_PASS = 0, 1, 2
@@ -126,7 +126,7 @@ class LeanStep:
 
     @property
     def fused(self) -> tuple[int, int]:
-        """Layers whose q/k/v, and whose gate/up, run as one int4 product (``lean_step.cpp`` ``fuse``)."""
+        """Layers whose q/k/v, and whose gate/up, run as one int4 product (``decoder.h`` ``fuse``)."""
         qkv, gate_up = self._decoder.fused()
         return qkv, gate_up
 
