@@ -343,8 +343,8 @@ def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
         notice_fn, notice_out = event(functools.partial(handlers.medusa_notice, engine))
         temperature.change(notice_fn, [temperature], notice_out, **QUICK, **raw)  # the tuned verdict of the settings' preset
         explain_fn, explain_out = event(handlers.explain_controls)
-        gr.on([demo.load, medusa.change, temperature.change, sampling.change], explain_fn, [medusa, temperature, sampling], explain_out,
-              **QUICK, **raw)
+        gr.on([demo.load, medusa.change, temperature.change, sampling.change, drafts.change], explain_fn,
+              [medusa, temperature, sampling, drafts], explain_out, **QUICK, **raw)
         for button, handler in (
             (export, functools.partial(handlers.export_csv, settings)),
             (export_md, functools.partial(handlers.export_transcript, engine, settings, fmt="md")),

@@ -840,6 +840,17 @@ def test_epsilon_and_delta_are_inactive_with_the_reason_at_temperature_0_and_tre
     assert all(off[k].interactive is False and "Medusa is off" in off[k].info for k in ("tree", "posterior_threshold", "posterior_alpha"))
 
 
+def test_the_tree_is_inactive_with_the_reason_where_the_drafts_are_a_chain_the_tree_does_not_shape():
+    for drafts in ("eagle", "ngram"):
+        for temperature, sampling in ((0.0, "typical"), (0.2, "exact")):
+            chain = handlers.explain_controls(True, temperature, sampling, drafts)
+            assert chain["tree"].interactive is False and "verifies a chain" in chain["tree"].info
+            assert chain["drafts"].interactive is True
+    for drafts in ("heads", "corpus", "hybrid"):
+        assert handlers.explain_controls(True, 0.2, "exact", drafts)["tree"].interactive is True
+    assert "Medusa is off" in handlers.explain_controls(False, 0.2, "exact", "eagle")["tree"].info
+
+
 def test_top_k_top_p_and_min_p_are_inactive_at_temperature_0_where_greedy_ignores_them():
     greedy, sampled = handlers.explain_controls(True, 0.0), handlers.explain_controls(True, 0.2, "exact")
     for name in ("top_k", "top_p", "min_p"):

@@ -225,6 +225,8 @@ DRAFTS_INFO = ("where each step's candidates come from: heads = the heads only (
 #: The Drafts control's choices: (label, ``generate(drafts=...)`` value), those ``drafts_default`` gives first.
 DRAFT_CHOICES = [("drafter + corpus", "eagle"), ("heads only", "heads"), ("heads + corpus", "corpus"), ("hybrid (heads + n-gram)", "hybrid"),
                  ("n-gram only", "ngram")]
+#: Drafts whose steps verify a chain alone, never the heads' tree (``medusa_core.model``'s chains-only sources).
+CHAIN_DRAFTS = ("eagle", "ngram")
 PUBLISHED_TREE_NODES = 64  # the Medusa paper's published trees: 63 candidates + root, tuned for 7B–33B models on GPUs
 
 
@@ -256,10 +258,11 @@ def tree_choices(model: MedusaModel) -> list[tuple[str, str]]:
     return [*groups[0], *groups[1], *groups[2], ("custom (JSON paths below)", CUSTOM_TREE)]
 
 
-def explain_controls(medusa: bool, temperature: float, sampling: str = "typical") -> Updates:
+def explain_controls(medusa: bool, temperature: float, sampling: str = "typical", drafts: str = "heads") -> Updates:
     """Grey out the controls that do nothing for the next reply, saying why: the tree, drafts, ε and δ with
-    Medusa off; ε and δ at temperature 0 (greedy decoding accepts exact matches only) and with exact
-    sampling (rejection sampling has no thresholds); top-k, top-p and min-p at temperature 0. The values
+    Medusa off; the tree with drafts that are a chain alone (drafter + corpus, n-gram only: ``generate`` verifies
+    the chain, not the heads' tree); ε and δ at temperature 0 (greedy decoding accepts exact matches only) and with
+    exact sampling (rejection sampling has no thresholds); top-k, top-p and min-p at temperature 0. The values
     arrive unchecked (a number typed out of range is still being edited): a temperature that is not a
     number changes nothing."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature):
@@ -267,10 +270,9 @@ def explain_controls(medusa: bool, temperature: float, sampling: str = "typical"
     greedy = "inactive at temperature 0: greedy takes the most likely token (the repetition penalty still applies)"
     updates = {name: SAMPLING_CONTROLS[name](interactive=temperature > 0, info=greedy if temperature <= 0 else info)
                for name, info in FILTER_INFO.items()}
+    off = "inactive: Medusa is off (plain decoding, one token per step)"
     if not medusa:
-        off = "inactive: Medusa is off (plain decoding, one token per step)"
         tree, typical = {"interactive": False, "info": off}, {"interactive": False, "info": off}
-        drafts = {"interactive": False, "info": off}
     elif temperature <= 0:
         tree = {"interactive": True, "info": TREE_INFO}
         typical = {"interactive": False, "info": "inactive at temperature 0: greedy decoding accepts exact matches only"}
@@ -280,9 +282,11 @@ def explain_controls(medusa: bool, temperature: float, sampling: str = "typical"
     else:
         tree = {"interactive": True, "info": TREE_INFO}
         typical = {"interactive": True, "info": "accept a candidate when its probability > min(ε, δ·exp(−entropy))"}
-    if medusa:
-        drafts = {"interactive": True, "info": DRAFTS_INFO}
-    return updates | {"tree": gr.Dropdown(**tree), "drafts": gr.Radio(**drafts), "posterior_threshold": gr.Slider(**typical), "posterior_alpha": gr.Slider(**typical)}
+    if medusa and drafts in CHAIN_DRAFTS:
+        label = {value: label for label, value in DRAFT_CHOICES}[drafts]
+        tree = {"interactive": False, "info": f"inactive with {label} drafts: each step verifies a chain, not the heads' tree"}
+    source = {"interactive": True, "info": DRAFTS_INFO} if medusa else {"interactive": False, "info": off}
+    return updates | {"tree": gr.Dropdown(**tree), "drafts": gr.Radio(**source), "posterior_threshold": gr.Slider(**typical), "posterior_alpha": gr.Slider(**typical)}
 
 
 def tree_argument(model: MedusaModel, tree: str | None, custom_tree: str) -> str | list[list[int]] | None:
