@@ -4,9 +4,9 @@ One Llama decoder layer reads fc([f_t, e(x_{t+1})]) -- the backbone's final-norm
 the token after it -- attends over its own states at earlier positions (a KV cache of its own, written for
 accepted tokens only) and proposes the next token through the backbone's LM head rows of the heads' draft
 vocabulary; each further draft chains from its own output, while the chain's probability under the drafter stays
-above a threshold (EAGLE-2's confidence). The layer runs in the lean step's compiled decoder, and each pass -- reading the accepted rows, proposing a chain --
-is one compiled call (``eagle_chain.h``). The chain is verified alone by the backbone (point-mass drafts: greedy output stays plain greedy output, exact
-sampling stays exact).
+above a threshold (EAGLE-2's confidence). The layer runs in the lean step's compiled decoder, and each pass --
+reading the accepted rows, proposing a chain -- is one compiled call (``lean/eagle_chain.h``). The chain is verified
+alone by the backbone (point-mass drafts: greedy output stays plain greedy output, exact sampling stays exact).
 """
 
 from __future__ import annotations
