@@ -356,9 +356,14 @@ def test_a_model_with_a_drafter_starts_with_drafter_plus_corpus_drafts_and_compa
     reply = [t for r in session.last_records for t in r.token_ids]
     drafted = _with_drafter(engine, tmp_path, corpus=Datastore.build([(list(range(1, 5)) + reply, 4)] * 2))
     assert Controls.from_settings(settings, drafted.model).drafts == "eagle"
-    assert handlers.page_status(drafted, settings)["drafts"].value == "eagle"
+    ready = handlers.page_status(drafted, settings)
+    assert ready["drafts"].value == "eagle"
+    # the tree the page shows once ready is greyed out as explain_controls greys it for those drafts, whichever of the
+    # two handlers' updates reaches the page last (a first start's page: the timer's later ticks came after explain's)
+    assert ready["tree"].interactive is False and "verifies a chain" in ready["tree"].info
     chosen = settings.model_copy(update={"drafts": "corpus"})
     assert Controls.from_settings(chosen, drafted.model).drafts == "corpus"
+    assert handlers.page_status(drafted, chosen)["tree"].interactive is True
     updates = list(handlers.compare(drafted, settings, session, controls))
     table = updates[-1]["compare_result"]
     assert "| drafter |" in table and table.count("**yes** ✓") == 5  # each source of drafts: identical to Medusa off

@@ -217,6 +217,7 @@ def chat_preset(engine: Engine, settings: AppSettings) -> Updates:
 
 
 TREE_INFO = "the candidate tree verified at each step: the model's own trees first"
+MEDUSA_OFF_INFO = "inactive: Medusa is off (plain decoding, one token per step)"
 DRAFTS_INFO = ("where each step's candidates come from: heads = the heads only (the paper's Medusa); hybrid = the heads' tree "
                "plus a chain copied from the conversation (prompt lookup), both verified in one pass; n-gram = the copied chain only; "
                "heads + corpus = the heads' tree, or where the model's corpus of its own replies is confident a chain from it; "
@@ -270,23 +271,28 @@ def explain_controls(medusa: bool, temperature: float, sampling: str = "typical"
     greedy = "inactive at temperature 0: greedy takes the most likely token (the repetition penalty still applies)"
     updates = {name: SAMPLING_CONTROLS[name](interactive=temperature > 0, info=greedy if temperature <= 0 else info)
                for name, info in FILTER_INFO.items()}
-    off = "inactive: Medusa is off (plain decoding, one token per step)"
     if not medusa:
-        tree, typical = {"interactive": False, "info": off}, {"interactive": False, "info": off}
+        typical = {"interactive": False, "info": MEDUSA_OFF_INFO}
     elif temperature <= 0:
-        tree = {"interactive": True, "info": TREE_INFO}
         typical = {"interactive": False, "info": "inactive at temperature 0: greedy decoding accepts exact matches only"}
     elif sampling == "exact":
-        tree = {"interactive": True, "info": TREE_INFO}
         typical = {"interactive": False, "info": "inactive with exact sampling: rejection sampling uses no thresholds"}
     else:
-        tree = {"interactive": True, "info": TREE_INFO}
         typical = {"interactive": True, "info": "accept a candidate when its probability > min(ε, δ·exp(−entropy))"}
-    if medusa and drafts in CHAIN_DRAFTS:
-        label = {value: label for label, value in DRAFT_CHOICES}[drafts]
-        tree = {"interactive": False, "info": f"inactive with {label} drafts: each step verifies a chain, not the heads' tree"}
-    source = {"interactive": True, "info": DRAFTS_INFO} if medusa else {"interactive": False, "info": off}
+    tree = tree_state(medusa, drafts)
+    source = {"interactive": True, "info": DRAFTS_INFO} if medusa else {"interactive": False, "info": MEDUSA_OFF_INFO}
     return updates | {"tree": gr.Dropdown(**tree), "drafts": gr.Radio(**source), "posterior_threshold": gr.Slider(**typical), "posterior_alpha": gr.Slider(**typical)}
+
+
+def tree_state(medusa: bool, drafts: str) -> dict[str, Any]:
+    """The tree control's ``interactive`` and ``info`` for these controls (``explain_controls``, and the page once the
+    model is ready): inactive with Medusa off and with drafts that are a chain alone (``CHAIN_DRAFTS``)."""
+    if not medusa:
+        return {"interactive": False, "info": MEDUSA_OFF_INFO}
+    if drafts in CHAIN_DRAFTS:
+        label = {value: label for label, value in DRAFT_CHOICES}[drafts]
+        return {"interactive": False, "info": f"inactive with {label} drafts: each step verifies a chain, not the heads' tree"}
+    return {"interactive": True, "info": TREE_INFO}
 
 
 def tree_argument(model: MedusaModel, tree: str | None, custom_tree: str) -> str | list[list[int]] | None:

@@ -15,7 +15,7 @@ import gradio as gr
 
 from ..engine import Engine
 from ..settings import AppSettings
-from .controls import chat_defaults, chat_preset, drafts_default, medusa_notice, tree_choices
+from .controls import Controls, chat_defaults, chat_preset, drafts_default, medusa_notice, tree_choices, tree_state
 from .views import Updates, model_panel
 
 
@@ -24,7 +24,8 @@ LOAD_TIMES = "load_times.json"
 
 def page_status(engine: Engine, settings: AppSettings) -> Updates:
     """What the page shows about the model: while loading the status line and a progress bar; once
-    ready (or failed) also the tree choices, the model panel, the Drafts control at the model's default
+    ready (or failed) also the tree choices (greyed out as ``explain_controls`` has them: ``tree_state``), the
+    model panel, the Drafts control at the model's default
     (``drafts_default``), the sampling controls at the model's chat defaults (``chat_preset``) and the Medusa
     toggle's note at them (``medusa_notice``), and the polling timer switches off.
 
@@ -38,11 +39,13 @@ def page_status(engine: Engine, settings: AppSettings) -> Updates:
         choices = tree_choices(model)
         values = [v for _, v in choices]
         wanted = settings.tree or model.default_tree
-        updates |= {
-            "tree": gr.Dropdown(choices=choices, value=wanted if wanted in values else model.default_tree),
+        drafts = drafts_default(settings, model)
+        updates |= {  # the tree greyed out or not as explain_controls has it, whichever update reaches the page last
+            "tree": gr.Dropdown(choices=choices, value=wanted if wanted in values else model.default_tree,
+                                **tree_state(Controls.from_settings(settings).medusa, drafts)),
             "model_panel": model_panel(engine),
             "tree_status": "" if wanted in values else f"⚠ unknown tree {settings.tree!r}: using {model.default_tree}",
-            "drafts": gr.Radio(value=drafts_default(settings, model)),
+            "drafts": gr.Radio(value=drafts),
         } | chat_preset(engine, settings) | medusa_notice(engine, chat_defaults(settings, model).temperature)
     return updates
 
