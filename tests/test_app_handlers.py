@@ -359,7 +359,7 @@ def test_a_model_with_a_drafter_starts_with_drafter_plus_corpus_drafts_and_compa
     ready = handlers.page_status(drafted, settings)
     assert ready["drafts"].value == "eagle"
     # the tree the page shows once ready is greyed out as explain_controls greys it for those drafts, whichever of the
-    # two handlers' updates reaches the page last (a first start's page: the timer's later ticks came after explain's)
+    # two handlers' updates reaches the page last (the new-user check found page_status's landing after explain's)
     assert ready["tree"].interactive is False and "verifies a chain" in ready["tree"].info
     chosen = settings.model_copy(update={"drafts": "corpus"})
     assert Controls.from_settings(chosen, drafted.model).drafts == "corpus"
