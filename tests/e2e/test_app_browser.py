@@ -119,12 +119,15 @@ def test_a_new_users_session_in_headless_chromium(app_url, tmp_path):
         assert tree_box["x"] >= chat["x"] + chat["width"] and speed_box["x"] >= chat["x"] + chat["width"]
         assert tree_box["y"] + tree_box["height"] <= 900 and speed_box["y"] + speed_box["height"] <= 900
 
-        # Pick a 17-node tree from the dropdown (the demo's own default for CPUs is smaller).
+        # The demo starts with drafter + corpus drafts: each step verifies a chain, so the tree is inactive with the
+        # reason; heads + corpus, which verifies the heads' tree, makes it active again.
         tree_input = page.locator("#tree input")
-        tree_input.click()
-        tree_input.fill("sparse_16")
-        tree_input.press("Enter")
-        expect(tree_input).to_have_value("sparse_16 (17 nodes)")
+        expect(tree_input).to_be_disabled()
+        expect(page.locator("#tree")).to_contain_text("each step verifies a chain")
+        page.locator("#drafts").get_by_label("heads + corpus", exact=True).check()
+        expect(tree_input).to_be_enabled()
+        page.locator("#drafts").get_by_label("drafter + corpus", exact=True).check()
+        expect(tree_input).to_be_disabled()
         page.locator("#highlight input[type=checkbox]").check()
 
         # While the reply streams, Send is disabled and the tree is drawn beside it.
