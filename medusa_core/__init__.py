@@ -10,7 +10,7 @@ Works on token ids and knows no UI. Public API:
   et al. 2023, Chen et al. 2023): ``try_children``, ``residual_distributions``, ``node_status``, ``draw``.
 - The engine: ``MedusaModel.generate`` yields one ``StepRecord`` per decoding step (the loop and a step's
   stages: ``decoding.StepRunner``); ``SAMPLING_MODES``
-  (its ``sampling=`` argument), ``DRAFT_SOURCES`` (its ``drafts=``), ``SAMPLING_RULES``, ``NODE_STATUSES``
+  (its ``sampling=`` argument), ``DRAFT_SOURCES`` (its ``drafts=``; ``CHAIN_SOURCES`` those that verify a chain alone), ``SAMPLING_RULES``, ``NODE_STATUSES``
   and ``NODE_SOURCES`` (fields of the record).
 - Reading the prompt (``prefill``): a conversation's KV cache kept between turns, ``ConversationCache``
   (``generate(kept=...)``), and ``ReadProgress`` records while a long prompt is read in ``PREFILL_CHUNK``-token
@@ -39,7 +39,7 @@ from .cpu import physical_cores
 from .export import export_vllm, save_medusa_heads
 from .datastore import CorpusRule, Datastore
 from .drafts import DraftConfig, NgramDrafter
-from .generation import DRAFT_SOURCES, SAMPLING_MODES, SAMPLING_RULES, STOP_REASONS, StepRecord
+from .generation import CHAIN_SOURCES, DRAFT_SOURCES, SAMPLING_MODES, SAMPLING_RULES, STOP_REASONS, StepRecord
 from .heads import MedusaHeads
 from .loading import DEMO_MODEL_DIR, MedusaCheckpointError, heads_from_state_dict, load_medusa_model
 from .model import MedusaModel
@@ -62,6 +62,7 @@ from .trees import (
 __all__ = [
     "CHAT_PRESET",
     "DEMO_MODEL_DIR",
+    "CHAIN_SOURCES",
     "DRAFT_SOURCES",
     "MAX_TREE_NODES",
     "NODE_SOURCES",

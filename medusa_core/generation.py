@@ -23,6 +23,8 @@ SAMPLING_RULES = ("greedy", "sample", "typical", "exact")
 #: Values of ``generate(drafts=...)``: where a Medusa step's candidates come from (the heads' tree, n-gram
 #: prompt lookup, or both in one tree).
 DRAFT_SOURCES = ("hybrid", "heads", "ngram", "corpus", "eagle")
+#: The draft sources whose steps verify the root and a chain alone, never the heads' tree (``generate`` ignores ``tree``).
+CHAIN_SOURCES = ("ngram", "eagle")
 
 
 @dataclass(frozen=True)

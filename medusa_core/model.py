@@ -29,7 +29,7 @@ from .decoding import StepRunner
 from .datastore import Datastore
 from .drafts import DraftConfig, NgramDrafter
 from .eagle import EagleDrafter, EagleDrafts
-from .generation import StepRecord, check_generate_args, check_head_temperatures, eos_ids
+from .generation import CHAIN_SOURCES, StepRecord, check_generate_args, check_head_temperatures, eos_ids
 from .heads import _dense_weight
 from .invariant import ATTENTION, ATTENTION_KERNEL
 from .kvcache import new_cache
@@ -42,7 +42,6 @@ from .trees import TREE_PRESETS, resolve_tree, validate_tree
 from .tuned import TunedSettings, settings_preset
 
 #: Draft sources whose steps verify a chain alone (or the root alone), never the heads' tree.
-_CHAINS_ONLY = ("ngram", "eagle")
 
 
 class MedusaModel:
@@ -412,7 +411,7 @@ class MedusaModel:
         if medusa:
             if tree is None or tree == "tuned":  # the tree tuned on this machine at these settings, where there is one
                 tree = tuned.tree if tuned else tree or self.default_tree
-            full = self._tree("ngram") if drafts in _CHAINS_ONLY else self._tree(tree)
+            full = self._tree("ngram") if drafts in CHAIN_SOURCES else self._tree(tree)
         if seed is None:
             seed = random.SystemRandom().randrange(2**63)
         rule = "greedy" if settings.greedy else sampling if medusa else "sample"
@@ -434,7 +433,7 @@ class MedusaModel:
         reading = dict(kept=kept, progress=progress, chunk=prefill_chunk)
         steps = self._steps.run(
             input_ids.to(self.device), max_new_tokens, full, NodeProcessors(settings), posterior_threshold, posterior_alpha,
-            seed, rule, drafter, drafts if medusa else "", shape_at if drafts not in _CHAINS_ONLY else 0.0, reading,
+            seed, rule, drafter, drafts if medusa else "", shape_at if drafts not in CHAIN_SOURCES else 0.0, reading,
         )
         return steps if kept is None else _settling(steps, kept)
 

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 import gradio as gr
 
-from medusa_core import CHAT_PRESET, DRAFT_SOURCES, SAMPLING_MODES, TREE_PRESETS, MedusaModel, SamplingConfig
+from medusa_core import CHAIN_SOURCES, CHAT_PRESET, DRAFT_SOURCES, SAMPLING_MODES, TREE_PRESETS, MedusaModel, SamplingConfig
 
 from ..engine import Engine
 from ..settings import AppSettings
@@ -226,8 +226,6 @@ DRAFTS_INFO = ("where each step's candidates come from: heads = the heads only (
 #: The Drafts control's choices: (label, ``generate(drafts=...)`` value), those ``drafts_default`` gives first.
 DRAFT_CHOICES = [("drafter + corpus", "eagle"), ("heads only", "heads"), ("heads + corpus", "corpus"), ("hybrid (heads + n-gram)", "hybrid"),
                  ("n-gram only", "ngram")]
-#: Drafts whose steps verify a chain alone, never the heads' tree (``medusa_core.model``'s chains-only sources).
-CHAIN_DRAFTS = ("eagle", "ngram")
 PUBLISHED_TREE_NODES = 64  # the Medusa paper's published trees: 63 candidates + root, tuned for 7B–33B models on GPUs
 
 
@@ -286,10 +284,10 @@ def explain_controls(medusa: bool, temperature: float, sampling: str = "typical"
 
 def tree_state(medusa: bool, drafts: str) -> dict[str, Any]:
     """The tree control's ``interactive`` and ``info`` for these controls (``explain_controls``, and the page once the
-    model is ready): inactive with Medusa off and with drafts that are a chain alone (``CHAIN_DRAFTS``)."""
+    model is ready): inactive with Medusa off and with drafts that are a chain alone (``CHAIN_SOURCES``)."""
     if not medusa:
         return {"interactive": False, "info": MEDUSA_OFF_INFO}
-    if drafts in CHAIN_DRAFTS:
+    if drafts in CHAIN_SOURCES:
         label = {value: label for label, value in DRAFT_CHOICES}[drafts]
         return {"interactive": False, "info": f"inactive with {label} drafts: each step verifies a chain, not the heads' tree"}
     return {"interactive": True, "info": TREE_INFO}
