@@ -341,7 +341,7 @@ def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
         chat_fn, chat_out = event(functools.partial(handlers.chat_preset, engine, settings))
         chat_button.click(chat_fn, None, chat_out, **QUICK)
         notice_fn, notice_out = event(functools.partial(handlers.medusa_notice, engine))
-        temperature.change(notice_fn, [temperature], notice_out, **QUICK, **raw)  # the tuned verdict of the settings' preset
+        gr.on([temperature.change, drafts.change], notice_fn, [temperature, drafts], notice_out, **QUICK, **raw)  # the tuned verdict
         explain_fn, explain_out = event(handlers.explain_controls)
         gr.on([demo.load, medusa.change, temperature.change, sampling.change, drafts.change], explain_fn,
               [medusa, temperature, sampling, drafts], explain_out, **QUICK, **raw)

@@ -46,6 +46,11 @@ class DraftConfig:
     # instead of the heads' bushy tree): no heads' pass, no head rows; 0 = never. 3, 5 and 8 all beat 0 by
     # ~6 % tokens/s on 24 shipped prompts (scripts/long_chains.py, docs/BENCH.md); 5 is the middle one.
     chain_only_from: int = 5
+    # The EAGLE-style drafter's chains (``drafts="eagle"``, ``eagle.EagleDrafts``): the most drafts a step, and the
+    # chain probability a draft needs; None = the values ``bench tune`` chose for the settings' preset on this machine
+    # (``TunedSettings.chain_depth``, ``chain_threshold``), else ``eagle.DEPTH``, ``eagle.THRESHOLD``.
+    chain_depth: int | None = None
+    chain_threshold: float | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram:
@@ -54,7 +59,10 @@ class DraftConfig:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.chain_only_from < 0:
             raise ValueError(f"chain_only_from must be >= 0 (0: never), got {self.chain_only_from}")
-        for name in ("min_path_probability", "min_head_probability"):
+        if self.chain_depth is not None and (isinstance(self.chain_depth, bool) or not isinstance(self.chain_depth, int)
+                                             or self.chain_depth < 1):
+            raise ValueError(f"chain_depth must be an integer >= 1 (drafts a step), got {self.chain_depth!r}")
+        for name in ("min_path_probability", "min_head_probability", "chain_threshold"):
             if getattr(self, name) is not None and not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
 

@@ -27,11 +27,12 @@ LAYOUT = {"fc.weight": ("H", "2H"), "n1.w": ("H",), "q.weight": ("H", "H"), "k.w
           "u.weight": ("I", "H"), "d.weight": ("H", "I")}
 
 
-#: The most drafts a step, and the chain probability a draft needs (``EagleDrafts.propose``): with the drafter trained
-#: on prompt rounds 1-5 (docs/BENCH.md, "The drafter on prompt rounds 1-5, five drafts deep, the app's default"), depth
-#: 5 at 0.3 made the most tokens/s at the chat preset (1.88 tokens per step against 1.67 two deep) and was within
-#: noise of the most at greedy (``scripts/eagle_sweep.py``, 24 held-out prompts); the drafter was trained two drafts
-#: deep, and deeper chains still pay.
+#: The most drafts a step, and the chain probability a draft needs (``EagleDrafts.propose``), where neither
+#: ``DraftConfig`` nor the model's tuned entry (``bench tune``, ``medusa_core.bench.tune_chain``) sets them: with the
+#: drafter trained on prompt rounds 1-5 (docs/BENCH.md, "The drafter on prompt rounds 1-5, five drafts deep, the app's
+#: default"), depth 5 at 0.3 made the most tokens/s at the chat preset (1.88 tokens per step against 1.67 two deep)
+#: and was within noise of the most at greedy (24 held-out prompts); the drafter was trained two drafts deep, and
+#: deeper chains still pay.
 DEPTH, THRESHOLD = 5, 0.3
 
 

@@ -221,7 +221,7 @@ def load_medusa_model(
         head_temperatures=temperatures,
         min_head_probability=_tuned_threshold(tuned_file, *tuned.get("tuned", ("", None))),
         tuned={p: TunedSettings(p, names[p], _tuned_threshold(tuned_file, key, entry), measured_at,
-                                entry.get("measured_speedup"), entry.get("device_name"))
+                                entry.get("measured_speedup"), entry.get("device_name"), *_tuned_chain(tuned_file, key, entry))
                for p, (key, entry, measured_at) in entries.items() if names[p] in trees},
         corpus=_corpus(folder, quantization, report) if head_only else None,
         report=report,
@@ -298,6 +298,21 @@ def _tuned_threshold(tuned_file: Path, key: str, entry: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
         raise MedusaCheckpointError(f"{tuned_file} [{key!r}]: min_head_probability must be in [0, 1], got {value}")
     return float(value)
+
+
+def _tuned_chain(tuned_file: Path, key: str, entry: Any) -> tuple[int | None, float | None, float | None]:
+    """(chain_depth, chain_threshold, chain_measured_speedup) of the tuned entry ``key`` of ``tuned_file``: the
+    drafter's chain ``bench tune`` chose, Nones where it has none. Raises ``MedusaCheckpointError`` naming the file
+    and the value when the depth is not an integer >= 1 or the threshold not a number in [0, 1]."""
+    if not isinstance(entry, dict) or "chain_depth" not in entry:
+        return None, None, None
+    depth, threshold = entry["chain_depth"], entry.get("chain_threshold")
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+        raise MedusaCheckpointError(f"{tuned_file} [{key!r}]: chain_depth must be an integer >= 1, got {depth!r}")
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold <= 1:
+        raise MedusaCheckpointError(f"{tuned_file} [{key!r}]: chain_threshold must be in [0, 1], got {threshold!r}")
+    speedup = entry.get("chain_measured_speedup")
+    return depth, float(threshold), float(speedup) if isinstance(speedup, (int, float)) and not isinstance(speedup, bool) else None
 
 
 def _fitting_trees(

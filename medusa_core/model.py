@@ -340,7 +340,9 @@ class MedusaModel:
                 probabilities softmax(logits_k / T_k) (``head_temperatures``) of the tokens on its path,
                 is at least τ; a deterministic choice given the context, so exactness is unchanged. None
                 (the default) means the tuned τ of the settings' preset (``tuned_for``), else the model's
-                ``min_head_probability``; 0 turns shaping off.
+                ``min_head_probability``; 0 turns shaping off. Its ``chain_depth`` and ``chain_threshold`` set the
+                drafter's chains (``drafts="eagle"``); None: the chain tuned at the settings' preset, else
+                ``eagle.DEPTH`` and ``eagle.THRESHOLD``.
             earlier_replies: token ids of earlier replies that the prompt does not hold (e.g. the reply
                 that Regenerate replaces), indexed for the n-gram lookup beside the context (``hybrid``
                 and ``ngram`` only).
@@ -423,8 +425,12 @@ class MedusaModel:
         if medusa and drafts == "corpus":
             drafter = corpus_chains
         elif medusa and drafts == "eagle":
+            chain = (tuned.chain_depth, tuned.chain_threshold) if tuned else (None, None)  # None: eagle's defaults
+            depth, threshold = (given if given is not None else chosen
+                                for given, chosen in zip((draft_config.chain_depth, draft_config.chain_threshold), chain))
             drafter = EagleDrafts(self._drafter[0], self.backbone.get_input_embeddings(), *self._drafter[1:],
-                                  capacity=prompt_len + max_new_tokens + 1, chains=corpus_chains)
+                                  capacity=prompt_len + max_new_tokens + 1, chains=corpus_chains, depth=depth,
+                                  threshold=threshold)
         elif medusa and drafts != "heads":
             drafter = NgramDrafter(draft_config, input_ids[0].tolist(), earlier_replies)
         shape_at = draft_config.min_head_probability

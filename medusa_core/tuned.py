@@ -61,6 +61,9 @@ class TunedSettings:
         measured_speedup: the tuned tree's tokens/s ÷ the plain loop's in the tuner's confirming benchmark
             (None when the entry does not say).
         device_name: the processor the entry was measured on (None when the entry does not say).
+        chain_depth, chain_threshold: the EAGLE-style drafter's chain ``bench tune`` chose (the most drafts a step,
+            the chain probability a draft needs; ``DraftConfig``), None when the entry has none.
+        chain_measured_speedup: that chain's tokens/s ÷ the plain loop's in the tuner's run (None: not measured).
     """
 
     preset: str
@@ -69,11 +72,22 @@ class TunedSettings:
     measured_at: str
     measured_speedup: float | None = None
     device_name: str | None = None
+    chain_depth: int | None = None
+    chain_threshold: float | None = None
+    chain_measured_speedup: float | None = None
 
-    @property
-    def slower_than_plain(self) -> bool:
-        """True when the entry was measured at its own preset and its tree ran slower than the plain loop."""
-        return self.measured_at == self.preset and self.measured_speedup is not None and self.measured_speedup < 1
+    def speedup(self, drafts: str) -> float | None:
+        """What the entry measured at its own preset for ``generate(drafts=...)``: the drafter's chain's speedup over the
+        plain loop for ``"eagle"``, the tree's for the other sources; None when not measured (or measured at another
+        preset)."""
+        if self.measured_at != self.preset:
+            return None
+        return self.chain_measured_speedup if drafts == "eagle" else self.measured_speedup
+
+    def slower_than_plain(self, drafts: str) -> bool:
+        """True when the entry measured ``drafts`` (``speedup``) slower than the plain loop at its own preset."""
+        speedup = self.speedup(drafts)
+        return speedup is not None and speedup < 1
 
 
 def tuned_entries(data: Mapping[str, Any], device: torch.device, quantization: str | None) -> dict[str, tuple[str, Any, str]]:

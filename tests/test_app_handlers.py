@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import random
 import re
 import threading
 from pathlib import Path
@@ -18,9 +19,11 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
+import medusa_core.model
 from app import handlers
 from app.engine import Engine
 from app.handlers import CUSTOM_TREE, Controls
+from app.handlers.controls import drafts_default
 from app.handlers.generation import fit_prompt
 from app.session import Session, Turn
 from app.settings import AppSettings
@@ -522,7 +525,10 @@ def test_while_the_model_loads_the_page_shows_progress_and_a_failed_load_says_wh
     assert "no such folder" in warnings[0]  # after a failed load a send is refused, the message kept in the box
 
 
-def test_a_message_sent_while_the_model_loads_is_answered_once_it_is_ready_at_the_pages_ready_controls(engine, settings, controls):
+def test_a_message_sent_while_the_model_loads_is_answered_once_it_is_ready_at_the_pages_ready_controls(engine, settings, controls,
+                                                                                                         monkeypatch):
+    # the ready controls sample with a fresh seed, whose reply from the random tiny model was now and then EOS alone
+    monkeypatch.setattr(medusa_core.model.random, "SystemRandom", lambda: random.Random(0))
     loading = Engine(engine.description)
     session = Session()
     sent = handlers.add_user(loading, session, dataclasses.replace(controls, drafts="ngram"), "def add")
@@ -595,18 +601,35 @@ def test_stop_while_a_message_waits_for_the_model_ends_the_wait(settings, contro
 
 
 def test_the_medusa_toggle_says_when_the_tree_tuned_at_the_settings_ran_slower_than_the_plain_loop(engine, settings, monkeypatch):
-    assert handlers.medusa_notice(engine, 0.2)["medusa"].info == ""  # untuned: nothing to say
+    assert handlers.medusa_notice(engine, 0.2, "hybrid")["medusa"].info == ""  # untuned: nothing to say
     monkeypatch.setattr(engine.model, "tuned", {
         "greedy": TunedSettings("greedy", "sparse_16", 0.0, "greedy", 1.05),
         "chat": TunedSettings("chat", "chain_2", 0.0, "chat", 0.92, "Intel Xeon"),
     })
-    assert handlers.medusa_notice(engine, 0.0)["medusa"].info == ""  # faster at greedy
-    note = handlers.medusa_notice(engine, 0.7)["medusa"].info
-    assert note == "⚠ Medusa measured 0.92× the plain loop at these settings (chat preset) on Intel Xeon: plain decoding is faster here"
-    assert handlers.page_status(engine, settings)["medusa"].info == note  # the page opens at the chat defaults
+    assert handlers.medusa_notice(engine, 0.0, "hybrid")["medusa"].info == ""  # faster at greedy
+    note = handlers.medusa_notice(engine, 0.7, "hybrid")["medusa"].info
+    assert note == ("⚠ Medusa (hybrid (heads + n-gram)) measured 0.92× the plain loop at these settings (chat preset) on "
+                    "Intel Xeon: plain decoding is faster here")
+    # the page opens at the chat defaults and the default drafts
+    opening = handlers.medusa_notice(engine, 0.2, drafts_default(settings, engine.model))["medusa"].info
+    assert opening.startswith("⚠ Medusa (") and handlers.page_status(engine, settings)["medusa"].info == opening
     # A greedy figure read from an old file says nothing about sampled settings.
     monkeypatch.setattr(engine.model, "tuned", {"chat": TunedSettings("chat", "chain_2", 0.0, "greedy", 0.92)})
-    assert handlers.medusa_notice(engine, 0.7)["medusa"].info == ""
+    assert handlers.medusa_notice(engine, 0.7, "hybrid")["medusa"].info == ""
+
+
+def test_with_the_drafter_the_medusa_toggle_speaks_of_its_tuned_chain_not_of_the_heads_tree(engine, monkeypatch):
+    monkeypatch.setattr(engine.model, "tuned", {"chat": TunedSettings("chat", "chain_2", 0.0, "chat", 0.92, None, 5, 0.3, 1.31)})
+    assert handlers.medusa_notice(engine, 0.7, "eagle")["medusa"].info == ""  # the chain ran 1.31×
+    assert handlers.medusa_notice(engine, 0.7, "heads")["medusa"].info.startswith("⚠ Medusa (heads only) measured 0.92×")
+    monkeypatch.setattr(engine.model, "tuned", {"chat": TunedSettings("chat", "chain_2", 0.0, "chat", 1.2, None, 5, 0.3, 0.95)})
+    assert handlers.medusa_notice(engine, 0.7, "eagle")["medusa"].info == (
+        "⚠ Medusa (drafter + corpus) measured 0.95× the plain loop at these settings (chat preset) on this machine: "
+        "plain decoding is faster here")
+    assert handlers.medusa_notice(engine, 0.7, "corpus")["medusa"].info == ""
+    # no chain measured: nothing to say about the drafter
+    monkeypatch.setattr(engine.model, "tuned", {"chat": TunedSettings("chat", "chain_2", 0.0, "chat", 0.92)})
+    assert handlers.medusa_notice(engine, 0.7, "eagle")["medusa"].info == ""
 
 
 def test_the_default_tree_runs_the_tree_tuned_at_each_replys_settings(engine, settings, controls, monkeypatch):
@@ -726,7 +749,7 @@ def test_every_handler_returns_only_the_outputs_its_event_declares(engine, setti
     note("rerender_chat", handlers.rerender_chat(session, True))
     note("show_step", handlers.show_step(engine, session, 0))
     note("check_tree", handlers.check_tree(engine, CUSTOM_TREE, "[[0]]"))
-    note("medusa_notice", handlers.medusa_notice(engine, 0.2))
+    note("medusa_notice", handlers.medusa_notice(engine, 0.2, "eagle"))
     note("export_csv", handlers.export_csv(settings, session))
     note("export_transcript", handlers.export_transcript(engine, settings, session, "sys", fmt="md"))
     note("explain_controls", handlers.explain_controls(True, 0.0))

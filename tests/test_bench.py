@@ -514,6 +514,47 @@ def test_tune_writes_a_tree_per_settings_preset_that_the_loader_gives_those_sett
         (heads / "medusa_calibration.json").unlink()
 
 
+def test_the_chain_tuner_keeps_the_default_chain_unless_another_ran_more_than_the_tolerance_faster():
+    from medusa_core.bench.tune_chain import choose_chain
+
+    measured = {(3, 0.3): 150.0, (5, 0.3): 148.0, (8, 0.3): 140.0}
+    assert choose_chain(measured, (5, 0.3), 0.02) == (5, 0.3)  # 150 is within 2 % of 148
+    assert choose_chain(measured, (5, 0.3), 0.01) == (3, 0.3)
+    assert choose_chain({(3, 0.3): 150.0, (8, 0.3): 140.0}, (5, 0.3), 0.02) == (3, 0.3)  # the default not measured
+    with pytest.raises(ValueError, match="no chain was measured"):
+        choose_chain({}, (5, 0.3), 0.02)
+
+
+def test_tune_chains_only_writes_the_drafters_chain_into_this_machines_entry_and_needs_one(tmp_path, capsys):
+    from medusa_core.tuned import machine_class, tuned_key
+
+    tuned = tmp_path / "medusa_tuned.json"
+    args = ["tune", "--model", "demo", "--chains-only", "--presets", "greedy", "--chains", "1:0,2:0", "--limit", "1",
+            "--max-new-tokens", "8", "--tuned-file", str(tuned), "--out", str(tmp_path / "tune"), "--no-progress",
+            "--threads", "1"]
+    with pytest.raises(SystemExit, match="has no entry .*@greedy.* for the chain: run bench tune --presets greedy first"):
+        main(args)
+    key = tuned_key(torch.device("cpu"), "gguf", "greedy", machine_class(torch.device("cpu"), "gguf"))
+    tuned.write_text(json.dumps({key: {"choices": [[0]], "nodes": 2}, "cuda/nf4@greedy": {"choices": [[1]]}}))
+    assert main(args) == 0
+    data = json.loads(tuned.read_text())
+    entry = data[key]
+    assert entry["choices"] == [[0]] and data["cuda/nf4@greedy"] == {"choices": [[1]]}  # the rest kept
+    assert (entry["chain_depth"], entry["chain_threshold"]) in ((1, 0.0), (2, 0.0))
+    assert entry["chain_measured_speedup"] > 0 and 1 <= entry["chain_measured_acceleration"] <= 3
+    report = (tmp_path / "tune" / "greedy" / "chains.md").read_text()
+    assert report.startswith("# Drafter chain tuning at greedy") and "**chosen**" in report
+    with open(tmp_path / "tune" / "greedy" / "chains.csv") as f:
+        assert [(r["chain_depth"], r["chain_threshold"]) for r in csv.DictReader(f)] == [("0", ""), ("1", "0.0"), ("2", "0.0")]
+
+
+def test_tune_chains_only_refuses_a_model_without_a_drafter(tiny):
+    heads, prompts = tiny
+    with pytest.raises(SystemExit, match="--chains-only tunes the drafter's chain; .* has no drafter"):
+        main(["tune", "--model", str(heads), "--quantization", "none", "--prompts", str(prompts), "--chains-only",
+              "--no-progress", "--threads", "1"])
+
+
 def test_tune_refuses_an_unknown_preset_naming_the_allowed_ones(capsys):
     with pytest.raises(SystemExit):
         build_parser("tune").parse_args(["--presets", "greedy,creative"])

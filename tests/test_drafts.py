@@ -247,6 +247,16 @@ def test_a_long_chain_is_verified_alone_when_chain_only_from_says_so_and_the_rep
         DraftConfig(chain_only_from=-1)
 
 
+@pytest.mark.parametrize("fields, message", [
+    (dict(chain_depth=0), "chain_depth must be an integer >= 1 \\(drafts a step\\), got 0"),
+    (dict(chain_depth=2.5), "chain_depth must be an integer >= 1 \\(drafts a step\\), got 2.5"),
+    (dict(chain_threshold=1.2), "chain_threshold must be in \\[0, 1\\], got 1.2"),
+])
+def test_a_drafter_chain_setting_out_of_range_is_refused_naming_it(fields, message):
+    with pytest.raises(ValueError, match=message):
+        DraftConfig(**fields)
+
+
 def test_greedy_with_a_repetition_penalty_and_drafts_equals_hf_generate(backbone_for, random_model):
     backbone = backbone_for("qwen2")
     model = random_model(backbone)

@@ -52,14 +52,16 @@ def test_eagle_drafts_need_a_drafter(demo):
 
 
 def test_greedy_eagle_drafts_equal_plain_greedy_even_from_a_random_drafter(tmp_path, monkeypatch):
+    from medusa_core import DraftConfig
+
     model = load_medusa_model("demo")
     model.load_drafter(_random_drafter(tmp_path / "random.safetensors", model.config))
-    monkeypatch.setattr(eagle, "THRESHOLD", 0.0)  # every chain as deep as DEPTH: a random drafter is never confident
+    every_draft = DraftConfig(chain_depth=eagle.DEPTH, chain_threshold=0.0)  # every chain DEPTH deep: a random drafter is never confident
     monkeypatch.setattr(model, "_corpus", None)  # the drafter's chains alone
     for text in PROMPTS[:2]:
         ids = _ids(model, text)
         plain, _ = _greedy(model, ids, medusa=False)
-        drafted, records = _greedy(model, ids, drafts="eagle")
+        drafted, records = _greedy(model, ids, drafts="eagle", draft_config=every_draft)
         assert drafted == plain
         assert all(r.tree_nodes <= 1 + eagle.DEPTH for r in records[1:])  # the root and a chain of at most DEPTH drafts
         assert any(r.tree_nodes == 1 + eagle.DEPTH for r in records[1:])  # chains were proposed and verified
@@ -246,3 +248,58 @@ def test_a_shipped_drafter_that_cannot_run_here_is_left_out_with_a_line_and_a_gi
     assert any(line.startswith("no EAGLE drafter: ") and "no C++ compiler" in line for line in lines)
     with pytest.raises(ValueError, match="no C\\+\\+ compiler"):
         load_medusa_model("demo", drafter=DEMO_DRAFTER)
+
+
+def _tuned_demo_folder(tmp_path, entry_fields):
+    """A head folder of the demo's files whose medusa_tuned.json holds, for this machine at both presets, a one-path
+    tree and ``entry_fields``."""
+    import json
+
+    from medusa_core.loading import DEMO_MODEL_DIR, TUNED_FILE
+    from medusa_core.tuned import TUNED_PRESETS, machine_class, tuned_key
+
+    for name in ("config.json", "medusa_lm_head.safetensors", "medusa_calibration.json", "draft_ranking.json"):
+        (tmp_path / name).symlink_to(DEMO_MODEL_DIR / name)
+    machine = machine_class(torch.device("cpu"), "gguf")
+    entries = {tuned_key(torch.device("cpu"), "gguf", p, machine): {"choices": [[0]], "nodes": 2, **entry_fields}
+               for p in TUNED_PRESETS}
+    (tmp_path / TUNED_FILE).write_text(json.dumps(entries))
+    return tmp_path
+
+
+def test_the_chain_tuned_for_the_settings_sets_the_drafters_depth_unless_the_draft_config_sets_one(tmp_path):
+    from medusa_core import DraftConfig
+    from medusa_core.gguf import demo_gguf_file
+    from medusa_core.processors import CHAT_PRESET, SamplingConfig
+
+    folder = _tuned_demo_folder(tmp_path, {"chain_depth": 2, "chain_threshold": 0.0, "chain_measured_speedup": 1.3})
+    model = load_medusa_model(folder, base_model=str(demo_gguf_file()), drafter=None)
+    for config in (SamplingConfig(), CHAT_PRESET):
+        tuned = model.tuned_for(config)
+        assert (tuned.chain_depth, tuned.chain_threshold, tuned.chain_measured_speedup) == (2, 0.0, 1.3)
+    model.load_drafter(_random_drafter(tmp_path / "random.safetensors", model.config))  # never confident: threshold 0
+    model._corpus = None  # the drafter's chains alone
+    ids = _ids(model, PROMPTS[0])
+    plain, _ = _greedy(model, ids, medusa=False)
+    nodes = {}
+    for draft_config, depth in ((DraftConfig(), 2), (DraftConfig(chain_depth=4), 4), (DraftConfig(chain_threshold=0.99), 2)):
+        drafted, records = _greedy(model, ids, drafts="eagle", draft_config=draft_config)
+        assert drafted == plain
+        assert max(r.tree_nodes for r in records[1:]) <= 1 + depth  # the root and chains of the tuned (or given) depth
+        nodes[draft_config] = [r.tree_nodes for r in records[1:]]
+    assert max(nodes[DraftConfig(chain_depth=4)]) == 5 and max(nodes[DraftConfig()]) == 3
+    # the tuned threshold 0 takes every draft; a given 0.99 cuts the random drafter's chains
+    assert sum(n == 3 for n in nodes[DraftConfig()]) >= len(nodes[DraftConfig()]) - 2  # all but where the limit cuts
+    assert sum(nodes[DraftConfig(chain_threshold=0.99)]) < sum(nodes[DraftConfig()])
+
+
+def test_a_tuned_chain_out_of_range_is_refused_naming_the_file_and_the_value(tmp_path):
+    from medusa_core.gguf import demo_gguf_file
+
+    cases = (({"chain_depth": 0, "chain_threshold": 0.3}, "chain_depth must be an integer >= 1, got 0"),
+             ({"chain_depth": 3, "chain_threshold": 1.5}, "chain_threshold must be in \\[0, 1\\], got 1.5"))
+    for i, (fields, message) in enumerate(cases):
+        (tmp_path / str(i)).mkdir()
+        folder = _tuned_demo_folder(tmp_path / str(i), fields)
+        with pytest.raises(MedusaCheckpointError, match=f"medusa_tuned.json .*{message}"):
+            load_medusa_model(folder, base_model=str(demo_gguf_file()), drafter=None)

@@ -310,20 +310,21 @@ def tree_argument(model: MedusaModel, tree: str | None, custom_tree: str) -> str
     return paths
 
 
-def medusa_notice(engine: Engine, temperature: float) -> Updates:
-    """The note beside the Medusa toggle: where ``bench tune`` measured the tree tuned for the settings
-    preset of ``temperature`` slower than the plain loop on this machine (``TunedSettings.slower_than_plain``),
-    it says so, so that Medusa on does not slow the reply silently; otherwise no note. The temperature
-    arrives unchecked (a number typed out of range is still being edited): one that is not a number ≥ 0
-    changes nothing."""
+def medusa_notice(engine: Engine, temperature: float, drafts: str) -> Updates:
+    """The note beside the Medusa toggle: where ``bench tune`` measured the drafts in use (the drafter's tuned chain
+    for ``drafts="eagle"``, else the tree tuned for the settings preset of ``temperature``) slower than the plain loop
+    on this machine (``TunedSettings.slower_than_plain``), it says so, so that Medusa on does not slow the reply
+    silently; otherwise no note. The temperature arrives unchecked (a number typed out of range is still being
+    edited): one that is not a number ≥ 0 changes nothing."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf:
         return {"medusa": gr.skip()}
     tuned = engine.model.tuned_for(SamplingConfig(temperature=temperature)) if engine.model is not None else None
-    if tuned is None or not tuned.slower_than_plain:
+    if tuned is None or not tuned.slower_than_plain(drafts):
         return {"medusa": gr.Checkbox(info="")}
     where = f"on {tuned.device_name}" if tuned.device_name else "on this machine"
-    return {"medusa": gr.Checkbox(info=f"⚠ Medusa measured {tuned.measured_speedup:.2f}× the plain loop at these settings "
-                                       f"({tuned.preset} preset) {where}: plain decoding is faster here")}
+    return {"medusa": gr.Checkbox(info=f"⚠ Medusa ({dict((v, k) for k, v in DRAFT_CHOICES).get(drafts, drafts)}) measured {tuned.speedup(drafts):.2f}× "
+                                       f"the plain loop at these settings ({tuned.preset} preset) {where}: plain decoding "
+                                       "is faster here")}
 
 
 def check_tree(engine: Engine, tree: str | None, custom_tree: str) -> Updates:

@@ -46,7 +46,7 @@ def page_status(engine: Engine, settings: AppSettings) -> Updates:
             "model_panel": model_panel(engine),
             "tree_status": "" if wanted in values else f"⚠ unknown tree {settings.tree!r}: using {model.default_tree}",
             "drafts": gr.Radio(value=drafts),
-        } | chat_preset(engine, settings) | medusa_notice(engine, chat_defaults(settings, model).temperature)
+        } | chat_preset(engine, settings) | medusa_notice(engine, chat_defaults(settings, model).temperature, drafts)
     return updates
 
 

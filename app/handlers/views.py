@@ -187,8 +187,7 @@ def model_panel(engine: Engine, session: Session | None = None) -> str:
                            else f"transformers' forward ({html.escape(d['step_note'], quote=False)})") + _attention(d)),
         ("Medusa heads", f"{d['num_heads']} ({d['head_layers']} residual block{'s' if d['head_layers'] != 1 else ''} each); "
                          + _drafting(d, model.vocab_size)),
-        ("EAGLE drafter", f"one decoder layer in 4 bits, chains of up to {eagle.DEPTH} drafts while their probability stays ≥ "
-                          f"{eagle.THRESHOLD} (Drafts: drafter + corpus)" if model.has_drafter else "none"),
+        ("EAGLE drafter", _drafter_chain(model.tuned) if model.has_drafter else "none"),
         ("context window", f"{d['max_context']} tokens"),
         ("tree in use", f"{in_use} (latest reply)" if in_use else f"{d['default_tree']} (the model's default)"),
         ("tree shaping", _shaping(d, model.tuned)),
@@ -241,6 +240,16 @@ def _shaping(d: dict, tuned: dict) -> str:
            if per_preset else f"τ = {d['min_head_probability']:g}")
     return (f"{tau}: a head node is verified when its calibrated path probability reaches it "
             f"(`bench tune`; head temperatures {', '.join(f'{t:g}' for t in d['head_temperatures'])})")
+
+
+def _drafter_chain(tuned: dict) -> str:
+    """The drafter's chains in words: the depth and threshold ``bench tune`` chose per settings preset
+    (``TunedSettings.chain_depth``: a reply uses its settings'), else ``eagle.DEPTH`` and ``eagle.THRESHOLD``."""
+    per_preset = {p: (t.chain_depth, t.chain_threshold) for p, t in tuned.items() if t.chain_depth is not None}
+    chains = (", ".join(f"up to {d} drafts while their probability stays ≥ {t:g} at "
+                        f"{'greedy' if p == 'greedy' else 'the chat defaults'}" for p, (d, t) in per_preset.items())
+              + " (`bench tune`)") if per_preset else f"up to {eagle.DEPTH} drafts while their probability stays ≥ {eagle.THRESHOLD}"
+    return f"one decoder layer in 4 bits, chains of {chains} (Drafts: drafter + corpus)"
 
 
 def _memory_used(model: MedusaModel) -> str:

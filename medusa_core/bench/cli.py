@@ -24,6 +24,7 @@ from .prompts import load_prompts
 from .report import environment, write_report
 from .run import run_benchmark
 from .tune import TUNE_SIZES, cmd_tune, preset_settings
+from .tune_chain import CHAIN_VALUES, parse_chains
 
 DESCRIPTION = "Speed, measured: the benchmark program and the hardware-aware tree tuner (paper appendix B.1, 2.3.3)."
 
@@ -132,7 +133,7 @@ def build_parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("--confirm-top", type=int, default=3, help="predicted-best sizes confirmed by a benchmark (default 3)")
         p.add_argument("--confirm-prompts", type=int, default=16, help="prompts of the confirming benchmark (default 16)")
         p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per confirming run (default 128)")
-        p.add_argument("--repeats", type=int, default=2, help="repeats of the confirming benchmark (default 2)")
+        p.add_argument("--repeats", type=int, default=2, help="repeats of the confirming benchmark and of the drafter's chains' timing, a seed each (default 2)")
         p.add_argument("--tolerance", type=float, default=0.02,
                        help="prefer a smaller tree whose predicted speedup is within this fraction of the best, and "
                             "keep the predicted pick unless a confirmed size ran more than this fraction faster (default 0.02)")
@@ -141,6 +142,11 @@ def build_parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("--tuned-file", type=Path, default=None,
                        help="where to merge the result (default: medusa_tuned.json next to the model)")
         p.add_argument("--dry-run", action="store_true", help="do not write the tuned-tree file")
+        p.add_argument("--chains", type=parse_chains, default=list(CHAIN_VALUES),
+                       help="the drafter's chains to time, depth:threshold pairs (for a model with a drafter; default "
+                            + ",".join(f"{d}:{t:g}" for d, t in CHAIN_VALUES) + ")")
+        p.add_argument("--chains-only", action="store_true",
+                       help="tune the drafter's chain alone, into the tuned entries the trees' tuning wrote")
         p.add_argument("--threshold-only", action="store_true",
                        help="measure nothing: derive τ (min_head_probability) from the figures this device and precision's "
                             "tuned entry of each preset already stores, and write it there")

@@ -33,6 +33,7 @@ from .methods import Method
 from .prompts import encode_prompt, load_prompts
 from .report import _fmt, environment, markdown_table, write_csv, write_figure
 from .run import run_benchmark
+from .tune_chain import tune_chain_at
 
 #: Tree sizes (paths, root excluded) the tuner measures by default.
 TUNE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -229,11 +230,19 @@ def preset_settings(model: Any, preset: str) -> tuple[SamplingConfig, str]:
 def cmd_tune(model: Any, args: argparse.Namespace, command: str) -> int:
     """Measure step latency per tree size at each of ``--presets``, predict, confirm the best sizes, and write
     one ``medusa_tuned.json`` entry per preset with the chosen tree and τ (``--threshold-only``: τ alone,
-    from the entries' stored figures)."""
+    from the entries' stored figures); for a model with a drafter, then its chain (``tune_chain``; ``--chains-only``:
+    the chain alone, into the existing entries)."""
     from ..loading import TUNED_FILE
     from ..trees import optimal_tree
 
     target = args.tuned_file or _model_folder(args.model) / TUNED_FILE
+    chains = bool(args.chains) and model.has_drafter
+    if args.chains_only:
+        if not chains:
+            raise SystemExit(f"--chains-only tunes the drafter's chain; {args.model} has no drafter (pass --drafter FILE)")
+        for preset in args.presets:
+            tune_chain_at(model, args, command, preset, target)
+        return 0
     if args.threshold_only:
         data = json.loads(target.read_text(encoding="utf-8")) if target.exists() else {}
         for preset in args.presets:
@@ -265,6 +274,8 @@ def cmd_tune(model: Any, args: argparse.Namespace, command: str) -> int:
             trees[n], expected[n] = paths, e
     for preset in args.presets:
         tune_at(model, args, command, preset, trees, expected, target)
+        if chains and not args.dry_run:  # the chain goes into the entry the tree stage has just written
+            tune_chain_at(model, args, command, preset, target)
     return 0
 
 
