@@ -632,6 +632,19 @@ def test_with_the_drafter_the_medusa_toggle_speaks_of_its_tuned_chain_not_of_the
     assert handlers.medusa_notice(engine, 0.7, "eagle")["medusa"].info == ""
 
 
+def test_the_model_tab_gives_the_drafters_chain_tuned_per_preset_else_eagles_defaults():
+    from app.handlers.views import _drafter_chain
+    from medusa_core import eagle
+
+    assert _drafter_chain({}) == (f"one decoder layer in 4 bits, chains of up to {eagle.DEPTH} drafts while their probability "
+                                  f"stays ≥ {eagle.THRESHOLD} (Drafts: drafter + corpus)")
+    tuned = {"greedy": TunedSettings("greedy", "tuned", 0.1, "greedy", 1.2, None, 5, 0.3, 1.7),
+             "chat": TunedSettings("chat", "tuned_chat", 0.1, "chat", 1.2, None, 3, 0.4, 1.4)}
+    assert _drafter_chain(tuned) == ("one decoder layer in 4 bits, chains of up to 5 drafts while their probability stays ≥ 0.3 "
+                                     "at greedy, up to 3 drafts while their probability stays ≥ 0.4 at the chat defaults "
+                                     "(`bench tune`) (Drafts: drafter + corpus)")
+
+
 def test_the_default_tree_runs_the_tree_tuned_at_each_replys_settings(engine, settings, controls, monkeypatch):
     monkeypatch.setattr(engine.model, "tuned", {"chat": TunedSettings("chat", "chain_2", 0.0, "chat", 1.3)})
     controls = dataclasses.replace(controls, drafts="heads")  # the heads' tree alone: every step names it

@@ -226,6 +226,7 @@ DRAFTS_INFO = ("where each step's candidates come from: heads = the heads only (
 #: The Drafts control's choices: (label, ``generate(drafts=...)`` value), those ``drafts_default`` gives first.
 DRAFT_CHOICES = [("drafter + corpus", "eagle"), ("heads only", "heads"), ("heads + corpus", "corpus"), ("hybrid (heads + n-gram)", "hybrid"),
                  ("n-gram only", "ngram")]
+DRAFT_LABELS = {value: label for label, value in DRAFT_CHOICES}  # a Drafts value -> its label on the page
 PUBLISHED_TREE_NODES = 64  # the Medusa paper's published trees: 63 candidates + root, tuned for 7B–33B models on GPUs
 
 
@@ -322,9 +323,8 @@ def medusa_notice(engine: Engine, temperature: float, drafts: str) -> Updates:
     if tuned is None or not tuned.slower_than_plain(drafts):
         return {"medusa": gr.Checkbox(info="")}
     where = f"on {tuned.device_name}" if tuned.device_name else "on this machine"
-    return {"medusa": gr.Checkbox(info=f"⚠ Medusa ({dict((v, k) for k, v in DRAFT_CHOICES).get(drafts, drafts)}) measured {tuned.speedup(drafts):.2f}× "
-                                       f"the plain loop at these settings ({tuned.preset} preset) {where}: plain decoding "
-                                       "is faster here")}
+    return {"medusa": gr.Checkbox(info=f"⚠ Medusa ({DRAFT_LABELS.get(drafts, drafts)}) measured {tuned.speedup(drafts):.2f}× the "
+                                       f"plain loop at these settings ({tuned.preset} preset) {where}: plain decoding is faster here")}
 
 
 def check_tree(engine: Engine, tree: str | None, custom_tree: str) -> Updates:

@@ -90,9 +90,9 @@ def measure_chains(model: Any, prompts: Sequence[Any], chains: Sequence[Chain], 
 
 def tune_chain_at(model: Any, args: argparse.Namespace, command: str, preset: str, target: Path) -> dict[str, Any]:
     """One preset's chain tuning (``tune.cmd_tune``): time ``args.chains`` against the plain loop on
-    ``--confirm-prompts`` prompts × ``--repeats`` seeds, print and write the report under ``--out``/<preset> (chains.md, chains.csv), and
-    merge ``chain_depth``, ``chain_threshold``, ``chain_measured_speedup`` and ``chain_measured_acceleration`` into
-    the preset's entry of ``target``. Returns the entry. Raises ``SystemExit`` when ``target`` has no entry for this
+    ``--confirm-prompts`` prompts × ``--repeats`` seeds, print and write the report under ``--out``/<preset>
+    (chains.md, chains.csv), and merge ``chain_depth``, ``chain_threshold``, ``chain_measured_speedup`` and
+    ``chain_measured_acceleration`` into the preset's entry of ``target``. Returns the entry. Raises ``SystemExit`` when ``target`` has no entry for this
     machine and preset (the tree stage writes it: run ``bench tune`` without ``--chains-only`` first)."""
     from .tune import preset_settings, write_tuned
 
@@ -117,9 +117,8 @@ def tune_chain_at(model: Any, args: argparse.Namespace, command: str, preset: st
         f"# Drafter chain tuning at {preset}: {label}", "", f"`{command}`", "", ", ".join(f"{k}: {v}" for k, v in env.items()), "",
         markdown_table(rows, ["chain depth:threshold", "tokens/step", "step ms", "tokens/s", "vs plain", ""]), "",
         f"{len(prompts)} prompts × {args.repeats} seeds × {args.max_new_tokens} tokens, interleaved prompt by prompt; "
-        "decoding only (the prompt's "
-        f"reading left out). The default ({eagle.DEPTH}:{eagle.THRESHOLD:g}) is kept unless another ran more than "
-        f"{args.tolerance:.0%} faster.", "",
+        f"decoding only (the prompt's reading left out). The default ({eagle.DEPTH}:{eagle.THRESHOLD:g}) is kept unless "
+        f"another ran more than {args.tolerance:.0%} faster.", "",
     ])
     print(text)
     out = (args.out or Path("out") / "tune") / preset
