@@ -467,7 +467,8 @@ def test_tuned_entries_per_settings_give_each_preset_its_tree_and_tau_and_an_old
     greedy, chat = model.tuned_for(SamplingConfig()), model.tuned_for(CHAT_PRESET)
     assert (greedy.tree, greedy.min_head_probability, greedy.measured_at) == ("tuned", 0.25, "greedy")
     assert (chat.tree, chat.measured_at) == ("tuned", "greedy")
-    assert greedy.slower_than_plain and not chat.slower_than_plain  # a greedy figure says nothing of the chat settings
+    assert greedy.slower_than_plain("heads") and not chat.slower_than_plain("heads")  # a greedy figure says nothing of chat
+    assert not greedy.slower_than_plain("eagle")  # the entry measured no drafter's chain
     # Entries per settings: the chat preset gets its own tree, τ and verdict; generate takes them by default.
     tuned = {"cpu/none@greedy": {"choices": [[0], [1]], "min_head_probability": 0.1, "measured_speedup": 1.2},
              "cpu/none@chat": {"choices": [[0]], "min_head_probability": 0.3, "measured_speedup": 0.92, "device_name": "a CPU"},
@@ -476,8 +477,8 @@ def test_tuned_entries_per_settings_give_each_preset_its_tree_and_tau_and_an_old
     model = load(tmp_path)
     assert model.default_tree == "tuned" and model.trees == {"tuned": [[0], [1]], "tuned_chat": [[0]]}
     chat = model.tuned_for(SamplingConfig(temperature=0.7, top_k=5))  # any sampled settings: the chat preset's entry
-    assert chat == TunedSettings("chat", "tuned_chat", 0.3, "chat", 0.92, "a CPU") and chat.slower_than_plain
-    assert model.min_head_probability == 0.1 and not model.tuned_for(SamplingConfig()).slower_than_plain
+    assert chat == TunedSettings("chat", "tuned_chat", 0.3, "chat", 0.92, "a CPU") and chat.slower_than_plain("corpus")
+    assert model.min_head_probability == 0.1 and not model.tuned_for(SamplingConfig()).slower_than_plain("corpus")
     ids = torch.tensor([[5, 9, 17, 3, 44]])
     assert {r.tree_name for r in model.generate(ids, max_new_tokens=6, config=CHAT_PRESET, seed=0)} <= {"prefill", "baseline", "tuned_chat"}
     assert {r.tree_name for r in model.generate(ids, max_new_tokens=6)} <= {"prefill", "baseline", "tuned"}

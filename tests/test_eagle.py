@@ -134,15 +134,19 @@ class _Reference:
 
     def propose(self, embed, projection, draft_ids, most):
         drafts, out, log_chance = [], self.s.last, 0.0
-        while len(drafts) < most:
-            column, log_p = self.module.draft_top(projection(out), 1, torch.ones(1))
-            log_chance += float(log_p)
-            if log_chance < self.s.log_threshold:
-                break
-            drafts.append(int(draft_ids[column[0, 0]]))
-            if len(drafts) < most:
-                x = self.fc(torch.cat([out, embed(torch.tensor(drafts[-1:])).float()], -1))
-                out = self.layer(x, self.s.length + len(drafts) - 1)
+        before = self.module.set_one_row_dots(True)  # the chain's one-row products take the dot products, AMX or not
+        try:
+            while len(drafts) < most:
+                column, log_p = self.module.draft_top(projection(out), 1, torch.ones(1))
+                log_chance += float(log_p)
+                if log_chance < self.s.log_threshold:
+                    break
+                drafts.append(int(draft_ids[column[0, 0]]))
+                if len(drafts) < most:
+                    x = self.fc(torch.cat([out, embed(torch.tensor(drafts[-1:])).float()], -1))
+                    out = self.layer(x, self.s.length + len(drafts) - 1)
+        finally:
+            self.module.set_one_row_dots(before)
         return drafts
 
 
@@ -167,6 +171,7 @@ def test_the_compiled_observe_and_chain_give_the_python_calls_bits(demo):
         assert torch.equal(compiled.cache, python.cache)  # the drafts' entries past length too
         lengths.append(len(chain))
     assert lengths[0] == 4 and 0 < lengths[1] < 4, lengths  # every draft, then a chain the threshold stops
+    assert module.set_one_row_dots(False) is False  # the chain and the reference left the thread's products as they were
 
 
 def test_a_chain_stops_where_its_probability_falls_below_the_threshold(demo):

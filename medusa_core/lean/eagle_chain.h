@@ -88,7 +88,7 @@ inline Tensor eagle_observe(LeanDecoder& layer, const std::vector<Tensor>& fc, c
 // draft is the best column of projection(out) (its S draft tokens: draft_ids [S] int64, or empty for ids 0..S − 1),
 // kept while the sum of the drafts' log-probabilities stays ≥ log_threshold, at most `most`; each draft but the last
 // is read by the layer at the next position (its entry past `length`: the next observe writes over it). Returns the
-// drafts' token ids.
+// drafts' token ids. Its one-row products take the AVX512-BF16 dot products even where AMX runs (OneRowDots).
 inline std::vector<int64_t> eagle_chain(LeanDecoder& layer, const std::vector<Tensor>& fc, const std::vector<Tensor>& projection,
                                         int64_t draft_vocabulary, const Tensor& draft_ids, const Tensor& embed,
                                         const Tensor& last, const Tensor& cache, const Tensor& cos, const Tensor& sin,
@@ -97,6 +97,7 @@ inline std::vector<int64_t> eagle_chain(LeanDecoder& layer, const std::vector<Te
   TORCH_CHECK(last.dim() == 2 && last.size(0) == 1 && last.scalar_type() == at::kFloat, "last: float32 [1, H]");
   TORCH_CHECK(draft_ids.numel() == 0 || (draft_ids.numel() == s && draft_ids.scalar_type() == at::kLong && draft_ids.is_contiguous()),
               "draft_ids: empty or contiguous int64 [", s, "]");
+  const OneRowDots dots;  // the chain's products are of one row each: the dot products, even where AMX runs
   const Int4 fc_w = bare_int4(fc, h), projection_w = bare_int4(projection, s);
   std::vector<uint16_t> x(h), product(s);
   std::vector<float> logits(s), scaled, best(1);

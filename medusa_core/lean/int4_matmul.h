@@ -399,10 +399,34 @@ inline std::string int4_kernel() {
   return has_int4_matmul() ? "avx512-bf16" : "";
 }
 
+// Whether this thread's one-row products take the AVX512-BF16 dot products even where AMX runs every other call
+// (OneRowDots). The EAGLE drafter's chain (eagle_chain.h) is one-row products whose drafts the backbone verifies: their
+// bits need not match any other call's, only be the same every time, and on the AMX Xeon its products of one row ran
+// faster on the dot products (the 8,192-row projection 142 µs against 295 warm; docs/BENCH.md, "The drafter's chain
+// tuned per machine").
+inline bool& one_row_dots() {
+  thread_local bool on = false;
+  return on;
+}
+
+// Within its scope, this thread's one-row products take the dot products (one_row_dots); restores the flag after.
+struct OneRowDots {
+  bool before = one_row_dots();
+  OneRowDots() { one_row_dots() = true; }
+  ~OneRowDots() { one_row_dots() = before; }
+};
+
+// Sets one_row_dots for this thread (tests: the Python calls an eagle_chain must match); returns the previous value.
+inline bool set_one_row_dots(bool on) {
+  const bool before = one_row_dots();
+  one_row_dots() = on;
+  return before;
+}
+
 // x [M, K] bfloat16 (rows ldx apart), tiles [N/16, K/32, 320] uint8 (the layout above) -> out [M, N] bfloat16 (rows N
 // apart), as raw bfloat16 bits: the product without a tensor allocated (the lean step's buffers). Pairs of blocks are
-// split over torch's threads. Raises (TORCH_CHECK) on other shapes or dtypes, or in a build without AVX512-BF16
-// (has_int4_matmul).
+// split over torch's threads; every call takes AMX where it runs, but a one-row call inside OneRowDots. Raises
+// (TORCH_CHECK) on other shapes or dtypes, or in a build without AVX512-BF16 (has_int4_matmul).
 inline void int4_matmul_into(const uint16_t* xp, int64_t M, int64_t K, int64_t ldx, const Tensor& tiles, uint16_t* op) {
   TORCH_CHECK(tiles.dim() == 3 && tiles.scalar_type() == at::kByte && tiles.size(2) == kRecord && tiles.is_contiguous(),
               "int4_matmul: tiles must be contiguous [N/16, K/32, 320] uint8");
@@ -416,7 +440,7 @@ inline void int4_matmul_into(const uint16_t* xp, int64_t M, int64_t K, int64_t l
   const int64_t pair_bytes = 2 * G * kRecord, pairs = blocks / 2;
   const bool odd = blocks % 2 == 1;
 #if defined(MEDUSA_LEAN_AMX)
-  const bool amx = amx_permitted();
+  const bool amx = amx_permitted() && !(M == 1 && one_row_dots());
 #endif
   at::parallel_for(0, pairs + odd, 4, [&](int64_t begin, int64_t end) {
     const __m512i values = code_values();

@@ -29,6 +29,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_bf16_dot", &medusa_lean::has_bf16_dot);
   m.def("has_int4_matmul", &medusa_lean::has_int4_matmul);
   m.def("int4_kernel", &medusa_lean::int4_kernel);
+  m.def("set_one_row_dots", &medusa_lean::set_one_row_dots);
   m.def("int4_matmul", &medusa_lean::int4_matmul, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("refine_top", &medusa_lean::refine_top, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("penalise_rows", &medusa_lean::penalise_rows, pybind11::call_guard<pybind11::gil_scoped_release>());
