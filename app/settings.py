@@ -111,7 +111,7 @@ class AppSettings(BaseSettings):
     tree: str | None = Field(None, description="initial tree name; default: the model's own default tree")
     drafts: Literal["heads", "hybrid", "ngram", "corpus", "eagle"] | None = Field(
         None, description="initial source of each step's candidates; default: eagle for a model with an EAGLE-style "
-                          "drafter (the demo: the fastest at the chat preset, level at greedy; README Speed), else corpus for a model with a "
+                          "drafter (the demo: the fastest at the chat preset and at greedy; README Speed), else corpus for a model with a "
                           "corpus of its own replies, else heads. heads (the paper's Medusa), hybrid (the heads' tree plus "
                           "a chain copied from the conversation by prompt lookup), ngram (prompt lookup only), corpus (the "
                           "heads' tree, or a chain from the model's corpus of its own replies where that is confident) or "

@@ -163,8 +163,7 @@ def chat_defaults(settings: AppSettings, model: MedusaModel | None) -> SamplingC
 
 def drafts_default(settings: AppSettings, model: MedusaModel | None) -> str:
     """The Drafts control's first value: the settings' ``drafts``, else ``"eagle"`` (drafter + corpus) for a model
-    with an EAGLE-style drafter, the fastest drafts on the demo at the chat preset and level with heads + corpus at
-    greedy (README, Speed), else ``"corpus"`` (heads + corpus) for a model with a corpus of its own replies, else
+    with an EAGLE-style drafter, the fastest drafts on the demo at the chat preset and at greedy (README, Speed), else ``"corpus"`` (heads + corpus) for a model with a corpus of its own replies, else
     ``"heads"`` (also while no model is loaded)."""
     if settings.drafts is not None:
         return settings.drafts
