@@ -335,18 +335,12 @@ def tune_at(model: Any, args: argparse.Namespace, command: str, preset: str, tre
         f"(and ÷ HF generate's) in a confirming benchmark of {len({r.prompt for r in runs})} prompts × "
         f"{args.max_new_tokens} tokens at the same settings.", "",
     ] + [f"- {n}" for n in notes])
-    print(text)
-    out = (args.out or Path("out") / "tune") / preset
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "tune.md").write_text(text, encoding="utf-8")
-    with (out / "tune.csv").open("w", newline="", encoding="utf-8") as f:
-        w = csv.writer(f)
-        w.writerow(["paths", "tree_tokens", "expected_acceleration", "timing_acceleration", "step_ms", "step_ms_fitted",
-                    "predicted_speedup", "measured_speedup_vs_baseline", "measured_speedup_vs_hf"])
-        for n in sorted(predicted):
-            m = measured.get(n)
-            w.writerow([n, n + 1, 1 + expected[n], accel.get(n), 1e3 * latency[n], 1e3 * fitted[n], predicted[n],
-                        _ratio(m.tok_s, base_tok_s) if m else "", m.speedup if m else ""])
+    out = write_tune_report(args, preset, "tune", text, [
+        "paths", "tree_tokens", "expected_acceleration", "timing_acceleration", "step_ms", "step_ms_fitted",
+        "predicted_speedup", "measured_speedup_vs_baseline", "measured_speedup_vs_hf"], [
+        [n, n + 1, 1 + expected[n], accel.get(n), 1e3 * latency[n], 1e3 * fitted[n], predicted[n],
+         _ratio(measured[n].tok_s, base_tok_s) if n in measured else "", measured[n].speedup if n in measured else ""]
+        for n in sorted(predicted)])
     write_csv(out / "runs.csv", runs, exclude=("output",))
     paths = write_figure(_tune_figure(predicted, measured, base_tok_s, env), out / "tune")
 
@@ -381,6 +375,21 @@ def tune_at(model: Any, args: argparse.Namespace, command: str, preset: str, tre
         print(f"wrote the tree tuned at {preset} ({best} paths, {best + 1} tree tokens) to {target} [{key}]")
     print("wrote " + ", ".join(map(str, [out / "tune.md", out / "tune.csv", out / "runs.csv", *paths])))
     return entry
+
+
+def write_tune_report(args: argparse.Namespace, preset: str, name: str, text: str, header: Sequence[str],
+                      rows: Sequence[Sequence[Any]]) -> Path:
+    """Print a tuning report ``text`` and write it as ``<name>.md``, with ``rows`` under ``header`` as
+    ``<name>.csv``, into ``--out``/<preset> (default ``out/tune/<preset>``). Returns that folder."""
+    print(text)
+    out = (args.out or Path("out") / "tune") / preset
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.md").write_text(text, encoding="utf-8")
+    with (out / f"{name}.csv").open("w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        w.writerows(rows)
+    return out
 
 
 def _tune_figure(predicted: Mapping[int, float], measured: Mapping[int, Summary], base_tok_s: float, env: Mapping[str, Any]) -> Any:

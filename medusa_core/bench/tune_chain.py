@@ -13,7 +13,6 @@ At greedy every reply must equal the plain loop's.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -94,7 +93,7 @@ def tune_chain_at(model: Any, args: argparse.Namespace, command: str, preset: st
     (chains.md, chains.csv), and merge ``chain_depth``, ``chain_threshold``, ``chain_measured_speedup`` and
     ``chain_measured_acceleration`` into the preset's entry of ``target``. Returns the entry. Raises ``SystemExit`` when ``target`` has no entry for this
     machine and preset (the tree stage writes it: run ``bench tune`` without ``--chains-only`` first)."""
-    from .tune import preset_settings, write_tuned
+    from .tune import preset_settings, write_tune_report, write_tuned
 
     key = tuned_key(model.device, model.quantization, preset, machine_class(model.device, model.quantization))
     data = json.loads(target.read_text(encoding="utf-8")) if target.exists() else {}
@@ -120,15 +119,10 @@ def tune_chain_at(model: Any, args: argparse.Namespace, command: str, preset: st
         f"decoding only (the prompt's reading left out). The default ({eagle.DEPTH}:{eagle.THRESHOLD:g}) is kept unless "
         f"another ran more than {args.tolerance:.0%} faster.", "",
     ])
-    print(text)
-    out = (args.out or Path("out") / "tune") / preset
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "chains.md").write_text(text, encoding="utf-8")
-    with (out / "chains.csv").open("w", newline="", encoding="utf-8") as f:
-        w = csv.writer(f)
-        w.writerow(["chain_depth", "chain_threshold", "tokens", "steps", "seconds", "tokens_per_s", "vs_plain"])
-        for c, t in totals.items():
-            w.writerow([c[0] if c else 0, c[1] if c else "", t[0], t[1], t[2], t[0] / t[2], t[0] / t[2] / base])
+    write_tune_report(args, preset, "chains", text,
+                      ["chain_depth", "chain_threshold", "tokens", "steps", "seconds", "tokens_per_s", "vs_plain"],
+                      [[c[0] if c else 0, c[1] if c else "", t[0], t[1], t[2], t[0] / t[2], t[0] / t[2] / base]
+                       for c, t in totals.items()])
     chosen = totals[best]
     entry = data[key] | {"chain_depth": best[0], "chain_threshold": best[1],
                          "chain_measured_speedup": round(tok_s[best] / base, 4),
