@@ -41,9 +41,6 @@ from .steptree import StepTree, static_tree
 from .trees import TREE_PRESETS, resolve_tree, validate_tree
 from .tuned import TunedSettings, settings_preset
 
-#: Draft sources whose steps verify a chain alone (or the root alone), never the heads' tree.
-
-
 class MedusaModel:
     """A frozen Hugging Face decoder-only model with Medusa heads (paper 2.1).
 
@@ -425,9 +422,11 @@ class MedusaModel:
         if medusa and drafts == "corpus":
             drafter = corpus_chains
         elif medusa and drafts == "eagle":
-            chain = (tuned.chain_depth, tuned.chain_threshold) if tuned else (None, None)  # None: eagle's defaults
-            depth, threshold = (given if given is not None else chosen
-                                for given, chosen in zip((draft_config.chain_depth, draft_config.chain_threshold), chain))
+            depth, threshold = draft_config.chain_depth, draft_config.chain_threshold  # else the tuned chain, else eagle's
+            if depth is None and tuned:
+                depth = tuned.chain_depth
+            if threshold is None and tuned:
+                threshold = tuned.chain_threshold
             drafter = EagleDrafts(self._drafter[0], self.backbone.get_input_embeddings(), *self._drafter[1:],
                                   capacity=prompt_len + max_new_tokens + 1, chains=corpus_chains, depth=depth,
                                   threshold=threshold)

@@ -163,8 +163,9 @@ def chat_defaults(settings: AppSettings, model: MedusaModel | None) -> SamplingC
 
 def drafts_default(settings: AppSettings, model: MedusaModel | None) -> str:
     """The Drafts control's first value: the settings' ``drafts``, else ``"eagle"`` (drafter + corpus) for a model
-    with an EAGLE-style drafter, the fastest drafts on the demo at the chat preset and at greedy (README, Speed), else ``"corpus"`` (heads + corpus) for a model with a corpus of its own replies, else
-    ``"heads"`` (also while no model is loaded)."""
+    with an EAGLE-style drafter, the fastest drafts on the demo at the chat preset and at greedy (README, Speed), else
+    ``"corpus"`` (heads + corpus) for a model with a corpus of its own replies, else ``"heads"`` (also while no model
+    is loaded)."""
     if settings.drafts is not None:
         return settings.drafts
     if model is None:
@@ -288,8 +289,7 @@ def tree_state(medusa: bool, drafts: str) -> dict[str, Any]:
     if not medusa:
         return {"interactive": False, "info": MEDUSA_OFF_INFO}
     if drafts in CHAIN_SOURCES:
-        label = {value: label for label, value in DRAFT_CHOICES}[drafts]
-        return {"interactive": False, "info": f"inactive with {label} drafts: each step verifies a chain, not the heads' tree"}
+        return {"interactive": False, "info": f"inactive with {DRAFT_LABELS[drafts]} drafts: each step verifies a chain, not the heads' tree"}
     return {"interactive": True, "info": TREE_INFO}
 
 

@@ -236,9 +236,8 @@ def cmd_tune(model: Any, args: argparse.Namespace, command: str) -> int:
     from ..trees import optimal_tree
 
     target = args.tuned_file or _model_folder(args.model) / TUNED_FILE
-    chains = bool(args.chains) and model.has_drafter
     if args.chains_only:
-        if not chains:
+        if not model.has_drafter:
             raise SystemExit(f"--chains-only tunes the drafter's chain; {args.model} has no drafter (pass --drafter FILE)")
         for preset in args.presets:
             tune_chain_at(model, args, command, preset, target)
@@ -274,7 +273,7 @@ def cmd_tune(model: Any, args: argparse.Namespace, command: str) -> int:
             trees[n], expected[n] = paths, e
     for preset in args.presets:
         tune_at(model, args, command, preset, trees, expected, target)
-        if chains and not args.dry_run:  # the chain goes into the entry the tree stage has just written
+        if model.has_drafter and not args.dry_run:  # the chain goes into the entry the tree stage has just written
             tune_chain_at(model, args, command, preset, target)
     return 0
 
