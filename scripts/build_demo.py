@@ -46,9 +46,10 @@ The backbone is Hugging Face's SmolLM2-135M-Instruct as the Q4_1 GGUF file insid
    own int4 hidden states before they ship.
    ``measure``       — (not in the default run) the trained heads folder's held-out figures on the replies of each
    ``--heldout-settings`` (chat and greedy), into its ``train_stats.json``; the calibration file is left alone.
-   ``topics``        — (not in the default run) round 5's topics: the backbone continues lists of seed topics
-   (``demo_prompts.topic_requests``, sampled) into ``assets/demo/prompts/topics.jsonl``; ``demo_prompts.py --round 5`` makes
-   them prompts (``train_topics``).
+   ``topics``        — (not in the default run) a topic round's topics (``--topic-round``): the backbone continues
+   lists of seed topics (round 5) or of round 5's topics (round 6) (``demo_prompts.topic_requests``, sampled) into
+   ``assets/demo/prompts/topics.jsonl`` (round 6: ``topics6.jsonl``); ``demo_prompts.py --round N`` makes them prompts
+   (``train_topics``, ``train_topics6``).
    ``ranking``       — (not in the default run) the draft vocabulary's frequency ranking from the training
    splits' ``distill_served`` replies (``medusa_core.train.ranking``): ``draft_ranking.json`` beside the heads.
 6. ``export``        — heads, config and calibration into ``assets/demo`` (heads for the plain weights and
@@ -81,7 +82,7 @@ SEED = 0
 BASE_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 #: Training prompt files in ``assets/demo/prompts`` (rounds 1-5 of ``scripts/demo_prompts.py``).
-TRAIN_SPLITS = ("train", "train_more", "train_wide", "train_deep", "train_topics")
+TRAIN_SPLITS = ("train", "train_more", "train_wide", "train_deep", "train_topics", "train_topics6")
 
 
 def log(msg: str) -> None:
@@ -192,17 +193,21 @@ def stage_self_instruct(args) -> None:
 
 
 def stage_topics(args) -> None:
-    """Round 5's topics: the backbone continues ``demo_prompts.topic_requests`` (``--topic-requests`` per kind), sampled
-    (T 0.8, top-p 0.95, seeded per batch), into ``assets/demo/prompts/topics.jsonl`` rows ``{"kind", "topic"}``
-    (resumable by batch on the machine that writes it, ``build/demo/topics.done`` counting the requests done; a file
-    without that count, as the repository holds it, is kept); ``demo_prompts.py --round 5`` makes them prompts."""
-    from demo_prompts import parse_topics, topic_requests
+    """A topic round's topics (``--topic-round`` N, ``demo_prompts.TOPIC_ROUNDS``): the backbone continues
+    ``demo_prompts.topic_requests`` (``--topic-requests`` per kind; round 6's lists show round 5's topics), sampled
+    (T 0.8, top-p 0.95, seeded per batch), into the round's topics file (``assets/demo/prompts/topics.jsonl``, round 6
+    ``topics6.jsonl``), rows ``{"kind", "topic"}`` (resumable by batch on the machine that writes it,
+    ``build/demo/<file>.done`` counting the requests done; a file without that count, as the repository holds it, is
+    kept); ``demo_prompts.py --round N`` makes them prompts. Raises ``SystemExit`` when the topics a round's lists show
+    are not there."""
+    from demo_prompts import TOPIC_ROUNDS, parse_topics, read_topics, topic_requests
 
-    out, done = PROMPTS / "topics.jsonl", WORK / "topics.done"
+    name, seed, shown = TOPIC_ROUNDS[args.topic_round]
+    out, done = PROMPTS / name, WORK / f"{Path(name).stem}.done"
     if out.exists() and not done.exists():
         log(f"topics: {out} is there (delete it to write it again)")
         return
-    requests = topic_requests(args.topic_requests)
+    requests = topic_requests(args.topic_requests, seed, read_topics(PROMPTS / shown) if shown else None)
     first = int(done.read_text()) if done.exists() else 0
     if first >= len(requests):
         return
@@ -621,8 +626,12 @@ def main() -> None:
                    help="distill_served: only these prompt files (default: heldout and every training round)")
     p.add_argument("--train-rounds", type=int, choices=range(1, len(TRAIN_SPLITS) + 1), default=2,
                    help="prompt rounds the heads train on (1: train.jsonl; 2: also train_more.jsonl; 3: also "
-                        "train_wide.jsonl; 4: also train_deep.jsonl; 5: also train_topics.jsonl)")
+                        "train_wide.jsonl; 4: also train_deep.jsonl; 5: also train_topics.jsonl; 6: also "
+                        "train_topics6.jsonl)")
     p.add_argument("--topic-requests", type=int, default=200, help="topics: list openings per kind of topic")
+    p.add_argument("--topic-round", type=int, choices=[5, 6], default=5,
+                   help="topics: the round whose topics are written (5: topics.jsonl, lists of seed topics; 6: "
+                        "topics6.jsonl, lists of round 5's topics)")
     p.add_argument("--num-heads", type=int, default=4)
     p.add_argument("--head-layers", type=int, default=2, help="residual blocks per head")
     p.add_argument("--head-epochs", type=float, default=3.0)

@@ -22,7 +22,9 @@ writing, everyday and roleplay tasks too), 3,000 more docstrings, more drawn pro
 Round 5 (``--round 5``, ``train_topics.jsonl``) gives round 3's task templates new topics, written by the
 backbone itself: it continues lists of seed topics (``topic_requests``, sampled by ``scripts/build_demo.py --stages
 topics`` into ``prompts/topics.jsonl``), and every new topic that is no seed or held-out topic (up to case,
-articles and a plural) gets two task templates of its kind.
+articles and a plural) gets two task templates of its kind. Round 6 (``--round 6``, ``train_topics6.jsonl``)
+does the same with lists whose examples are round 5's topics (``--stages topics --topic-round 6`` into
+``prompts/topics6.jsonl``), leaving out every topic of the rounds before.
 
 About one prompt in seven gets a follow-up turn (``"followup"``), which distillation answers after
 the model's own first reply, so the heads also see multi-turn conversations.
@@ -35,6 +37,7 @@ inflated by near-duplicates. Output rows: ``{"id", "category", "source", "messag
     python scripts/demo_prompts.py --round 3   # round 3 only: assets/demo/prompts/train_wide.jsonl
     python scripts/demo_prompts.py --round 4   # round 4 only: assets/demo/prompts/train_deep.jsonl
     python scripts/demo_prompts.py --round 5   # round 5 only: assets/demo/prompts/train_topics.jsonl, from topics.jsonl
+    python scripts/demo_prompts.py --round 6   # round 6 only: assets/demo/prompts/train_topics6.jsonl, from topics6.jsonl
 """
 
 from __future__ import annotations
@@ -465,15 +468,35 @@ TEMPLATES_PER_TOPIC = 2
 _CODING_EXERCISE = re.compile(r"Write a function that ([a-z][^.?!:;`]{8,90})\.?$")
 
 
-def topic_requests(per_kind: int, seed: int = SEED + 4) -> list[dict]:
-    """Round 5's requests: ``per_kind`` list openings of each ``TOPIC_KINDS`` kind for the backbone to continue
-    (plain text, no chat template), each with six seed topics of training groups as its first items; the topics
+#: Topic rounds: round -> (its topics file in the prompts folder, the seed of its list openings and of its prompts'
+#: templates, the topics file whose topics its lists show as examples, None: ``TOPIC_KINDS``' seed topics).
+TOPIC_ROUNDS = {5: ("topics.jsonl", SEED + 4, None), 6: ("topics6.jsonl", SEED + 6, "topics.jsonl")}
+
+
+def read_topics(path: Path) -> list[tuple[str, str]]:
+    """(kind, topic) of a topics file (JSONL rows ``{"kind", "topic"}``, ``scripts/build_demo.py --stages topics``).
+    Raises ``SystemExit`` saying how to write it when it is not there."""
+    if not path.exists():
+        round_ = next((n for n, (name, *_) in TOPIC_ROUNDS.items() if name == path.name), 5)
+        raise SystemExit(f"no topics file {path} (python scripts/build_demo.py --stages topics --topic-round {round_} writes it)")
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [(r["kind"], r["topic"]) for r in rows]
+
+
+def topic_requests(per_kind: int, seed: int = SEED + 4, examples: list[tuple[str, str]] | None = None) -> list[dict]:
+    """A topic round's requests: ``per_kind`` list openings of each ``TOPIC_KINDS`` kind for the backbone to continue
+    (plain text, no chat template), each with six topics of training groups as its first items: ``TOPIC_KINDS``' seed
+    topics (round 5), or those of ``examples`` (kind, topic), e.g. an earlier round's topics (round 6); the topics
     become prompts for self-distillation (paper 2.3.2). Rows ``{"kind", "request"}``; deterministic for a seed.
-    Raises ``ValueError`` (``random.sample``) when a kind has fewer than six training seed topics."""
+    Raises ``ValueError`` (``random.sample``) when a kind has fewer than six training topics to show."""
     rng = random.Random(seed)
     requests = []
     for kind, (_, prefix, what, seeds) in TOPIC_KINDS.items():
-        shown = [s for s in seeds if not is_heldout(prefix + _coding_task(s) if kind == "coding" else prefix + s)]
+        if examples is None:
+            shown = [s for s in seeds if not is_heldout(prefix + _coding_task(s) if kind == "coding" else prefix + s)]
+        else:  # an earlier round's topics, once each (coding: its tasks as exercises)
+            topics = dict.fromkeys(t for k, t in examples if k == kind and not is_heldout(prefix + t))
+            shown = [f"Write a function that {t}." if kind == "coding" else t for t in topics]
         for _ in range(per_kind):
             items = "".join(f"- {s}\n" for s in rng.sample(shown, 6))
             requests.append({"kind": kind, "request": f"A list of {what}:\n{items}-"})
@@ -545,25 +568,25 @@ def topic_prompts(rng: random.Random, topics: list[tuple[str, str]], seen_groups
                 yield category, group, template.format(c=topic, g=topic)
 
 
-def build_topics(existing: list[Path], topics: Path) -> list[dict]:
-    """Round-5 training rows (``train_topics``): topics the backbone listed itself (``topics``: JSONL rows
-    ``{"kind", "topic"}`` from ``scripts/build_demo.py --stages topics``), each with round 3's task templates of
-    its kind, for self-distillation (paper 2.3.2); none of the ``existing`` files' prompts, topics or held-out groups.
+def build_topics(existing: list[Path], topics: Path, seed: int = SEED + 4) -> list[dict]:
+    """A topic round's training rows (round 5: ``train_topics``, round 6: ``train_topics6``): topics the backbone listed
+    itself (``topics``: ``read_topics``), each with round 3's task templates of its kind, for self-distillation (paper
+    2.3.2); none of the ``existing`` files' prompts, topics or held-out groups. Deterministic for a ``seed``.
     Raises ``SystemExit`` saying how to write ``topics`` when it is not there."""
-    if not topics.exists():
-        raise SystemExit(f"no topics file {topics} (python scripts/build_demo.py --stages topics writes it)")
-    listed = [json.loads(line) for line in topics.read_text(encoding="utf-8").splitlines() if line.strip()]
+    listed = read_topics(topics)
     before = _existing_rows(existing)
-    rng = random.Random(SEED + 4)
-    sources = [("backbone-topics", topic_prompts(rng, [(r["kind"], r["topic"]) for r in listed], {r["group"] for r in before}))]
+    rng = random.Random(seed)
+    sources = [("backbone-topics", topic_prompts(rng, listed, {r["group"] for r in before}))]
     train, _ = _rows(sources, rng, _seen_prompts(before))
     return train
 
 
 #: The prompt files in the order they were written (``build`` writes the first three).
-PROMPT_FILES = ("train", "heldout", "train_more", "train_wide", "train_deep", "train_topics")
-#: ``--round N``: (its file, the function that builds its rows from the files before it).
-LATER_ROUNDS = {3: ("train_wide", build_wide), 4: ("train_deep", build_deep), 5: ("train_topics", build_topics)}
+PROMPT_FILES = ("train", "heldout", "train_more", "train_wide", "train_deep", "train_topics", "train_topics6")
+#: ``--round N``: (its file, the function that builds its rows from the files before it; a topic round's also reads
+#: its topics file).
+LATER_ROUNDS = {3: ("train_wide", build_wide), 4: ("train_deep", build_deep), 5: ("train_topics", build_topics),
+                6: ("train_topics6", build_topics)}
 
 
 def write_rows(path: Path, rows: list[dict]) -> None:
@@ -578,9 +601,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "assets" / "demo" / "prompts")
     p.add_argument("--self-instruct", type=Path, help="questions the backbone wrote (JSONL)")
     p.add_argument("--round", type=int, choices=sorted(LATER_ROUNDS), help="write only this training round (3: "
-                   "train_wide.jsonl; 4: train_deep.jsonl; 5: train_topics.jsonl, from --topics), next to the rounds before it")
-    p.add_argument("--topics", type=Path, help="round 5: the topics the backbone listed (default: topics.jsonl in --out, "
-                   "from scripts/build_demo.py --stages topics)")
+                   "train_wide.jsonl; 4: train_deep.jsonl; 5: train_topics.jsonl, from --topics; 6: train_topics6.jsonl, "
+                   "from --topics), next to the rounds before it")
+    p.add_argument("--topics", type=Path, help="rounds 5 and 6: the topics the backbone listed (default: topics.jsonl, "
+                   "round 6 topics6.jsonl, in --out, from scripts/build_demo.py --stages topics --topic-round N)")
     args = p.parse_args(argv)
     if args.round:
         name, build_round = LATER_ROUNDS[args.round]
@@ -591,8 +615,9 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"round {args.round} reads every prompt file before it; missing in {args.out}: "
                              + ", ".join(f"{m}.jsonl" for m in missing)
                              + (f" (write it first: python scripts/demo_prompts.py --round {later[0]})" if later else ""))
+        topics = TOPIC_ROUNDS.get(args.round)
         rows = build_round([args.out / f"{earlier}.jsonl" for earlier in before],
-                           *([args.topics or args.out / "topics.jsonl"] if args.round == 5 else []))
+                           *([args.topics or args.out / topics[0], topics[1]] if topics else []))
         write_rows(args.out / f"{name}.jsonl", rows)
         counts = Counter(row["category"] for row in rows)
         print(f"{len(rows)} round-{args.round} training prompts ({sum('followup' in r for r in rows)} with a follow-up turn): "

@@ -151,8 +151,51 @@ def test_the_topics_stage_keeps_a_topics_file_it_did_not_write_here(tmp_path, mo
     monkeypatch.setattr(build_demo, "PROMPTS", tmp_path)
     monkeypatch.setattr(build_demo, "WORK", tmp_path / "work")
     monkeypatch.setattr(build_demo, "load", lambda dtype: pytest.fail("the backbone loads to write the file again"))
-    build_demo.stage_topics(argparse.Namespace(topic_requests=3, distill_dtype="float32"))
+    build_demo.stage_topics(argparse.Namespace(topic_requests=3, distill_dtype="float32", topic_round=5))
     assert (tmp_path / "topics.jsonl").read_text() == '{"kind": "stem", "topic": "tidal energy"}\n'
+
+
+def test_round_six_lists_show_round_five_topics_and_say_how_to_write_them_when_missing(tmp_path, monkeypatch):
+    import argparse
+
+    import build_demo
+
+    listed = demo_prompts.read_topics(PROMPTS / "topics.jsonl")
+    requests = demo_prompts.topic_requests(20, demo_prompts.TOPIC_ROUNDS[6][1], listed)
+    assert requests == demo_prompts.topic_requests(20, demo_prompts.TOPIC_ROUNDS[6][1], listed)
+    assert requests != demo_prompts.topic_requests(20)  # not round 5's lists
+    for row in requests:
+        _, prefix, _, seeds = demo_prompts.TOPIC_KINDS[row["kind"]]
+        shown = [line[2:] for line in row["request"].splitlines()[1:-1]]
+        topics = [demo_prompts.parse_topics("coding", " " + s)[0] for s in shown] if row["kind"] == "coding" else shown
+        assert len(set(topics)) == 6 and set(topics) <= {t for k, t in listed if k == row["kind"]}
+        assert not any(demo_prompts.is_heldout(prefix + t) for t in topics)
+    monkeypatch.setattr(build_demo, "PROMPTS", tmp_path)  # no round-5 topics here
+    monkeypatch.setattr(build_demo, "WORK", tmp_path / "work")
+    monkeypatch.setattr(build_demo, "load", lambda dtype: pytest.fail("the backbone loads before the check"))
+    with pytest.raises(SystemExit, match=r"topics\.jsonl.*--stages topics --topic-round 5"):
+        build_demo.stage_topics(argparse.Namespace(topic_requests=3, distill_dtype="float32", topic_round=6))
+    assert not (tmp_path / "topics6.jsonl").exists()
+
+
+def test_round_six_leaves_out_round_fives_topics_and_prompts(tmp_path):
+    for name in ("train", "heldout", "train_more", "train_wide"):
+        (tmp_path / f"{name}.jsonl").write_text((PROMPTS / f"{name}.jsonl").read_text(encoding="utf-8"), encoding="utf-8")
+    (tmp_path / "train_deep.jsonl").write_text("")  # round 4's file, which the repository does not hold
+    round5 = [("stem", "tidal energy"), ("coding", "counts the words in a sentence")]
+    (tmp_path / "topics.jsonl").write_text("".join(json.dumps({"kind": k, "topic": t}) + "\n" for k, t in round5))
+    round6 = round5 + [("stem", "The Tidal energy"), ("stem", "ocean acidification"), ("coding", "reverses a linked list")]
+    (tmp_path / "topics6.jsonl").write_text("".join(json.dumps({"kind": k, "topic": t}) + "\n" for k, t in round6))
+    with pytest.raises(SystemExit, match=r"train_topics\.jsonl \(write it first: python scripts/demo_prompts\.py --round 5\)"):
+        demo_prompts.main(["--out", str(tmp_path), "--round", "6"])
+    demo_prompts.main(["--out", str(tmp_path), "--round", "5"])
+    demo_prompts.main(["--out", str(tmp_path), "--round", "6"])
+    groups5 = {json.loads(line)["group"] for line in (tmp_path / "train_topics.jsonl").read_text().splitlines()}
+    rows6 = [json.loads(line) for line in (tmp_path / "train_topics6.jsonl").read_text().splitlines()]
+    groups6 = {r["group"] for r in rows6}
+    assert groups5 == {"s:tidal energy", "c:counts the words in a sentence"}
+    assert groups6 == {g for g in ("s:ocean acidification", "c:reverses a linked list") if not demo_prompts.is_heldout(g)}
+    assert len(rows6) == demo_prompts.TEMPLATES_PER_TOPIC * len(groups6) and groups6
 
 
 def test_a_round_whose_earlier_prompt_file_is_missing_says_which_round_writes_it(tmp_path):
