@@ -548,6 +548,17 @@ def test_tune_chains_only_writes_the_drafters_chain_into_this_machines_entry_and
         assert [(r["chain_depth"], r["chain_threshold"]) for r in csv.DictReader(f)] == [("0", ""), ("1", "0.0"), ("2", "0.0")]
 
 
+def test_a_dry_run_tune_of_a_model_with_a_drafter_reports_its_chain_too_and_writes_no_entry(tmp_path, capsys):
+    tuned = tmp_path / "medusa_tuned.json"
+    assert main(["tune", "--model", "demo", "--presets", "greedy", "--sizes", "2", "--latency-prompts", "1",
+                 "--latency-tokens", "4", "--confirm-top", "1", "--confirm-prompts", "1", "--max-new-tokens", "4",
+                 "--chains", "1:0", "--dry-run", "--tuned-file", str(tuned), "--out", str(tmp_path / "tune"),
+                 "--no-progress", "--threads", "1"]) == 0
+    assert not tuned.exists() and capsys.readouterr().out.count("--dry-run: not writing") == 2  # the tree's, the chain's
+    report = (tmp_path / "tune" / "greedy" / "chains.md").read_text()
+    assert report.startswith("# Drafter chain tuning at greedy") and "| 1:0 " in report
+
+
 def test_tune_chains_only_refuses_a_model_without_a_drafter(tiny):
     heads, prompts = tiny
     with pytest.raises(SystemExit, match="--chains-only tunes the drafter's chain; .* has no drafter"):

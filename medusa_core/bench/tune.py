@@ -272,9 +272,9 @@ def cmd_tune(model: Any, args: argparse.Namespace, command: str) -> int:
         if len(paths) == n:  # a budget beyond the calibrated ranks adds nothing
             trees[n], expected[n] = paths, e
     for preset in args.presets:
-        tune_at(model, args, command, preset, trees, expected, target)
-        if model.has_drafter and not args.dry_run:  # the chain goes into the entry the tree stage has just written
-            tune_chain_at(model, args, command, preset, target)
+        entry = tune_at(model, args, command, preset, trees, expected, target)
+        if model.has_drafter:  # the chain goes into the entry the tree stage has just made
+            tune_chain_at(model, args, command, preset, target, entry)
     return 0
 
 

@@ -87,17 +87,21 @@ def measure_chains(model: Any, prompts: Sequence[Any], chains: Sequence[Chain], 
     return {c: (int(t[0]), int(t[1]), t[2]) for c, t in totals.items()}
 
 
-def tune_chain_at(model: Any, args: argparse.Namespace, command: str, preset: str, target: Path) -> dict[str, Any]:
+def tune_chain_at(model: Any, args: argparse.Namespace, command: str, preset: str, target: Path,
+                  entry: dict[str, Any] | None = None) -> dict[str, Any]:
     """One preset's chain tuning (``tune.cmd_tune``): time ``args.chains`` against the plain loop on
     ``--confirm-prompts`` prompts × ``--repeats`` seeds, print and write the report under ``--out``/<preset>
     (chains.md, chains.csv), and merge ``chain_depth``, ``chain_threshold``, ``chain_measured_speedup`` and
-    ``chain_measured_acceleration`` into the preset's entry of ``target``. Returns the entry. Raises ``SystemExit`` when ``target`` has no entry for this
-    machine and preset (the tree stage writes it: run ``bench tune`` without ``--chains-only`` first)."""
+    ``chain_measured_acceleration`` into the preset's entry: ``entry`` (the tree stage's, which a ``--dry-run`` did
+    not write), else the one in ``target``; written to ``target`` unless ``--dry-run``. Returns the entry. Raises
+    ``SystemExit`` when there is neither (the tree stage writes it: run ``bench tune`` without ``--chains-only``
+    first)."""
     from .tune import preset_settings, write_tune_report, write_tuned
 
     key = tuned_key(model.device, model.quantization, preset, machine_class(model.device, model.quantization))
-    data = json.loads(target.read_text(encoding="utf-8")) if target.exists() else {}
-    if not isinstance(data.get(key), dict):
+    if entry is None:
+        entry = (json.loads(target.read_text(encoding="utf-8")) if target.exists() else {}).get(key)
+    if not isinstance(entry, dict):
         raise SystemExit(f"{target} has no entry {key!r} for the chain: run bench tune --presets {preset} first")
     config, sampling = preset_settings(model, preset)
     prompts = [encode_prompt(model.tokenizer, p, args.system)
@@ -124,7 +128,7 @@ def tune_chain_at(model: Any, args: argparse.Namespace, command: str, preset: st
                       [[c[0] if c else 0, c[1] if c else "", t[0], t[1], t[2], t[0] / t[2], t[0] / t[2] / base]
                        for c, t in totals.items()])
     chosen = totals[best]
-    entry = data[key] | {"chain_depth": best[0], "chain_threshold": best[1],
+    entry = entry | {"chain_depth": best[0], "chain_threshold": best[1],
                          "chain_measured_speedup": round(tok_s[best] / base, 4),
                          "chain_measured_acceleration": round(chosen[0] / chosen[1], 4), "chain_command": command}
     if args.dry_run:
