@@ -5,7 +5,8 @@ Part 1 checks the per-node rule on hand-built distributions. Part 2 is the proof
 tiny model with a 16-token vocabulary, the first 3 tokens of thousands of seeded ``"exact"`` replies
 follow plain sampling's distribution (computed from the backbone, and matched by ``medusa=False``
 replies) under a chi-square test, for random heads, oracle heads and heads that never propose the
-argmax, and with n-gram drafts from the context in the tree (``drafts="hybrid"`` / ``"ngram"``);
+argmax, with n-gram drafts from the context in the tree (``drafts="hybrid"`` / ``"ngram"``), and with a
+drafter's chains verified alone (``drafts="eagle"``, the app's default drafts; a random drafter);
 typical acceptance with ε = δ = 1e-6 fails the same test. The same holds with temperature,
 top-p and a repetition penalty (HF's processors, each node judged given its own prefix), and a penalty
 blind to the node's ancestors in the tree fails it (the power check). Part 3 checks the engine's records.
@@ -21,6 +22,7 @@ import torch
 from conftest import PROMPT  # plain data, shared with the fixtures
 from torch import nn
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopPLogitsWarper
+from test_eagle import _random_drafter
 from tiny_models import random_heads, tiny_backbone
 
 import medusa_core.decoding
@@ -210,11 +212,12 @@ TREE = [[i] for i in range(6)] + [[i, j] for i in range(6) for j in range(3)]
 STAT_PROMPT = torch.tensor([[3, 1, 4, 1, 5]])  # [1, T]
 
 
-def tiny_vocab_backbone() -> nn.Module:
-    """A 1-layer Llama with 16 tokens; weights drawn wide enough that p is peaked at T = 0.7."""
+def tiny_vocab_backbone(hidden_size: int = 16) -> nn.Module:
+    """A 1-layer Llama with 16 tokens; weights drawn wide enough that p is peaked at T = 0.7 (their spread shrinks
+    as 1/√width, so a wider model's logits spread as the 16-wide one's)."""
     return tiny_backbone(
-        "llama", seed=0, vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, initializer_range=0.2,
+        "llama", seed=0, vocab_size=VOCAB, hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, initializer_range=0.2 * math.sqrt(16 / hidden_size),
     )
 
 
@@ -368,8 +371,11 @@ CASES = [
 ]
 # The same with n-gram drafts from the context (prompt lookup) in the tree: point masses like the heads';
 # "-shaped": the heads' tree pruned per step by their own confidence (DraftConfig.min_head_probability).
+# "eagle": the app's default drafts, a drafter's chains (here a random drafter, two drafts a step whatever its
+# confidence) verified alone, on a backbone whose widths the drafter's 4-bit layer takes.
 DRAFT_CASES = [("exact", "random", False, "hybrid"), ("exact", "misses", True, "hybrid"), ("exact", "oracle", True, "ngram"),
-               ("typical", "random", False, "ngram"), ("exact", "oracle", False, "hybrid-shaped")]
+               ("typical", "random", False, "ngram"), ("exact", "oracle", False, "hybrid-shaped"),
+               ("exact", "random", True, "eagle")]
 ALL_CASES = [(*case, "heads") for case in CASES] + DRAFT_CASES
 
 
@@ -377,15 +383,19 @@ ALL_CASES = [(*case, "heads") for case in CASES] + DRAFT_CASES
                          ids=[f"{s}-{h or ''}-{'processed' if p else 'T'}{'' if d == 'heads' else '-' + d}".replace("--", "-")
                               for s, h, p, d in ALL_CASES])
 def test_the_first_three_tokens_follow_plain_sampling_in_exact_mode_and_not_in_typical_mode(
-    sampling, heads, processed, drafts, record_property, monkeypatch, sampling_path
+    sampling, heads, processed, drafts, record_property, monkeypatch, sampling_path, tmp_path
 ):
-    backbone = tiny_vocab_backbone()
+    backbone = tiny_vocab_backbone(64 if drafts == "eagle" else 16)
     target = plain_sampling_distribution(backbone, processed)  # [V, V, V]
     model = MedusaModel(backbone, heads_of(heads or "random", backbone))
     medusa = sampling != "plain"
     drafts, shaped = drafts.removesuffix("-shaped"), drafts.endswith("-shaped")
+    chain = {}
+    if drafts == "eagle":
+        model.load_drafter(_random_drafter(tmp_path / "drafter.safetensors", backbone.config))
+        chain = dict(chain_depth=2, chain_threshold=0.0)
     kwargs = dict(max_new_tokens=3, tree=TREE, config=PROCESSED if processed else SamplingConfig(TEMPERATURE), medusa=medusa,
-                  drafts=drafts, draft_config=DraftConfig(min_head_probability=0.5 if shaped else 0.0))
+                  drafts=drafts, draft_config=DraftConfig(min_head_probability=0.5 if shaped else 0.0, **chain))
     blind_case = sampling == "blind"
     if blind_case:
         blind = lambda context, tokens, ancestors: context.view(1, -1).expand(tokens.shape[0], -1)  # noqa: E731
