@@ -81,7 +81,7 @@ PROMPTS = ASSET / "prompts"
 SEED = 0
 BASE_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-#: Training prompt files in ``assets/demo/prompts`` (rounds 1-5 of ``scripts/demo_prompts.py``).
+#: Training prompt files in ``assets/demo/prompts`` (rounds 1-6 of ``scripts/demo_prompts.py``).
 TRAIN_SPLITS = ("train", "train_more", "train_wide", "train_deep", "train_topics", "train_topics6")
 
 

@@ -129,8 +129,8 @@ def tune_chain_at(model: Any, args: argparse.Namespace, command: str, preset: st
                        for c, t in totals.items()])
     chosen = totals[best]
     entry = entry | {"chain_depth": best[0], "chain_threshold": best[1],
-                         "chain_measured_speedup": round(tok_s[best] / base, 4),
-                         "chain_measured_acceleration": round(chosen[0] / chosen[1], 4), "chain_command": command}
+                     "chain_measured_speedup": round(tok_s[best] / base, 4),
+                     "chain_measured_acceleration": round(chosen[0] / chosen[1], 4), "chain_command": command}
     if args.dry_run:
         print(f"--dry-run: not writing {target} [{key}]")
     else:
