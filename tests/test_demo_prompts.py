@@ -165,7 +165,7 @@ def test_round_six_lists_show_round_five_topics_and_say_how_to_write_them_when_m
     assert requests == demo_prompts.topic_requests(20, demo_prompts.TOPIC_ROUNDS[6][1], listed)
     assert requests != demo_prompts.topic_requests(20)  # not round 5's lists
     for row in requests:
-        _, prefix, _, seeds = demo_prompts.TOPIC_KINDS[row["kind"]]
+        _, prefix, _, _ = demo_prompts.TOPIC_KINDS[row["kind"]]
         shown = [line[2:] for line in row["request"].splitlines()[1:-1]]
         topics = [demo_prompts.parse_topics("coding", " " + s)[0] for s in shown] if row["kind"] == "coding" else shown
         assert len(set(topics)) == 6 and set(topics) <= {t for k, t in listed if k == row["kind"]}
