@@ -41,6 +41,7 @@ from .steptree import StepTree, static_tree
 from .trees import TREE_PRESETS, resolve_tree, validate_tree
 from .tuned import TunedSettings, settings_preset
 
+
 class MedusaModel:
     """A frozen Hugging Face decoder-only model with Medusa heads (paper 2.1).
 

@@ -75,6 +75,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from demo_prompts import TOPIC_ROUNDS  # noqa: E402  (scripts/ is on the path now)
+
 WORK = ROOT / "build" / "demo"
 ASSET = ROOT / "assets" / "demo"
 PROMPTS = ASSET / "prompts"
@@ -200,7 +202,7 @@ def stage_topics(args) -> None:
     ``build/demo/<file>.done`` counting the requests done; a file without that count, as the repository holds it, is
     kept); ``demo_prompts.py --round N`` makes them prompts. Raises ``SystemExit`` when the topics a round's lists show
     are not there."""
-    from demo_prompts import TOPIC_ROUNDS, parse_topics, read_topics, topic_requests
+    from demo_prompts import parse_topics, read_topics, topic_requests
 
     name, seed, shown = TOPIC_ROUNDS[args.topic_round]
     out, done = PROMPTS / name, WORK / f"{Path(name).stem}.done"
@@ -629,7 +631,7 @@ def main() -> None:
                         "train_wide.jsonl; 4: also train_deep.jsonl; 5: also train_topics.jsonl; 6: also "
                         "train_topics6.jsonl)")
     p.add_argument("--topic-requests", type=int, default=200, help="topics: list openings per kind of topic")
-    p.add_argument("--topic-round", type=int, choices=[5, 6], default=5,
+    p.add_argument("--topic-round", type=int, choices=sorted(TOPIC_ROUNDS), default=5,
                    help="topics: the round whose topics are written (5: topics.jsonl, lists of seed topics; 6: "
                         "topics6.jsonl, lists of round 5's topics)")
     p.add_argument("--num-heads", type=int, default=4)

@@ -342,11 +342,11 @@ def test_a_model_with_a_corpus_of_its_replies_starts_with_heads_plus_corpus_draf
 def _with_drafter(engine, tmp_path, **corpus) -> Engine:
     """The tiny model (its weights shared) with a random EAGLE-style drafter, and ``corpus`` if given."""
     from medusa_core import MedusaModel
-    from test_eagle import _random_drafter
+    from tiny_models import random_drafter
 
     model = engine.model
     drafted = MedusaModel(model.backbone, model.heads, model.tokenizer, name="tiny with a drafter", trees=model.trees, **corpus)
-    drafted.load_drafter(_random_drafter(tmp_path / "drafter.safetensors", drafted.config))
+    drafted.load_drafter(random_drafter(tmp_path / "drafter.safetensors", drafted.config))
     return Engine.of(drafted)
 
 

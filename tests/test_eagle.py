@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from medusa_core import MedusaCheckpointError, eagle, load_medusa_model
-from medusa_core.eagle import LAYOUT, EagleDrafter, EagleDrafts
+from medusa_core.eagle import EagleDrafter, EagleDrafts
 from medusa_core.lean.build import load_extension
 from medusa_core.quant.layers import Int4Linear
 from test_demo_model import PROMPTS, _ids  # the demo's prompts and chat template
+from tiny_models import random_drafter
 
 TRAINED = Path(__file__).resolve().parent.parent / "assets" / "eagle-probe" / "drafter.safetensors"
 
@@ -22,22 +22,13 @@ def demo():
     return load_medusa_model("demo", drafter=None)
 
 
-def _random_drafter(path, config, seed=0, **override):
-    g = torch.Generator().manual_seed(seed)
-    sizes = {"H": config.hidden_size, "2H": 2 * config.hidden_size, "I": config.intermediate_size}
-    tensors = {name: torch.randn([sizes[d] for d in dims], generator=g) * 0.05 for name, dims in LAYOUT.items()}
-    tensors.update(override)
-    save_file(tensors, str(path))
-    return path
-
-
 def _greedy(model, ids, **kw):
     records = list(model.generate(ids, max_new_tokens=40, temperature=0.0, **kw))
     return [t for r in records for t in r.token_ids], records
 
 
 def test_a_drafter_file_that_does_not_fit_the_backbone_is_refused_with_the_tensor_and_shapes(demo, tmp_path):
-    bad = _random_drafter(tmp_path / "bad.safetensors", demo.config, **{"fc.weight": torch.zeros(576, 1000)})
+    bad = random_drafter(tmp_path / "bad.safetensors", demo.config, **{"fc.weight": torch.zeros(576, 1000)})
     with pytest.raises(MedusaCheckpointError, match=r"fc.weight should be \[576, 1152\].*found \[576, 1000\]"):
         demo.load_drafter(bad)
     with pytest.raises(MedusaCheckpointError, match="not a readable drafter file"):
@@ -55,7 +46,7 @@ def test_greedy_eagle_drafts_equal_plain_greedy_even_from_a_random_drafter(tmp_p
     from medusa_core import DraftConfig
 
     model = load_medusa_model("demo")
-    model.load_drafter(_random_drafter(tmp_path / "random.safetensors", model.config))
+    model.load_drafter(random_drafter(tmp_path / "random.safetensors", model.config))
     every_draft = DraftConfig(chain_depth=eagle.DEPTH, chain_threshold=0.0)  # every chain DEPTH deep: a random drafter is never confident
     monkeypatch.setattr(model, "_corpus", None)  # the drafter's chains alone
     for text in PROMPTS[:2]:
@@ -81,7 +72,7 @@ def test_the_trained_drafter_drafts_several_tokens_a_step_on_the_demo_and_stays_
 
 
 def test_the_drafters_cache_refuses_more_entries_than_it_holds(demo, tmp_path):
-    drafter = EagleDrafter(_random_drafter(tmp_path / "d.safetensors", demo.config), demo.config, load_extension()[0])
+    drafter = EagleDrafter(random_drafter(tmp_path / "d.safetensors", demo.config), demo.config, load_extension()[0])
     state = EagleDrafts(drafter, demo.backbone.get_input_embeddings(), Int4Linear.quantize(torch.randn(64, 576)), None, capacity=4)
     state.observe(torch.randn(3, 576), [1, 2, 3])
     assert state.length == 3 and len(state.propose(2)) == 2 and all(0 <= t < 64 for t in state.propose(2))
@@ -215,7 +206,7 @@ def test_without_the_compiled_extension_a_drafter_is_refused_with_the_reason(mon
     monkeypatch.setattr(model._steps, "extension", None)
     monkeypatch.setattr(model_module, "load_extension", lambda: (None, "no C++ compiler found"))
     with pytest.raises(ValueError, match="compiled extension, which is not available here: no C\\+\\+ compiler found"):
-        model.load_drafter(_random_drafter(tmp_path / "d.safetensors", model.config))
+        model.load_drafter(random_drafter(tmp_path / "d.safetensors", model.config))
     assert not model.has_drafter
 
 
@@ -232,9 +223,9 @@ def test_a_head_folder_with_a_drafter_beside_its_heads_gets_it_and_a_given_file_
         (tmp_path / name).symlink_to(DEMO_MODEL_DIR / name)
     base = str(demo_gguf_file())
     assert not load_medusa_model(tmp_path, base_model=base).has_drafter  # none shipped
-    _random_drafter(tmp_path / DRAFTER_FILE, demo.config)
+    random_drafter(tmp_path / DRAFTER_FILE, demo.config)
     assert load_medusa_model(tmp_path, base_model=base).has_drafter
-    bad = _random_drafter(tmp_path / "bad.safetensors", demo.config, **{"n1.w": torch.ones(7)})
+    bad = random_drafter(tmp_path / "bad.safetensors", demo.config, **{"n1.w": torch.ones(7)})
     with pytest.raises(MedusaCheckpointError, match=r"n1.w should be \[576\]"):
         load_medusa_model(tmp_path, base_model=base, drafter=bad)
 
@@ -282,7 +273,7 @@ def test_the_chain_tuned_for_the_settings_sets_the_drafters_depth_unless_the_dra
     for config in (SamplingConfig(), CHAT_PRESET):
         tuned = model.tuned_for(config)
         assert (tuned.chain_depth, tuned.chain_threshold, tuned.chain_measured_speedup) == (2, 0.0, 1.3)
-    model.load_drafter(_random_drafter(tmp_path / "random.safetensors", model.config))  # never confident: threshold 0
+    model.load_drafter(random_drafter(tmp_path / "random.safetensors", model.config))  # never confident: threshold 0
     model._corpus = None  # the drafter's chains alone
     ids = _ids(model, PROMPTS[0])
     plain, _ = _greedy(model, ids, medusa=False)

@@ -22,8 +22,7 @@ import torch
 from conftest import PROMPT  # plain data, shared with the fixtures
 from torch import nn
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopPLogitsWarper
-from test_eagle import _random_drafter
-from tiny_models import random_heads, tiny_backbone
+from tiny_models import random_drafter, random_heads, tiny_backbone
 
 import medusa_core.decoding
 from medusa_core import (
@@ -392,7 +391,7 @@ def test_the_first_three_tokens_follow_plain_sampling_in_exact_mode_and_not_in_t
     drafts, shaped = drafts.removesuffix("-shaped"), drafts.endswith("-shaped")
     chain = {}
     if drafts == "eagle":
-        model.load_drafter(_random_drafter(tmp_path / "drafter.safetensors", backbone.config))
+        model.load_drafter(random_drafter(tmp_path / "drafter.safetensors", backbone.config))
         chain = dict(chain_depth=2, chain_threshold=0.0)
     kwargs = dict(max_new_tokens=3, tree=TREE, config=PROCESSED if processed else SamplingConfig(TEMPERATURE), medusa=medusa,
                   drafts=drafts, draft_config=DraftConfig(min_head_probability=0.5 if shaped else 0.0, **chain))

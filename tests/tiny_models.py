@@ -16,7 +16,10 @@ from transformers import (
     Qwen2Config,
 )
 
+from safetensors.torch import save_file
+
 from medusa_core import MedusaHeads, save_medusa_heads
+from medusa_core.eagle import LAYOUT as DRAFTER_LAYOUT
 
 VOCAB = 96
 HIDDEN = 64
@@ -54,6 +57,17 @@ def tiny_backbone(arch: str = "llama", seed: int = 0, eos_token_id: int | None =
     model = AutoModelForCausalLM.from_config(config).eval()
     model.generation_config = GenerationConfig(eos_token_id=eos_token_id, pad_token_id=eos_token_id)
     return model
+
+
+def random_drafter(path: Path, config, seed: int = 0, **override: torch.Tensor) -> Path:
+    """An EAGLE-style drafter file (``medusa_core.eagle.LAYOUT``) of random weights (σ 0.05) for a backbone ``config``
+    at ``path``; ``override`` replaces tensors by name (a misfit file for the loader's checks). Returns ``path``."""
+    g = torch.Generator().manual_seed(seed)
+    sizes = {"H": config.hidden_size, "2H": 2 * config.hidden_size, "I": config.intermediate_size}
+    tensors = {name: torch.randn([sizes[d] for d in dims], generator=g) * 0.05 for name, dims in DRAFTER_LAYOUT.items()}
+    tensors.update(override)
+    save_file(tensors, str(path))
+    return path
 
 
 def random_heads(backbone, num_heads: int = 4, seed: int = 1, scale: float = 0.5) -> MedusaHeads:
