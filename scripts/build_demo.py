@@ -85,6 +85,9 @@ BASE_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 #: Training prompt files in ``assets/demo/prompts`` (rounds 1-6 of ``scripts/demo_prompts.py``).
 TRAIN_SPLITS = ("train", "train_more", "train_wide", "train_deep", "train_topics", "train_topics6")
+#: Rounds whose prompt files the repository does not hold (``demo_prompts.py --round N`` writes them): their served
+#: replies are work files too, kept out of the demo folder's 40 MiB and of the corpus the demo ships.
+UNSHIPPED_SPLITS = ("train_deep", "train_topics", "train_topics6")
 
 
 def log(msg: str) -> None:
@@ -110,11 +113,17 @@ def gguf_file() -> Path:
 
 def load_served(args):
     """The backbone as the app serves it (``--quantization``: the GGUF file's own 4-bit blocks by default);
-    with ``--device cuda`` the same weights dequantized to float32 on the GPU (the 4-bit kernels run on CPUs)."""
+    with ``--device cuda`` the same weights dequantized to float32 on the GPU (the 4-bit kernels run on CPUs).
+    On a CPU the compiled kernels of ``medusa_core.lean`` are loaded first where they build: the app's 4-bit product
+    (torch's int4-pack kernel took 5 ms a layer for 32 rows, 73 % of a batched step) and its sampling calls."""
+    from medusa_core.invariant import load_kernel
     from medusa_core.loading import load_backbone
 
     if args.device != "cpu":
         return load_backbone(str(gguf_file()), None, torch.float32, device=args.device, batch_invariant=False)
+    loaded, why = load_kernel(log)
+    if not loaded:
+        log(f"the compiled kernels are not loaded ({why}): torch's int4-pack product and ATen's sampling ops")
     return load_backbone(str(gguf_file()), None if args.quantization == "none" else args.quantization,
                          batch_invariant=False)
 
@@ -252,11 +261,12 @@ def stage_distill(args) -> None:
 
 
 def prompt_file(split: str) -> Path:
-    """``assets/demo/prompts/{split}.jsonl``; raises ``SystemExit`` saying how to write it when it is not there (round 4's,
-    which the repository does not hold)."""
+    """``assets/demo/prompts/{split}.jsonl``; raises ``SystemExit`` saying how to write it when it is not there (rounds
+    4-6's, which the repository does not hold: ``UNSHIPPED_SPLITS``)."""
     path = PROMPTS / f"{split}.jsonl"
     if not path.exists():
-        raise SystemExit(f"no prompt file {path} (rounds 3-5: python scripts/demo_prompts.py --round 3, --round 4 or --round 5)")
+        how = f"python scripts/demo_prompts.py --round {TRAIN_SPLITS.index(split) + 1}" if split in TRAIN_SPLITS else "--stages prompts"
+        raise SystemExit(f"no prompt file {path} ({how} writes it)")
     return path
 
 
@@ -284,8 +294,15 @@ DISTILLED = ASSET / "distill"
 
 
 def served_distilled(split: str, args, settings: str) -> Path:
-    """``assets/demo/distill/{split}-{quantization}-{settings}.jsonl.gz``: replies of the served backbone."""
-    return DISTILLED / f"{served_name(split, args, settings)}.jsonl.gz"
+    """``assets/demo/distill/{split}-{quantization}-{settings}.jsonl.gz``: replies of the served backbone
+    (``build/demo/distill/`` for the rounds in ``UNSHIPPED_SPLITS``)."""
+    return distilled_folder(split) / f"{served_name(split, args, settings)}.jsonl.gz"
+
+
+def distilled_folder(split: str) -> Path:
+    """Where ``split``'s served replies are written: ``assets/demo/distill`` (shipped, the demo's corpus reads them),
+    or ``build/demo/distill`` for a round the repository does not hold (``UNSHIPPED_SPLITS``)."""
+    return WORK / "distill" if split in UNSHIPPED_SPLITS else DISTILLED
 
 
 def served_name(split: str, args, settings: str) -> str:
@@ -310,13 +327,13 @@ def stage_distill_served(args) -> None:
     else:
         splits = [split for split in ("heldout", *TRAIN_SPLITS) if (PROMPTS / f"{split}.jsonl").exists()]
         for split in sorted(set(TRAIN_SPLITS) - set(splits)):
-            log(f"distill_served: no prompt file {split}.jsonl; skipped (python scripts/demo_prompts.py --round N writes rounds 3-5)")
+            log(f"distill_served: no prompt file {split}.jsonl; skipped (python scripts/demo_prompts.py --round N writes rounds 3-6)")
     served, tok = load_served(args), AutoTokenizer.from_pretrained(backbone_folder())
-    DISTILLED.mkdir(parents=True, exist_ok=True)
     for settings in args.served_settings:
         sampling = CHAT_PRESET if settings == "chat" else SamplingConfig()
         for split in splits:
             out = served_distilled(split, args, settings)
+            out.parent.mkdir(parents=True, exist_ok=True)
             before = len(read_distilled(out)) if out.exists() else 0
             t0 = time.time()
             distill(served, tok, read_prompts(prompt_file(split)), out, max_new_tokens=args.served_reply_tokens,

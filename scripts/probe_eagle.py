@@ -24,7 +24,7 @@ top-1 where draft 1 is right, and a 2-draft chain's tokens per step 1 + P(d1) + 
     # what the drafter's work costs a decoding step on this CPU in ATen calls
     python scripts/probe_eagle.py --cost
 
-Results: docs/BENCH.md, "An EAGLE-style drafter". Reads ``assets/demo/distill``; the backbone is
+Results: docs/BENCH.md, "An EAGLE-style drafter". Reads ``assets/demo/distill`` (and ``build/demo/distill``, rounds 4-6); the backbone is
 ``$MEDUSA_DEMO_GGUF`` or the installed demo GGUF file.
 """
 
@@ -48,9 +48,13 @@ from medusa_core.gguf import demo_gguf_file  # noqa: E402
 from medusa_core.loading import load_backbone  # noqa: E402
 from medusa_core.train import read_distilled  # noqa: E402
 
-from build_demo import TRAIN_SPLITS  # noqa: E402  (scripts/ is on the path when a script runs)
+from build_demo import TRAIN_SPLITS, distilled_folder  # noqa: E402  (scripts/ is on the path when a script runs)
 
-D = ROOT / "assets/demo/distill"
+
+def replies_file(name: str) -> Path:
+    """``{split}-gguf-{settings}``'s served replies: in ``assets/demo/distill``, or ``build/demo/distill`` for a
+    round the repository does not hold (``build_demo.distilled_folder``)."""
+    return distilled_folder(name.split("-")[0]) / f"{name}.jsonl.gz"
 
 
 def log(msg):
@@ -241,7 +245,7 @@ def main():
     def rows_of(names):
         rows = []
         for n in names:
-            r = read_distilled(f"{D}/{n}.jsonl.gz")
+            r = read_distilled(replies_file(n))
             rows += r[: a.limit] if a.limit else r
         return [(x["prompt_ids"] + x["reply_ids"], len(x["prompt_ids"])) for x in rows if len(x["reply_ids"]) >= 3]
 
@@ -377,7 +381,7 @@ def main():
         return
     names = [f"{split}-gguf-{setting}" for setting in ("chat", "greedy") if setting == "chat" or a.with_greedy
              for split in TRAIN_SPLITS[: a.train_rounds]]
-    files = [n for n in names if (D / f"{n}.jsonl.gz").exists()]
+    files = [n for n in names if replies_file(n).exists()]
     if len(files) < len(names):
         log(f"no replies for {', '.join(n for n in names if n not in files)}: trained without them")
     train_rows = rows_of(files)

@@ -204,3 +204,20 @@ def test_a_round_whose_earlier_prompt_file_is_missing_says_which_round_writes_it
     with pytest.raises(SystemExit, match=r"train_deep\.jsonl \(write it first: python scripts/demo_prompts\.py --round 4\)"):
         demo_prompts.main(["--out", str(tmp_path), "--round", "5", "--topics", str(tmp_path / "topics.jsonl")])
     assert not (tmp_path / "train_topics.jsonl").exists()
+
+
+def test_served_replies_of_rounds_the_repository_does_not_hold_stay_out_of_the_shipped_corpus():
+    import argparse
+
+    import build_demo
+    import probe_eagle
+
+    ignored = {line.strip().lstrip("/") for line in (ROOT / ".gitignore").read_text().splitlines()}
+    assert {f"assets/demo/prompts/{split}.jsonl" for split in build_demo.UNSHIPPED_SPLITS} <= ignored
+    args = argparse.Namespace(quantization="gguf")
+    for split in build_demo.TRAIN_SPLITS:
+        replies = build_demo.served_distilled(split, args, "chat")
+        folder = build_demo.WORK / "distill" if split in build_demo.UNSHIPPED_SPLITS else build_demo.DISTILLED
+        assert replies == folder / f"{split}-gguf-chat.jsonl.gz"
+        assert probe_eagle.replies_file(f"{split}-gguf-chat") == replies  # the drafter's training reads them there
+    assert build_demo.served_distilled("heldout", args, "greedy").parent == build_demo.DISTILLED

@@ -37,6 +37,7 @@ from medusa_core import (
     try_children,
 )
 from medusa_core.acceptance import choose_token
+from medusa_core.train import SampledTokens
 
 # ------------------------------------------------------------------------------- the per-node rule
 P = torch.tensor([[0.4, 0.3, 0.2, 0.1]])  # [1, V] one parent's distribution
@@ -123,6 +124,27 @@ def test_a_sampled_token_follows_the_softmax_of_the_scores_and_never_a_removed_o
     assert counts.nonzero().flatten().tolist() == [0, 15, 16, 33, 69]
     assert chi_square(counts[[0, 15, 16, 33, 69]], torch.softmax(scores, -1)[[0, 15, 16, 33, 69]])[2] > ALPHA
     assert int(choose_token(scores, True, generator)) == 33
+
+
+def test_a_distillation_draw_follows_hfs_processed_distribution_row_by_row(sampling_path):
+    # SampledTokens (distill's sampling inside generate's greedy search): each row's token follows the softmax of HF's
+    # repetition penalty, temperature and top-p over that row's own ids, never a token they remove.
+    config = SamplingConfig(temperature=0.7, top_p=0.8, repetition_penalty=1.3)
+    scores = torch.randn(2, 40, generator=torch.Generator().manual_seed(5)) * 1.5  # [B, V]
+    ids = torch.tensor([[3, 3, 7, 0], [1, 2, 5, 9]])  # [B, L]: each row penalises its own
+    reference = RepetitionPenaltyLogitsProcessor(1.3)(ids, scores.clone())
+    probs = torch.softmax(TopPLogitsWarper(0.8)(ids, TemperatureLogitsWarper(0.7)(ids, reference)), -1)  # [B, V]
+    step = SampledTokens(config, torch.Generator().manual_seed(0))
+    out = step(ids, scores.clone())
+    assert ((out == 0).sum(-1) == 1).all() and ((out == 0) | (out == -math.inf)).all()  # one token a row to take
+    drawn = torch.stack([step(ids, scores.clone()).argmax(-1) for _ in range(10000)])  # [N, B]
+    for row in range(2):
+        counts = torch.bincount(drawn[:, row], minlength=40).double()
+        kept = probs[row] > 0
+        assert 2 <= int(kept.sum()) < 40 and counts[~kept].sum() == 0
+        assert chi_square(counts[kept], probs[row][kept])[2] > ALPHA
+    with pytest.raises(ValueError, match="temperature 0"):
+        SampledTokens(SamplingConfig(), torch.Generator())
 
 
 def test_the_compiled_walk_keeps_the_path_length_and_next_root_of_the_aten_ops(monkeypatch):

@@ -25,6 +25,7 @@ from medusa_core.train import (
     rank_accuracy,
     read_distilled,
     MODEL_TURN,
+    SampledTokens,
     read_prompts,
     simulated_acceleration,
     target_ranks,
@@ -82,9 +83,10 @@ def test_distill_samples_with_the_served_settings_reproducibly_into_a_gz_file(tm
     greedy = read_distilled(distill(backbone, tok, chats, tmp_path / "g.jsonl", max_new_tokens=16, batch_size=3))
     assert [r["reply_ids"] for r in sampled] == [r["reply_ids"] for r in again]  # seeded per batch
     assert [r["reply_ids"] for r in sampled] != [r["reply_ids"] for r in greedy]  # sampled, not argmax
-    assert generate_kwargs(chat) == {"do_sample": True, "repetition_penalty": 1.1, "temperature": 1.5, "top_k": None,
-                                     "top_p": 0.9, "min_p": None}
-    assert generate_kwargs(SamplingConfig(repetition_penalty=1.1)) == {"do_sample": False, "repetition_penalty": 1.1}
+    generator = torch.Generator()
+    assert generate_kwargs(SamplingConfig(repetition_penalty=1.1), generator) == {"do_sample": False, "repetition_penalty": 1.1}
+    drawn = generate_kwargs(chat, generator)  # a greedy search over SampledTokens' draws
+    assert drawn["do_sample"] is False and [type(p) for p in drawn["logits_processor"]] == [SampledTokens]
 
 
 def test_a_gz_distillation_cut_mid_batch_drops_that_batch_and_resumes_it(tmp_path):

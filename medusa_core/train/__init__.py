@@ -22,7 +22,7 @@ from .calibrate import (
     target_ranks,
 )
 from .cli import main
-from .distill import MODEL_TURN, distill, generate_kwargs, read_distilled, read_prompts
+from .distill import MODEL_TURN, SampledTokens, distill, generate_kwargs, read_distilled, read_prompts
 from .heads import LOSS_DECAY, TRAINER_STATE, HeadTrainingConfig, backbone_targets, head_loss, lr_at, train_heads
 from .positions import TARGETS, cached_positions, collect_positions
 
@@ -40,6 +40,7 @@ __all__ = [
     "distill",
     "fit_temperature",
     "generate_kwargs",
+    "SampledTokens",
     "head_loss",
     "head_temperatures",
     "lr_at",

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import zlib
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
+from transformers import LogitsProcessor, LogitsProcessorList
 
-from ..processors import SamplingConfig
+from ..acceptance import choose_token
+from ..processors import NodeProcessors, SamplingConfig
 
 #: An assistant turn whose content is None in a seed chat: the backbone writes it during distillation.
 MODEL_TURN = {"role": "assistant", "content": None}
@@ -71,9 +74,11 @@ def distill(
     """Write the backbone's replies to ``chats`` as JSONL (paper 2.3.2, self-distillation).
 
     ``sampling`` says how replies are drawn (default greedy): at temperature 0 the argmax of the
-    penalised logits, else a sample from HF ``generate``'s processed distribution with those settings;
-    the generator is seeded per batch from ``seed`` and the batch's ids, so a resumed run draws what
-    an uninterrupted one would for the same batches. ``out`` ending in ``.gz`` is written as one gzip
+    penalised logits, else a sample from HF ``generate``'s processed distribution with those settings
+    (drawn by ``SampledTokens`` inside ``generate``'s greedy search: HF's top-p sorts and its multinomial
+    draws over the whole vocabulary of every row, most of a batched step on a CPU); the generator is
+    seeded per batch from ``seed`` and the batch's ids, so a resumed run draws what an uninterrupted one
+    would for the same batches. ``out`` ending in ``.gz`` is written as one gzip
     member per batch (``read_distilled`` drops a member cut short by a crash, and a resumed run cuts
     it off the file before appending).
 
@@ -113,14 +118,14 @@ def distill(
                 for row, ids in enumerate(r[4] for r in batch):
                     input_ids[row, width - len(ids) :] = torch.tensor(ids)
                     mask[row, width - len(ids) :] = 1
-                torch.manual_seed(seed ^ zlib.crc32(json.dumps([r[0] for r in batch]).encode()))
+                generator = torch.Generator(device).manual_seed(seed ^ zlib.crc32(json.dumps([r[0] for r in batch]).encode()))
                 with torch.inference_mode(), autocast:
                     generated = backbone.generate(
                         input_ids=input_ids.to(device),
                         attention_mask=mask.to(device),
                         max_new_tokens=max_new_tokens,
                         pad_token_id=pad_id,
-                        **generate_kwargs(sampling),
+                        **generate_kwargs(sampling, generator),
                     )[:, width:].tolist()
                 rows = []
                 for (key, _, messages, _, ids), reply in zip(batch, generated):
@@ -144,13 +149,39 @@ def _chat_ids(tokenizer, messages: list[dict]) -> list[int]:
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
-def generate_kwargs(sampling: SamplingConfig) -> dict:
-    """HF ``generate`` keywords that draw from ``sampling``'s distribution (filters that are off are left out)."""
-    kwargs = {"do_sample": not sampling.greedy, "repetition_penalty": sampling.repetition_penalty}
-    if not sampling.greedy:
-        kwargs.update(temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p,
-                      min_p=sampling.min_p or None)
-    return kwargs
+class SampledTokens(LogitsProcessor):
+    """A sampling step as a logits processor, for ``generate``'s greedy search: each row's scores [B, V] go
+    through ``NodeProcessors`` (the repetition penalty over the row's ids, the temperature, top-k / top-p /
+    min-p: equal to HF's processors, the filters decided on each row's most likely tokens) and one token is
+    drawn from their softmax with ``generator`` (``acceptance.choose_token``: one uniform and a cumulative sum,
+    compiled where ``medusa_core.lean`` loads); the result is 0 at the drawn token and -inf elsewhere, so the
+    greedy search takes it. The law is ``generate(do_sample=True)``'s, with another random stream.
+
+    Args:
+        sampling: settings with a temperature above 0 (greedy needs no draw).
+        generator: the source of the draws (on the scores' device).
+
+    Raises ``ValueError`` for greedy ``sampling``.
+    """
+
+    def __init__(self, sampling: SamplingConfig, generator: torch.Generator):
+        if sampling.greedy:
+            raise ValueError(f"SampledTokens draws a sample; temperature {sampling.temperature} is greedy")
+        self.processors, self.generator = NodeProcessors(sampling), generator
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        processed = self.processors(scores.float(), input_ids)  # [B, V]
+        drawn = torch.stack([choose_token(row, False, self.generator) for row in processed])  # [B]
+        return torch.full_like(scores, -math.inf).scatter_(1, drawn.view(-1, 1).to(scores.device), 0.0)
+
+
+def generate_kwargs(sampling: SamplingConfig, generator: torch.Generator) -> dict:
+    """HF ``generate`` keywords that draw from ``sampling``'s distribution: greedy settings as ``do_sample=False``
+    with the repetition penalty; sampling as a greedy search over ``SampledTokens``' draws from ``generator`` (the
+    law of ``do_sample=True`` with those settings)."""
+    if sampling.greedy:
+        return {"do_sample": False, "repetition_penalty": sampling.repetition_penalty}
+    return {"do_sample": False, "logits_processor": LogitsProcessorList([SampledTokens(sampling, generator)])}
 
 
 def read_distilled(path: str | Path, *, repair: bool = False) -> list[dict]:
