@@ -230,12 +230,20 @@ def main():
     p.add_argument("--quantization", default=None, help="gguf: the CPU's int4 backbone states")
     p.add_argument("--cost", action="store_true", help="only time a decoding step's drafter work on this CPU in ATen calls "
                    "(bf16, 2 threads, 400 cached positions): catch-up of 1-3 accepted rows, then two drafts")
+    p.add_argument("--draft-vocabulary", type=int, default=0,
+                   help="train the drafts' loss over the first N tokens of the heads' frequency ranking (assets/demo/"
+                        "draft_ranking.json; the served chain drafts over 8,192 of them), a position whose token lies "
+                        "outside left out of the loss; 0: the whole vocabulary. Held-out figures stay over all tokens")
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
     a = p.parse_args()
     if a.cost:
         return step_cost()
     t0 = time.time()
     dev = torch.device(a.device)
+    if dev.type == "cpu":  # the app's compiled 4-bit product for the features (torch's int4-pack is ~5x slower)
+        from medusa_core.invariant import load_kernel
+
+        log(f"compiled kernels: {load_kernel(log)}")
     model = load_backbone(a.gguf, a.quantization, torch.float32, device=a.device, batch_invariant=False)
     cfg = model.config
     dec, lm = model.get_decoder(), model.get_output_embeddings()
@@ -314,6 +322,21 @@ def main():
             drafter.d.weight.zero_()
     for prm in model.parameters():
         prm.requires_grad_(False)
+    draft_head = draft_index = None  # with --draft-vocabulary: the LM head's rows of the ranked ids, and each id's row
+    if a.draft_vocabulary:
+        ranked = torch.tensor(json.loads((ROOT / "assets/demo/draft_ranking.json").read_text())["ranked_ids"][: a.draft_vocabulary])
+        draft_head = lm.weight.detach()[ranked].to(device=dev, dtype=torch.bfloat16)  # [N, H]
+        draft_index = torch.full((cfg.vocab_size,), -100, dtype=torch.long)
+        draft_index[ranked] = torch.arange(len(ranked))
+        draft_index = draft_index.to(dev)  # [V] -100 (the loss's ignore index) outside the draft vocabulary
+
+    def logits_and_targets(h, tgt, train):
+        """Logits of drafts ``h`` [n, H] and their targets [n]: over the whole vocabulary, or in training with
+        --draft-vocabulary over the draft vocabulary's rows (targets outside it -100)."""
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            if train and draft_head is not None:
+                return F.linear(h, draft_head).float(), draft_index[tgt]
+            return lm(h).float(), tgt
 
     def run(f, x, m1, train):
         """Losses and counts for draft 1 (at t, predicts x_{t+2}) and draft 2 (chained from t, predicts x_{t+3})."""
@@ -329,14 +352,12 @@ def main():
         m2[:, 1:] = m1[:, :-1] & m1[:, 1:]
         ftgt = torch.roll(f, -1, 1)  # f_{t+1} at t
         h1, h2 = ox[m1], oy[m2]
-        with torch.autocast(dev.type, dtype=torch.bfloat16):
-            l1 = lm(h1).float()
-            l2 = lm(h2).float()
-        ce1 = F.cross_entropy(l1, tgt1[m1])
-        ce2 = F.cross_entropy(l2, tgt1[m2]) if len(h2) else l1.sum() * 0
+        (l1, t1), (l2, t2) = logits_and_targets(h1, tgt1[m1], train), logits_and_targets(h2, tgt1[m2], train)
+        ce1 = F.cross_entropy(l1, t1)
+        ce2 = F.cross_entropy(l2, t2) if len(h2) else l1.sum() * 0
         reg = F.smooth_l1_loss(h1.float(), ftgt[m1].float())
-        right1 = (l1.argmax(-1) == tgt1[m1])
-        right2 = (l2.argmax(-1) == tgt1[m2])
+        right1 = (l1.argmax(-1) == t1)
+        right2 = (l2.argmax(-1) == t2)
         # draft 1 right at t (position t's entry) and draft 2 right at t+1
         r1_full = torch.zeros_like(m1)
         r1_full[m1] = right1
