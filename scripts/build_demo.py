@@ -86,7 +86,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 #: Training prompt files in ``assets/demo/prompts`` (rounds 1-6 of ``scripts/demo_prompts.py``).
 TRAIN_SPLITS = ("train", "train_more", "train_wide", "train_deep", "train_topics", "train_topics6")
 #: Rounds whose prompt files the repository does not hold (``demo_prompts.py --round N`` writes them): their served
-#: replies are work files too, kept out of the demo folder's 40 MiB and of the corpus the demo ships.
+#: replies go to ``TRAINING_REPLIES``, outside the demo folder's 40 MiB and the corpus the demo ships.
 UNSHIPPED_SPLITS = ("train_deep", "train_topics", "train_topics6")
 
 
@@ -291,18 +291,21 @@ def _distill_split(model, tok, split: str, name: str, args, backbone: str, dtype
 
 SERVED_SETTINGS = ("chat", "greedy")
 DISTILLED = ASSET / "distill"
+#: Served replies of ``UNSHIPPED_SPLITS``: in the repository (a CPU run takes hours and resumes in a later session,
+#: maybe on another machine), beside the demo folder, not read by the demo's corpus.
+TRAINING_REPLIES = ROOT / "assets" / "demo-training" / "distill"
 
 
 def served_distilled(split: str, args, settings: str) -> Path:
     """``assets/demo/distill/{split}-{quantization}-{settings}.jsonl.gz``: replies of the served backbone
-    (``build/demo/distill/`` for the rounds in ``UNSHIPPED_SPLITS``)."""
+    (``assets/demo-training/distill/`` for the rounds in ``UNSHIPPED_SPLITS``)."""
     return distilled_folder(split) / f"{served_name(split, args, settings)}.jsonl.gz"
 
 
 def distilled_folder(split: str) -> Path:
     """Where ``split``'s served replies are written: ``assets/demo/distill`` (shipped, the demo's corpus reads them),
-    or ``build/demo/distill`` for a round the repository does not hold (``UNSHIPPED_SPLITS``)."""
-    return WORK / "distill" if split in UNSHIPPED_SPLITS else DISTILLED
+    or ``TRAINING_REPLIES`` for a round whose prompt file the repository does not hold (``UNSHIPPED_SPLITS``)."""
+    return TRAINING_REPLIES if split in UNSHIPPED_SPLITS else DISTILLED
 
 
 def served_name(split: str, args, settings: str) -> str:

@@ -24,7 +24,7 @@ top-1 where draft 1 is right, and a 2-draft chain's tokens per step 1 + P(d1) + 
     # what the drafter's work costs a decoding step on this CPU in ATen calls
     python scripts/probe_eagle.py --cost
 
-Results: docs/BENCH.md, "An EAGLE-style drafter". Reads ``assets/demo/distill`` (and ``build/demo/distill``, rounds 4-6); the backbone is
+Results: docs/BENCH.md, "An EAGLE-style drafter". Reads ``assets/demo/distill`` (and ``assets/demo-training/distill``, rounds 4-6); the backbone is
 ``$MEDUSA_DEMO_GGUF`` or the installed demo GGUF file.
 """
 
@@ -52,8 +52,8 @@ from build_demo import TRAIN_SPLITS, distilled_folder  # noqa: E402  (scripts/ i
 
 
 def replies_file(name: str) -> Path:
-    """``{split}-gguf-{settings}``'s served replies: in ``assets/demo/distill``, or ``build/demo/distill`` for a
-    round the repository does not hold (``build_demo.distilled_folder``)."""
+    """``{split}-gguf-{settings}``'s served replies: in ``assets/demo/distill``, or ``assets/demo-training/distill``
+    for a round whose prompts the repository does not hold (``build_demo.distilled_folder``)."""
     return distilled_folder(name.split("-")[0]) / f"{name}.jsonl.gz"
 
 

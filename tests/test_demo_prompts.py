@@ -217,7 +217,7 @@ def test_served_replies_of_rounds_the_repository_does_not_hold_stay_out_of_the_s
     args = argparse.Namespace(quantization="gguf")
     for split in build_demo.TRAIN_SPLITS:
         replies = build_demo.served_distilled(split, args, "chat")
-        folder = build_demo.WORK / "distill" if split in build_demo.UNSHIPPED_SPLITS else build_demo.DISTILLED
+        folder = build_demo.TRAINING_REPLIES if split in build_demo.UNSHIPPED_SPLITS else build_demo.DISTILLED
         assert replies == folder / f"{split}-gguf-chat.jsonl.gz"
         assert probe_eagle.replies_file(f"{split}-gguf-chat") == replies  # the drafter's training reads them there
     assert build_demo.served_distilled("heldout", args, "greedy").parent == build_demo.DISTILLED
