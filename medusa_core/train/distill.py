@@ -75,10 +75,10 @@ def distill(
 
     ``sampling`` says how replies are drawn (default greedy): at temperature 0 the argmax of the
     penalised logits, else a sample from HF ``generate``'s processed distribution with those settings
-    (drawn by ``SampledTokens`` inside ``generate``'s greedy search: HF's top-p sorts and its multinomial
-    draws over the whole vocabulary of every row, most of a batched step on a CPU); the generator is
-    seeded per batch from ``seed`` and the batch's ids, so a resumed run draws what an uninterrupted one
-    would for the same batches. ``out`` ending in ``.gz`` is written as one gzip
+    (on a CPU drawn by ``SampledTokens`` inside ``generate``'s greedy search: HF's top-p sorts and its
+    multinomial draws over the whole vocabulary of every row, most of a batched step there; ``generate_kwargs``);
+    the generators are seeded per batch from ``seed`` and the batch's ids, so a resumed run draws what an
+    uninterrupted one would for the same batches. ``out`` ending in ``.gz`` is written as one gzip
     member per batch (``read_distilled`` drops a member cut short by a crash, and a resumed run cuts
     it off the file before appending).
 
@@ -118,7 +118,9 @@ def distill(
                 for row, ids in enumerate(r[4] for r in batch):
                     input_ids[row, width - len(ids) :] = torch.tensor(ids)
                     mask[row, width - len(ids) :] = 1
-                generator = torch.Generator(device).manual_seed(seed ^ zlib.crc32(json.dumps([r[0] for r in batch]).encode()))
+                batch_seed = seed ^ zlib.crc32(json.dumps([r[0] for r in batch]).encode())
+                torch.manual_seed(batch_seed)  # HF's own sampling, off the CPU (generate_kwargs)
+                generator = torch.Generator(device).manual_seed(batch_seed)
                 with torch.inference_mode(), autocast:
                     generated = backbone.generate(
                         input_ids=input_ids.to(device),
@@ -177,10 +179,14 @@ class SampledTokens(LogitsProcessor):
 
 def generate_kwargs(sampling: SamplingConfig, generator: torch.Generator) -> dict:
     """HF ``generate`` keywords that draw from ``sampling``'s distribution: greedy settings as ``do_sample=False``
-    with the repetition penalty; sampling as a greedy search over ``SampledTokens``' draws from ``generator`` (the
-    law of ``do_sample=True`` with those settings)."""
+    with the repetition penalty; sampling with a CPU ``generator`` as a greedy search over ``SampledTokens``' draws
+    from it (the law of ``do_sample=True`` with those settings), elsewhere as ``do_sample=True`` (filters that are
+    off left out), which draws from torch's global generator."""
     if sampling.greedy:
         return {"do_sample": False, "repetition_penalty": sampling.repetition_penalty}
+    if generator.device.type != "cpu":  # HF's own sampling (from torch's global generator): cheap on a GPU
+        return {"do_sample": True, "repetition_penalty": sampling.repetition_penalty, "temperature": sampling.temperature,
+                "top_k": sampling.top_k or None, "top_p": sampling.top_p, "min_p": sampling.min_p or None}
     return {"do_sample": False, "logits_processor": LogitsProcessorList([SampledTokens(sampling, generator)])}
 
 
