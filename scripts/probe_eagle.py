@@ -257,6 +257,29 @@ def main():
             rows += r[: a.limit] if a.limit else r
         return [(x["prompt_ids"] + x["reply_ids"], len(x["prompt_ids"])) for x in rows if len(x["reply_ids"]) >= 3]
 
+    def features(names):
+        """``featurize`` over the replies of ``names``, one file at a time, each cached on disk on a CPU
+        (``build/demo/eagle_features/{name}-{backbone}-{limit}.pt``; a file that has grown since is featurized again):
+        the features of ~1.6 M tokens take ~40 minutes on this 2-core CPU."""
+        parts = []
+        for name in names:
+            rows = rows_of([name])
+            cache = ROOT / "build/demo/eagle_features" / f"{name}-{a.quantization or 'float32'}-{a.limit}.pt"
+            part = torch.load(cache, weights_only=True) if dev.type == "cpu" and cache.exists() else None
+            if part is None or part["rows"] != len(rows):
+                part = dict(zip(("feats", "ids", "offs"), featurize(rows)), rows=len(rows))
+                part["offs"] = torch.tensor(part["offs"])
+                if dev.type == "cpu":
+                    cache.parent.mkdir(parents=True, exist_ok=True)
+                    torch.save(part, cache)
+            parts.append(part)
+        starts = [0]
+        for part in parts[:-1]:
+            starts.append(starts[-1] + len(part["feats"]))
+        offs = sorted(((o + start, L, pl) for part, start in zip(parts, starts) for o, L, pl in part["offs"].tolist()),
+                      key=lambda off: off[1])  # by length, as one featurize call would give them (batches pad less)
+        return torch.cat([part["feats"] for part in parts]), torch.cat([part["ids"] for part in parts]), offs
+
     @torch.no_grad()
     def featurize(rows):
         """Sorted by length; flat bf16 features and ids on the device, with offsets."""
@@ -384,7 +407,7 @@ def main():
 
     if a.eval:
         from safetensors.torch import load_file
-        hf, hi, hoffs = featurize(rows_of(["heldout-gguf-chat"]))
+        hf, hi, hoffs = features(["heldout-gguf-chat"])
         drafter.load_state_dict({k: v.float() for k, v in load_file(a.eval).items()})
         if a.int4:  # every linear as the compiled int4 product would hold it (GGUF Q4_1-style groups of 32)
             from medusa_core.quant.layers import Int4Linear
@@ -405,11 +428,9 @@ def main():
     files = [n for n in names if replies_file(n).exists()]
     if len(files) < len(names):
         log(f"no replies for {', '.join(n for n in names if n not in files)}: trained without them")
-    train_rows = rows_of(files)
-    held_rows = rows_of(["heldout-gguf-chat"])
     t1 = time.time()
-    tf, ti, toffs = featurize(train_rows)
-    hf, hi, hoffs = featurize(held_rows)
+    tf, ti, toffs = features(files)
+    hf, hi, hoffs = features(["heldout-gguf-chat"])
     log(f"features: {len(toffs)} training sequences ({len(tf)} tokens), {len(hoffs)} held-out, {time.time() - t1:.0f} s")
 
     log(f"before training, held-out: {evaluate(hf, hi, hoffs)}")
