@@ -87,7 +87,8 @@ def test_distill_samples_with_the_served_settings_reproducibly_into_a_gz_file(tm
     generator = torch.Generator()
     assert generate_kwargs(SamplingConfig(repetition_penalty=1.1), generator) == {"do_sample": False, "repetition_penalty": 1.1}
     drawn = generate_kwargs(chat, generator)  # a greedy search over SampledTokens' draws
-    assert drawn["do_sample"] is False and [type(p) for p in drawn["logits_processor"]] == [SampledTokens]
+    assert drawn["do_sample"] is False and drawn["repetition_penalty"] == 1.0  # penalised once, by SampledTokens
+    assert [type(p) for p in drawn["logits_processor"]] == [SampledTokens]
     on_a_gpu = types.SimpleNamespace(device=torch.device("cuda"))  # HF's sampling there: its sort and draws are cheap
     assert generate_kwargs(chat, on_a_gpu) == {"do_sample": True, "repetition_penalty": 1.1, "temperature": 1.5,
                                                "top_k": None, "top_p": 0.9, "min_p": None}

@@ -187,7 +187,8 @@ def generate_kwargs(sampling: SamplingConfig, generator: torch.Generator) -> dic
     if generator.device.type != "cpu":  # HF's own sampling (from torch's global generator): cheap on a GPU
         return {"do_sample": True, "repetition_penalty": sampling.repetition_penalty, "temperature": sampling.temperature,
                 "top_k": sampling.top_k or None, "top_p": sampling.top_p, "min_p": sampling.min_p or None}
-    return {"do_sample": False, "logits_processor": LogitsProcessorList([SampledTokens(sampling, generator)])}
+    # HF's own penalty off (a generation config's would apply it twice): SampledTokens penalises
+    return {"do_sample": False, "repetition_penalty": 1.0, "logits_processor": LogitsProcessorList([SampledTokens(sampling, generator)])}
 
 
 def read_distilled(path: str | Path, *, repair: bool = False) -> list[dict]:
