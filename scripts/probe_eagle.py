@@ -17,6 +17,10 @@ top-1 where draft 1 is right, and a 2-draft chain's tokens per step 1 + P(d1) + 
     python scripts/probe_eagle.py --device cuda --epochs 4 --with-greedy --train-rounds 5 --out out/eagle
     # the same, continued from saved weights at a lower learning rate
     python scripts/probe_eagle.py --device cuda --epochs 2 --lr 3e-4 --with-greedy --init assets/eagle-probe/drafter.safetensors
+    # on this CPU (the app's own int4 states, features cached per file): continued on round 6's chat replies and a
+    # sample of 2,000 of each earlier file's, the drafts' loss over the served chain's 8,192-token draft vocabulary
+    python scripts/probe_eagle.py --device cpu --quantization gguf --tokens 4096 --epochs 1 --budget 7200 --lr 3e-4 \
+        --init assets/eagle-probe/drafter.safetensors --train-rounds 6 --replay 2000 --draft-vocabulary 8192 --out out/eagle-cpu
     # on this CPU (the app's own int4 states): measure saved weights, with attention limited to the last w positions
     python scripts/probe_eagle.py --device cpu --quantization gguf --tokens 4096 --eval assets/eagle-probe/drafter.safetensors
     # the same with the drafter's linears in 4 bits (as a compiled int4 product would hold them), all positions
@@ -32,6 +36,7 @@ import argparse
 import json
 import math
 import os
+import random
 import time
 
 import sys
@@ -217,6 +222,10 @@ def main():
     p.add_argument("--train-rounds", type=int, choices=range(1, len(TRAIN_SPLITS) + 1), default=3,
                    help="the prompt rounds whose replies it trains on (build_demo's --train-rounds; a round without replies "
                         "for a setting, such as round 4's and 5's greedy ones, is skipped with a line in the log)")
+    p.add_argument("--replay", type=int, default=0,
+                   help="replies per file of the rounds before the last of --train-rounds, a seeded random sample (the "
+                        "newest round's all): continuing a drafter on a new round without its features of every "
+                        "earlier one (~40 minutes per 1.6 M tokens on a 2-core CPU); 0: all")
     p.add_argument("--epochs", type=float, default=4)
     p.add_argument("--tokens", type=int, default=16384, help="padded tokens per batch")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -250,21 +259,27 @@ def main():
     embed = model.get_input_embeddings()
     log(f"backbone loaded in {time.time() - t0:.0f} s")
 
+    def replayed(name):
+        """Whether ``name`` is an earlier round's training replies, of which --replay keeps a sample."""
+        return bool(a.replay) and name.split("-")[0] in TRAIN_SPLITS[: a.train_rounds - 1]
+
     def rows_of(names):
         rows = []
         for n in names:
             r = read_distilled(replies_file(n))
-            rows += r[: a.limit] if a.limit else r
+            r = r[: a.limit] if a.limit else r
+            rows += random.Random(0).sample(r, min(a.replay, len(r))) if replayed(n) else r
         return [(x["prompt_ids"] + x["reply_ids"], len(x["prompt_ids"])) for x in rows if len(x["reply_ids"]) >= 3]
 
     def features(names):
         """``featurize`` over the replies of ``names``, one file at a time, each cached on disk on a CPU
-        (``build/demo/eagle_features/{name}-{backbone}-{limit}.pt``; a file that has grown since is featurized again):
+        (``build/demo/eagle_features/{name}-{backbone}-{limit}[-replay{N}].pt``; a file that has grown since is featurized again):
         the features of ~1.6 M tokens take ~40 minutes on this 2-core CPU."""
         parts = []
         for name in names:
             rows = rows_of([name])
-            cache = ROOT / "build/demo/eagle_features" / f"{name}-{a.quantization or 'float32'}-{a.limit}.pt"
+            kept = f"{a.limit}-replay{a.replay}" if replayed(name) else str(a.limit)
+            cache = ROOT / "build/demo/eagle_features" / f"{name}-{a.quantization or 'float32'}-{kept}.pt"
             part = torch.load(cache, weights_only=True) if dev.type == "cpu" and cache.exists() else None
             if part is None or part["rows"] != len(rows):
                 part = dict(zip(("feats", "ids", "offs"), featurize(rows)), rows=len(rows))
