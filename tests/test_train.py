@@ -74,6 +74,23 @@ def test_distill_answers_follow_up_turns_after_the_models_own_reply_and_resumes(
     assert len(read_distilled(out)) == 3
 
 
+
+def test_a_distillation_resumed_from_a_prompt_file_in_another_order_skips_the_prompts_it_has_answered(tmp_path):
+    # a prompt file rebuilt on another machine may hold the same prompts at other indices (round 4's prompts read the
+    # machine's Debian packages, and later rounds leave out what earlier ones hold): resuming matches conversations
+    # by their content, not by their index, so no prompt is answered twice and none is skipped
+    tok = tiny_tokenizer()
+    backbone = tiny_backbone(eos_token_id=tok.convert_tokens_to_ids("<|end|>"))
+    chat = lambda i: [{"role": "user", "content": "def add" + " a" * i}, dict(MODEL_TURN), {"role": "user", "content": f"def sub {i}"}]
+    out = distill(backbone, tok, [chat(i) for i in range(4)], tmp_path / "d.jsonl", max_new_tokens=12, batch_size=3)
+    first = {json.dumps(r["messages"]): r["reply_ids"] for r in read_distilled(out)}
+    assert len(first) == 8
+    distill(backbone, tok, [chat(i) for i in (5, 3, 2, 1, 0, 4)], out, max_new_tokens=12, batch_size=3)
+    rows = read_distilled(out)
+    by_content = {json.dumps(r["messages"]): r["reply_ids"] for r in rows}
+    assert len(rows) == len(by_content) == 12  # two new chats of two turns each; nothing answered twice
+    assert all(by_content[k] == v for k, v in first.items())
+    assert len({r["id"] for r in rows}) == 12  # ids stay unique labels
 def test_distill_samples_with_the_served_settings_reproducibly_into_a_gz_file(tmp_path):
     tok = tiny_tokenizer()
     backbone = tiny_backbone(eos_token_id=tok.convert_tokens_to_ids("<|end|>"))

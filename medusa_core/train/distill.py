@@ -10,6 +10,7 @@ small enough to keep in the repository so a long run resumes in a later session 
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import math
 import zlib
@@ -85,13 +86,17 @@ def distill(
     Each row: ``id``, ``messages``, ``prompt_ids``, ``reply_ids`` (cut after the first EOS), ``reply``.
     A chat holding ``MODEL_TURN`` placeholders is answered turn by turn: the model's reply fills the
     first placeholder, then the conversation goes on with that reply. The first reply of chat ``i``
-    has id ``i``, its later replies ``"i.1"``, ``"i.2"``, ... Resumable: ids already in ``out`` are
-    skipped (their replies are read back for the next turn). Prompts are batched by length with
+    has id ``i``, its later replies ``"i.1"``, ``"i.2"``, ... Resumable: a conversation ``out`` already
+    answers (the same ``messages``, whatever its index was then) is skipped and its reply read back for the
+    next turn, so a prompt file rebuilt in another order (on another machine) resumes without answering a
+    prompt twice; a new chat whose index an earlier row holds gets the next unused id. Prompts are batched by length with
     left padding. ``bf16`` runs under bfloat16 autocast (CPU/CUDA); plain bf16 weights
     (``backbone.to(torch.bfloat16)``) are faster on CPU.
     """
     out = Path(out)
-    done = {row["id"]: row for row in read_distilled(out, repair=True)} if out.exists() else {}
+    written = read_distilled(out, repair=True) if out.exists() else []
+    done = {_conversation(row["messages"]): row for row in written}
+    labels = _chat_ids_for(chats, done, written)
     eos = backbone.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
     tokenizer.padding_side = "left"
@@ -105,11 +110,11 @@ def distill(
             todo, ready = [], []
             for i, messages in pending:
                 cut = next((n for n, m in enumerate(messages) if m == MODEL_TURN), len(messages))
-                key = i if turn == 0 else f"{i}.{turn}"
-                (ready if key in done else todo).append((key, i, messages[:cut], messages[cut + 1 :]))
+                key = labels[i] if turn == 0 else f"{labels[i]}.{turn}"
+                (ready if _conversation(messages[:cut]) in done else todo).append((key, i, messages[:cut], messages[cut + 1 :]))
             todo = [(k, i, m, rest, _chat_ids(tokenizer, m)) for k, i, m, rest in todo]
             todo.sort(key=lambda r: len(r[4]))
-            replies = {k: done[k]["reply_ids"] for k, *_ in ready}
+            replies = {k: done[_conversation(m)]["reply_ids"] for k, _, m, _ in ready}
             for start in tqdm(range(0, len(todo), batch_size), desc=f"distill turn {turn + 1}", unit="batch"):
                 batch = todo[start : start + batch_size]
                 width = max(len(r[4]) for r in batch)
@@ -143,6 +148,28 @@ def distill(
                 if rest
             ]
     return out
+
+
+def _conversation(messages: list[dict]) -> str:
+    """A conversation's identity for resuming: its messages as canonical JSON."""
+    return json.dumps(messages, sort_keys=True, ensure_ascii=False)
+
+
+def _chat_ids_for(chats: list[list[dict]], done: dict[str, dict], written: list[dict]) -> list[int]:
+    """Each chat's id: the id of the row that already answers its first turn, else its index, else (an earlier
+    row holds that index) the next id no row holds."""
+    taken = {row["id"] for row in written}
+    spare = itertools.count(max((row["id"] for row in written if isinstance(row["id"], int)), default=-1) + 1)
+    labels = []
+    for i, messages in enumerate(chats):
+        cut = next((n for n, m in enumerate(messages) if m == MODEL_TURN), len(messages))
+        row = done.get(_conversation(messages[:cut]))
+        label = row["id"] if row is not None else i
+        if row is None and label in taken:
+            label = next(n for n in spare if n not in taken)
+        taken.add(label)
+        labels.append(label)
+    return labels
 
 
 def _chat_ids(tokenizer, messages: list[dict]) -> list[int]:
