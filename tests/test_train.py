@@ -91,6 +91,12 @@ def test_a_distillation_resumed_from_a_prompt_file_in_another_order_skips_the_pr
     assert len(rows) == len(by_content) == 12  # two new chats of two turns each; nothing answered twice
     assert all(by_content[k] == v for k, v in first.items())
     assert len({r["id"] for r in rows}) == 12  # ids stay unique labels
+    # the same first turn with another follow-up (drawn otherwise on another machine): only that turn is new
+    other = [{"role": "user", "content": "def add a a"}, dict(MODEL_TURN), {"role": "user", "content": "def mul 9"}]
+    distill(backbone, tok, [other], out, max_new_tokens=12, batch_size=3)
+    rows = read_distilled(out)
+    assert len(rows) == 13 and len({r["id"] for r in rows}) == 13
+    assert rows[-1]["messages"][-1]["content"] == "def mul 9" and rows[-1]["id"] == "2.1.1"
 def test_distill_samples_with_the_served_settings_reproducibly_into_a_gz_file(tmp_path):
     tok = tiny_tokenizer()
     backbone = tiny_backbone(eos_token_id=tok.convert_tokens_to_ids("<|end|>"))

@@ -96,7 +96,7 @@ def distill(
     out = Path(out)
     written = read_distilled(out, repair=True) if out.exists() else []
     done = {_conversation(row["messages"]): row for row in written}
-    labels = _chat_ids_for(chats, done, written)
+    labels, taken = _chat_ids_for(chats, done, written)
     eos = backbone.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
     tokenizer.padding_side = "left"
@@ -112,7 +112,7 @@ def distill(
                 cut = next((n for n, m in enumerate(messages) if m == MODEL_TURN), len(messages))
                 key = labels[i] if turn == 0 else f"{labels[i]}.{turn}"
                 (ready if _conversation(messages[:cut]) in done else todo).append((key, i, messages[:cut], messages[cut + 1 :]))
-            todo = [(k, i, m, rest, _chat_ids(tokenizer, m)) for k, i, m, rest in todo]
+            todo = [(_unused(k, taken), i, m, rest, _chat_ids(tokenizer, m)) for k, i, m, rest in todo]
             todo.sort(key=lambda r: len(r[4]))
             replies = {k: done[_conversation(m)]["reply_ids"] for k, _, m, _ in ready}
             for start in tqdm(range(0, len(todo), batch_size), desc=f"distill turn {turn + 1}", unit="batch"):
@@ -155,9 +155,9 @@ def _conversation(messages: list[dict]) -> str:
     return json.dumps(messages, sort_keys=True, ensure_ascii=False)
 
 
-def _chat_ids_for(chats: list[list[dict]], done: dict[str, dict], written: list[dict]) -> list[int]:
+def _chat_ids_for(chats: list[list[dict]], done: dict[str, dict], written: list[dict]) -> tuple[list[int], set]:
     """Each chat's id: the id of the row that already answers its first turn, else its index, else (an earlier
-    row holds that index) the next id no row holds."""
+    row holds that index) the next id no row holds; and the set of ids taken, these included."""
     taken = {row["id"] for row in written}
     spare = itertools.count(max((row["id"] for row in written if isinstance(row["id"], int)), default=-1) + 1)
     labels = []
@@ -169,7 +169,16 @@ def _chat_ids_for(chats: list[list[dict]], done: dict[str, dict], written: list[
             label = next(n for n in spare if n not in taken)
         taken.add(label)
         labels.append(label)
-    return labels
+    return labels, taken
+
+
+def _unused(key, taken: set):
+    """``key`` for a new row, or for a later turn whose id an earlier row of another conversation holds (the
+    same first turn with another follow-up) ``"{key}.1"``, ``"{key}.2"``, ...; marked taken."""
+    if isinstance(key, str) and key in taken:
+        key = next(f"{key}.{n}" for n in itertools.count(1) if f"{key}.{n}" not in taken)
+    taken.add(key)
+    return key
 
 
 def _chat_ids(tokenizer, messages: list[dict]) -> list[int]:
