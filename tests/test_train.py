@@ -74,7 +74,6 @@ def test_distill_answers_follow_up_turns_after_the_models_own_reply_and_resumes(
     assert len(read_distilled(out)) == 3
 
 
-
 def test_a_distillation_resumed_from_a_prompt_file_in_another_order_skips_the_prompts_it_has_answered(tmp_path):
     # a prompt file rebuilt on another machine may hold the same prompts at other indices (round 4's prompts read the
     # machine's Debian packages, and later rounds leave out what earlier ones hold): resuming matches conversations
@@ -97,6 +96,8 @@ def test_a_distillation_resumed_from_a_prompt_file_in_another_order_skips_the_pr
     rows = read_distilled(out)
     assert len(rows) == 13 and len({r["id"] for r in rows}) == 13
     assert rows[-1]["messages"][-1]["content"] == "def mul 9" and rows[-1]["id"] == "2.1.1"
+
+
 def test_distill_samples_with_the_served_settings_reproducibly_into_a_gz_file(tmp_path):
     tok = tiny_tokenizer()
     backbone = tiny_backbone(eos_token_id=tok.convert_tokens_to_ids("<|end|>"))

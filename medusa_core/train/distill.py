@@ -107,14 +107,16 @@ def distill(
     turn = 0
     with _Appender(out) as f:
         while pending:
-            todo, ready = [], []
+            todo, ready, replies = [], [], {}
             for i, messages in pending:
-                cut = next((n for n, m in enumerate(messages) if m == MODEL_TURN), len(messages))
+                cut = _turn_end(messages)
                 key = labels[i] if turn == 0 else f"{labels[i]}.{turn}"
-                (ready if _conversation(messages[:cut]) in done else todo).append((key, i, messages[:cut], messages[cut + 1 :]))
+                row = done.get(_conversation(messages[:cut]))
+                if row is not None:
+                    replies[key] = row["reply_ids"]
+                (ready if row is not None else todo).append((key, i, messages[:cut], messages[cut + 1 :]))
             todo = [(_unused(k, taken), i, m, rest, _chat_ids(tokenizer, m)) for k, i, m, rest in todo]
             todo.sort(key=lambda r: len(r[4]))
-            replies = {k: done[_conversation(m)]["reply_ids"] for k, _, m, _ in ready}
             for start in tqdm(range(0, len(todo), batch_size), desc=f"distill turn {turn + 1}", unit="batch"):
                 batch = todo[start : start + batch_size]
                 width = max(len(r[4]) for r in batch)
@@ -150,6 +152,11 @@ def distill(
     return out
 
 
+def _turn_end(messages: list[dict]) -> int:
+    """Index of a chat's first ``MODEL_TURN`` placeholder (the messages before it are the turn to answer), else its length."""
+    return next((n for n, m in enumerate(messages) if m == MODEL_TURN), len(messages))
+
+
 def _conversation(messages: list[dict]) -> str:
     """A conversation's identity for resuming: its messages as canonical JSON."""
     return json.dumps(messages, sort_keys=True, ensure_ascii=False)
@@ -162,8 +169,7 @@ def _chat_ids_for(chats: list[list[dict]], done: dict[str, dict], written: list[
     spare = itertools.count(max((row["id"] for row in written if isinstance(row["id"], int)), default=-1) + 1)
     labels = []
     for i, messages in enumerate(chats):
-        cut = next((n for n, m in enumerate(messages) if m == MODEL_TURN), len(messages))
-        row = done.get(_conversation(messages[:cut]))
+        row = done.get(_conversation(messages[: _turn_end(messages)]))
         label = row["id"] if row is not None else i
         if row is None and label in taken:
             label = next(n for n in spare if n not in taken)
