@@ -128,7 +128,7 @@ inline void int4_groups(const uint16_t* x, int64_t ldx, const uint8_t* pair, con
     }
   }
   __m512 dot[MR][H][GG];
-  _Pragma("GCC unroll 4") for (int m = 0; m < MR; ++m) {
+  _Pragma("GCC unroll 8") for (int m = 0; m < MR; ++m) {
     _Pragma("GCC unroll 2") for (int b = 0; b < H; ++b) {
       _Pragma("GCC unroll 4") for (int k = 0; k < GG; ++k) dot[m][b][k] = _mm512_setzero_ps();
     }
@@ -136,7 +136,7 @@ inline void int4_groups(const uint16_t* x, int64_t ldx, const uint8_t* pair, con
   _Pragma("GCC unroll 2") for (int c = 0; c < 8; ++c) {
     _Pragma("GCC unroll 4") for (int k = 0; k < GG; ++k) {
       __m512bh low[MR], high[MR];  // inputs k0, k0 + 1 and k0 + 2, k0 + 3 of each row, in every lane
-      _Pragma("GCC unroll 4") for (int m = 0; m < MR; ++m) {
+      _Pragma("GCC unroll 8") for (int m = 0; m < MR; ++m) {
         int32_t a, b;
         std::memcpy(&a, x + m * ldx + (g + k) * 32 + c * 4, 4);
         std::memcpy(&b, x + m * ldx + (g + k) * 32 + c * 4 + 2, 4);
@@ -148,7 +148,7 @@ inline void int4_groups(const uint16_t* x, int64_t ldx, const uint8_t* pair, con
         const __m512i codes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
         const __m512bh w_low = (__m512bh)_mm512_permutexvar_epi16(codes, values);
         const __m512bh w_high = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(codes, 4), values);
-        _Pragma("GCC unroll 4") for (int m = 0; m < MR; ++m) {
+        _Pragma("GCC unroll 8") for (int m = 0; m < MR; ++m) {
           dot[m][b][k] = _mm512_dpbf16_ps(dot[m][b][k], w_low, low[m]);
           dot[m][b][k] = _mm512_dpbf16_ps(dot[m][b][k], w_high, high[m]);
         }
@@ -159,7 +159,7 @@ inline void int4_groups(const uint16_t* x, int64_t ldx, const uint8_t* pair, con
     _Pragma("GCC unroll 2") for (int b = 0; b < H; ++b) {
       const uint16_t* s = reinterpret_cast<const uint16_t*>(records + (k * H + b) * kRecord + 256);
       const __m512 scale = bf16_to_float(s), zero = bf16_to_float(s + 16);
-      _Pragma("GCC unroll 4") for (int m = 0; m < MR; ++m) {
+      _Pragma("GCC unroll 8") for (int m = 0; m < MR; ++m) {
         total[m][b] = _mm512_fmadd_ps(dot[m][b][k], scale, total[m][b]);
         total[m][b] = _mm512_fmadd_ps(zero, _mm512_set1_ps(xsum[m * G + g + k]), total[m][b]);
       }
@@ -173,45 +173,63 @@ template <int MR, int H, int GG>
 inline void int4_tile(const uint16_t* x, int64_t ldx, const uint8_t* pair, const float* xsum, int64_t G, uint16_t* out,
                       int64_t ldo, __m512i values, uintptr_t limit) {
   __m512 total[MR][H];
-  _Pragma("GCC unroll 4") for (int m = 0; m < MR; ++m) {
+  _Pragma("GCC unroll 8") for (int m = 0; m < MR; ++m) {
     _Pragma("GCC unroll 2") for (int b = 0; b < H; ++b) total[m][b] = _mm512_setzero_ps();
   }
   int64_t g = 0;
   for (; g + GG <= G; g += GG) int4_groups<MR, H, GG>(x, ldx, pair, xsum, G, g, total, values, limit);
   for (; g < G; ++g) int4_groups<MR, H, 1>(x, ldx, pair, xsum, G, g, total, values, limit);
-  _Pragma("GCC unroll 4") for (int m = 0; m < MR; ++m) {
+  _Pragma("GCC unroll 8") for (int m = 0; m < MR; ++m) {
     _Pragma("GCC unroll 2") for (int b = 0; b < H; ++b) {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * ldo + b * 16), (__m256i)_mm512_cvtneps_pbh(total[m][b]));
     }
   }
 }
 
-// Rows 0 .. M − 1 by the pairs begin .. end − 1 (and, with `lone`, the unpaired block after them), pair by pair: passes
-// of 4 rows, the last pass 1 to 3 rows, each pass's operations on a row the same in all (the pair's ≤ 30 KB on the
-// demo stays in the cache for the next pass). Groups a step: one for one row, two for more (interleaved in the demo's
-// decoding loop: one row 2.32 ms a pass with one group a step, 2.41 with two, 2.58 with four; two to five rows 1–4 %
-// faster with two than with one: docs/BENCH.md, "The 4-bit weights as one stream").
+// A pass of `rows` (1 to 8) rows by the H blocks of one pair: one group a step for one row and for five to eight, two
+// for two to four (interleaved in the demo's decoding loop: one row 2.32 ms a pass with one group a step, 2.41 with
+// two, 2.58 with four; two to five rows 1–4 % faster with two than with one: docs/BENCH.md, "The 4-bit weights as one
+// stream"; five to eight rows' accumulators fill the vector registers with one).
+template <int H>
+inline void int4_pass(int64_t rows, const uint16_t* x, int64_t ldx, const uint8_t* pair, const float* xsum, int64_t G,
+                      uint16_t* out, int64_t ldo, __m512i values, uintptr_t limit) {
+  switch (rows) {
+    case 1: return int4_tile<1, H, 1>(x, ldx, pair, xsum, G, out, ldo, values, limit);
+    case 2: return int4_tile<2, H, 2>(x, ldx, pair, xsum, G, out, ldo, values, limit);
+    case 3: return int4_tile<3, H, 2>(x, ldx, pair, xsum, G, out, ldo, values, limit);
+    case 4: return int4_tile<4, H, 2>(x, ldx, pair, xsum, G, out, ldo, values, limit);
+    case 5: return int4_tile<5, H, 1>(x, ldx, pair, xsum, G, out, ldo, values, limit);
+    case 6: return int4_tile<6, H, 1>(x, ldx, pair, xsum, G, out, ldo, values, limit);
+    case 7: return int4_tile<7, H, 1>(x, ldx, pair, xsum, G, out, ldo, values, limit);
+    default: return int4_tile<8, H, 1>(x, ldx, pair, xsum, G, out, ldo, values, limit);
+  }
+}
+
+// The most rows int4_rows multiplies in one pass over a pair's weights. Each pass widens the codes anew and runs its
+// rows' dot products, so a second pass over weights still in the cache costs nearly what the first did: with passes of
+// at most 4 rows, 5 rows took 1.7–1.8× a one-row product on the demo's linears (2 threads, AMD EPYC); in one pass
+// 0.74× of that, 6 rows 0.82×, 8 rows 0.95×, 10 rows (5 + 5) 0.85×, 16 rows (8 + 8) 1.03× (docs/BENCH.md, "Products
+// of up to 8 rows in one pass").
+constexpr int64_t kPassRows = 8;
+
+// Rows 0 .. M − 1 by the pairs begin .. end − 1 (and, with `lone`, the unpaired block after them), pair by pair: in
+// ⌈M / 8⌉ passes of as even a number of rows as can be (9 rows: 5 then 4), each pass's operations on a row the same in
+// all (the pair's ≤ 30 KB on the demo stays in the cache for the next pass).
 inline void int4_rows(const uint16_t* x, int64_t M, int64_t ldx, const uint8_t* tiles, int64_t pair_bytes, const float* xsum,
                       int64_t G, int64_t begin, int64_t end, bool lone, uint16_t* out, int64_t ldo, __m512i values,
                       uintptr_t limit) {
+  const int64_t passes = (M + kPassRows - 1) / kPassRows;
   for (int64_t p = begin; p < end + lone; ++p) {
     const uint8_t* pair = tiles + p * pair_bytes;
-    for (int64_t m = 0; m < M; m += 4) {
-      const int64_t rows = std::min<int64_t>(4, M - m);
-      const uint16_t* xm = x + m * ldx;
-      const float* sm = xsum + m * G;
+    for (int64_t i = 0, m = 0; i < passes; ++i) {
+      const int64_t rows = (M - m) / (passes - i);  // the rows left shared evenly over the passes left, larger last
       uint16_t* o = out + m * ldo + 32 * p;
       if (p < end) {
-        if (rows == 4) int4_tile<4, 2, 2>(xm, ldx, pair, sm, G, o, ldo, values, limit);
-        if (rows == 3) int4_tile<3, 2, 2>(xm, ldx, pair, sm, G, o, ldo, values, limit);
-        if (rows == 2) int4_tile<2, 2, 2>(xm, ldx, pair, sm, G, o, ldo, values, limit);
-        if (rows == 1) int4_tile<1, 2, 1>(xm, ldx, pair, sm, G, o, ldo, values, limit);
+        int4_pass<2>(rows, x + m * ldx, ldx, pair, xsum + m * G, G, o, ldo, values, limit);
       } else {
-        if (rows == 4) int4_tile<4, 1, 2>(xm, ldx, pair, sm, G, o, ldo, values, limit);
-        if (rows == 3) int4_tile<3, 1, 2>(xm, ldx, pair, sm, G, o, ldo, values, limit);
-        if (rows == 2) int4_tile<2, 1, 2>(xm, ldx, pair, sm, G, o, ldo, values, limit);
-        if (rows == 1) int4_tile<1, 1, 1>(xm, ldx, pair, sm, G, o, ldo, values, limit);
+        int4_pass<1>(rows, x + m * ldx, ldx, pair, xsum + m * G, G, o, ldo, values, limit);
       }
+      m += rows;
     }
   }
 }
