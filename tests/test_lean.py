@@ -284,7 +284,7 @@ def test_the_compiled_int4_product_is_batch_invariant_side_by_side_and_within_on
     layers = [Int4Linear(torch.randint(0, 16, (n, 160)), torch.rand(n, 5) * 0.02, torch.randn(n, 5) * 0.01) for n in (96, 416, 48, 16)]
     x = torch.randn(40, 160).to(torch.bfloat16)
     for layer in layers:
-        # 40 rows: five passes of 8 on AVX512-BF16 (9 rows: 5 + 4, 17: 6 + 6 + 5), of 16 and a last of 8 on AMX tiles
+        # 40 rows: five passes of 8 on AVX512-BF16 (9 rows: 4 + 5, 17: 5 + 6 + 6), of 16 and a last of 8 on AMX tiles
         full = extension.int4_matmul(x, layer.tiles)
         for m in (*range(1, 10), 15, 16, 17, 31, 32, 33):  # every row the bits of the same row in a call of m rows
             assert torch.equal(extension.int4_matmul(x[:m], layer.tiles), full[:m])

@@ -213,7 +213,7 @@ inline void int4_pass(int64_t rows, const uint16_t* x, int64_t ldx, const uint8_
 constexpr int64_t kPassRows = 8;
 
 // Rows 0 .. M − 1 by the pairs begin .. end − 1 (and, with `lone`, the unpaired block after them), pair by pair: in
-// ⌈M / 8⌉ passes of as even a number of rows as can be (9 rows: 5 then 4), each pass's operations on a row the same in
+// ⌈M / 8⌉ passes of as even a number of rows as can be (9 rows: 4 then 5), each pass's operations on a row the same in
 // all (the pair's ≤ 30 KB on the demo stays in the cache for the next pass).
 inline void int4_rows(const uint16_t* x, int64_t M, int64_t ldx, const uint8_t* tiles, int64_t pair_bytes, const float* xsum,
                       int64_t G, int64_t begin, int64_t end, bool lone, uint16_t* out, int64_t ldo, __m512i values,
