@@ -299,3 +299,24 @@ def test_a_tuned_chain_out_of_range_is_refused_naming_the_file_and_the_value(tmp
         folder = _tuned_demo_folder(tmp_path / str(i), fields)
         with pytest.raises(MedusaCheckpointError, match=f"medusa_tuned.json .*{message}"):
             load_medusa_model(folder, base_model=str(demo_gguf_file()), drafter=None)
+
+
+def test_the_profiles_split_times_the_drafter_as_a_stage_of_its_own_and_lists_an_eagle_step(tmp_path):
+    import argparse
+    import math
+
+    from medusa_core.bench.profiling import split_table
+    from medusa_core.bench.stepsplit import step_split
+    from medusa_core.bench.tune import preset_settings
+
+    model = load_medusa_model("demo")  # with its drafter
+    ids = [_ids(model, PROMPTS[0])]
+    split = step_split(model, ids, max_new_tokens=12, temperature=0.0, drafts="eagle")
+    assert split["calls"]["drafter"] >= 2 and split["ms"]["drafter"] > 0  # each step reads its accepted rows, then proposes
+    assert math.isclose(sum(split["ms"].values()), split["step_ms"], rel_tol=1e-9)
+    plain = step_split(model, ids, max_new_tokens=12, temperature=0.0, medusa=False)
+    assert plain["calls"]["drafter"] == 0
+    config, sampling = preset_settings(model, "greedy")
+    args = argparse.Namespace(rounds=1, max_new_tokens=6, clock="wall", preset="greedy")
+    table = "\n".join(split_table(model, ids, args, model.default_tree, dict(config=config, sampling=sampling, seed=0)))
+    assert "| eagle |" in table and "| drafter |" in table

@@ -72,7 +72,8 @@ def cmd_profile(model: Any, args: argparse.Namespace, command: str) -> int:
 
 def split_table(model: Any, ids: list, args: argparse.Namespace, tree: str, settings: dict[str, Any]) -> list[str]:
     """Markdown lines: ms per decoding step by stage (``stepsplit.STAGES``) for a plain, a Medusa (``tree``)
-    and a hybrid (``tree`` + n-gram chain) step (and a corpus-drafts step for a model with a corpus), ``args.rounds`` interleaved rounds, each reply decoded with ``settings``
+    and a hybrid (``tree`` + n-gram chain) step (and a corpus-drafts step for a model with a corpus, an ``eagle`` step,
+    the drafter's chain or the corpus's, for a model with a drafter), ``args.rounds`` interleaved rounds, each reply decoded with ``settings``
     (``generate``'s config / sampling / seed: ``--preset``'s); with the lean pass
     (``medusa_core.lean``) also the plain and Medusa steps through transformers' forward (``@transformers``), whose
     split shows the int4 linears, attention and cache writes that the lean pass does in one call."""
@@ -83,6 +84,8 @@ def split_table(model: Any, ids: list, args: argparse.Namespace, tree: str, sett
     kinds = {"plain": dict(medusa=False), f"medusa:{tree}": dict(tree=tree), f"medusa+ngram:{tree}": dict(tree=tree, drafts="hybrid")}
     if model.has_corpus:
         kinds[f"medusa+corpus:{tree}"] = dict(tree=tree, drafts="corpus")
+    if model.has_drafter:
+        kinds["eagle"] = dict(drafts="eagle")  # as the bench's method: the chain tuned at the preset
     if model._steps.lean is not None:
         kinds |= {f"plain{TRANSFORMERS_PASS}": dict(medusa=False), f"medusa:{tree}{TRANSFORMERS_PASS}": dict(tree=tree)}
     step_split(model, ids[:1], max_new_tokens=8, clock=clock, **settings)  # warm-up

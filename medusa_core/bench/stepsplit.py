@@ -11,6 +11,8 @@ LM head's int4 pass inside the LM head) counts for the outer one only. Stages:
 - ``attention``: the registered attention function (``invariant.rowwise_attention``);
 - ``LM head``: the backbone's logits (``StepRunner.logits``, its int4 pass and float32 refinement);
 - ``heads``: the Medusa heads' proposals (``StepRunner.candidates``, their LM-head pass included);
+- ``drafter``: the EAGLE-style drafter's calls (``eagle.EagleDrafts``: reading the accepted rows, ``observe``, and
+  proposing a chain, ``propose``, the corpus's chain included where it has one);
 - ``sampling``: the logits processors and acceptance (``NodeProcessors``, ``verify_tree``);
 - ``KV cache``: cache writes and compaction (``GrowingLayer.update``, ``compact_cache``);
 - ``lean pass``: the compiled decoder pass (``medusa_core.lean``: its int4 linears, attention and cache
@@ -30,11 +32,12 @@ from transformers import AttentionInterface
 
 from .. import invariant, kvcache
 from .. import decoding
+from ..eagle import EagleDrafts
 from ..processors import NodeProcessors
 from ..quant.layers import Int4Linear
 
 #: Stages of a step, in table order (``rest`` is what none of them covers).
-STAGES = ("int4 linears", "attention", "LM head", "heads", "sampling", "KV cache", "lean pass", "rest")
+STAGES = ("int4 linears", "attention", "LM head", "heads", "drafter", "sampling", "KV cache", "lean pass", "rest")
 
 
 class _Clock:
@@ -80,6 +83,8 @@ def _timed_stages(model: Any, clock: _Clock) -> Iterator[None]:
         patch(NodeProcessors, "__call__", "sampling")
         patch(model._steps, "logits", "LM head")
         patch(model._steps, "candidates", "heads")
+        patch(EagleDrafts, "observe", "drafter")
+        patch(EagleDrafts, "propose", "drafter")
         if model._steps.lean is not None:  # the class's call: the step object keeps its other methods (``read``)
             patch(type(model._steps.lean), "__call__", "lean pass")
         for name, attention in attentions.items():
