@@ -169,8 +169,10 @@ inline void int4_groups(const uint16_t* x, int64_t ldx, const uint8_t* pair, con
 
 // Rows 0 .. MR − 1 by the H blocks of one pair: its groups GG at a time, the last ones one at a time; the outputs
 // rounded to bfloat16 once.
+// Never inlined: each row count's pass is a function of its own, as the compiler laid out passes of up to 4 rows
+// before int4_pass dispatched to 5–8 too (inlined there, 4 rows took 1.09–1.12× as long: scripts/int4_ab.py).
 template <int MR, int H, int GG>
-inline void int4_tile(const uint16_t* x, int64_t ldx, const uint8_t* pair, const float* xsum, int64_t G, uint16_t* out,
+__attribute__((noinline)) void int4_tile(const uint16_t* x, int64_t ldx, const uint8_t* pair, const float* xsum, int64_t G, uint16_t* out,
                       int64_t ldo, __m512i values, uintptr_t limit) {
   __m512 total[MR][H];
   _Pragma("GCC unroll 8") for (int m = 0; m < MR; ++m) {
