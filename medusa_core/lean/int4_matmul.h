@@ -172,8 +172,8 @@ inline void int4_groups(const uint16_t* x, int64_t ldx, const uint8_t* pair, con
 // Never inlined: each row count's pass is a function of its own, as the compiler laid out passes of up to 4 rows
 // before int4_pass dispatched to 5–8 too (inlined there, 4 rows took 1.09–1.12× as long: scripts/int4_ab.py).
 template <int MR, int H, int GG>
-__attribute__((noinline)) void int4_tile(const uint16_t* x, int64_t ldx, const uint8_t* pair, const float* xsum, int64_t G, uint16_t* out,
-                      int64_t ldo, __m512i values, uintptr_t limit) {
+__attribute__((noinline)) void int4_tile(const uint16_t* x, int64_t ldx, const uint8_t* pair, const float* xsum, int64_t G,
+                                         uint16_t* out, int64_t ldo, __m512i values, uintptr_t limit) {
   __m512 total[MR][H];
   _Pragma("GCC unroll 8") for (int m = 0; m < MR; ++m) {
     _Pragma("GCC unroll 2") for (int b = 0; b < H; ++b) total[m][b] = _mm512_setzero_ps();
@@ -210,8 +210,8 @@ inline void int4_pass(int64_t rows, const uint16_t* x, int64_t ldx, const uint8_
 // The most rows int4_rows multiplies in one pass over a pair's weights. Each pass widens the codes anew and runs its
 // rows' dot products, so a second pass over weights still in the cache costs nearly what the first did: with passes of
 // at most 4 rows, 5 rows took 1.7–1.8× a one-row product on the demo's linears (2 threads, AMD EPYC); in one pass
-// 0.74× of that, 6 rows 0.82×, 8 rows 0.95×, 10 rows (5 + 5) 0.85×, 16 rows (8 + 8) 1.03× (docs/BENCH.md, "Products
-// of up to 8 rows in one pass").
+// 0.76× of that, 6 rows 0.88×, 8 rows 0.92×, 10 rows (5 + 5) 0.91×, 16 rows (8 + 8) 1.02× (scripts/int4_ab.py;
+// docs/BENCH.md, "Products of up to 8 rows in one pass").
 constexpr int64_t kPassRows = 8;
 
 // Rows 0 .. M − 1 by the pairs begin .. end − 1 (and, with `lone`, the unpaired block after them), pair by pair: in
