@@ -31,7 +31,7 @@ def build_revision(rev: str, folder: Path):
     revision git does not know."""
     from torch.utils import cpp_extension
 
-    from medusa_core.lean.build import CFLAGS, FILES
+    from medusa_core.lean.build import CFLAGS, FILES, LDFLAGS
 
     for path in FILES:
         source = subprocess.run(["git", "show", f"{rev}:{path.relative_to(ROOT).as_posix()}"], cwd=ROOT, check=True,
@@ -40,7 +40,7 @@ def build_revision(rev: str, folder: Path):
             source = "#define medusa_lean medusa_lean_ab\n" + source
         (folder / path.name).write_text(source, encoding="utf-8")
     return cpp_extension.load(name="medusa_lean_ab", sources=[str(folder / "lean_step.cpp")], build_directory=str(folder),
-                              extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+                              extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, verbose=False)
 
 
 def main() -> None:

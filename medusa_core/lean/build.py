@@ -52,6 +52,8 @@ def enabled() -> bool:
 #: lane operation is one IEEE operation, so the bits do not depend on it), no fused multiply-add, and OpenMP, the
 #: runtime torch's own ``at::parallel_for`` runs on (the heads' products split their rows over torch's threads).
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
+#: Linker flags: OpenMP's runtime, as the compiler flags ask for.
+LDFLAGS = ["-fopenmp"]
 
 
 def _cpu() -> bytes:
@@ -143,7 +145,7 @@ def _build(folder: Path, report: Callable[[str], None]) -> ModuleType | str:
             (folder / "lock").unlink(missing_ok=True)  # torch's baton, left by a build killed midway
             module = cpp_extension.load(
                 name="medusa_lean", sources=[str(SOURCE)], build_directory=str(folder), extra_cflags=CFLAGS,
-                extra_ldflags=["-fopenmp"], verbose=False
+                extra_ldflags=LDFLAGS, verbose=False
             )
     except (RuntimeError, OSError, ImportError) as e:  # a compiler error, a broken toolchain
         log.warning("the lean step could not be built: %s", e)
