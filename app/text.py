@@ -79,17 +79,25 @@ class StreamingDetokenizer:
 
 @dataclass
 class ReplyText:
-    """A reply as runs of text, each marked by whether its tokens were accepted from the Medusa heads.
+    """A reply as runs of text, each marked by whether its tokens were accepted from drafts (heads, drafter,
+    n-gram or corpus).
 
     ``free`` runs are the tokens a step accepted beyond the backbone's own token (paper 2.3.1): the
-    tokens Medusa got without an extra forward pass.
+    tokens Medusa got without an extra forward pass. A character made of several tokens' bytes is free
+    when any of them was.
     """
 
     runs: list[tuple[str, bool]] = field(default_factory=list)
+    #: A free token's piece was empty (its character still incomplete): the next piece holds its bytes.
+    _pending_free: bool = field(default=False, repr=False, compare=False)
 
     def append(self, text: str, free: bool) -> None:
+        """Add the piece of text one token completed (``StreamingDetokenizer.push``; "" while its character is
+        incomplete, or for a special token)."""
         if not text:
+            self._pending_free |= free
             return
+        free, self._pending_free = free or self._pending_free, False
         if self.runs and self.runs[-1][1] == free:
             self.runs[-1] = (self.runs[-1][0] + text, free)
         else:

@@ -104,6 +104,17 @@ def test_reply_html_escapes_text_and_marks_only_free_runs_when_highlighting():
     assert "<mark" not in reply.html(highlight=False)
 
 
+def test_a_character_completed_after_a_drafted_byte_is_marked_as_drafted():
+    # "é" is two byte tokens; when the first was drafted (its piece "": the character is incomplete) and the backbone
+    # gave the second, the character holds drafted bytes: it is marked, and the count of drafted tokens shows.
+    tok = byte_level_tokenizer()
+    h, first, second = tok.convert_tokens_to_ids(["h", "Ã", "©"])
+    detok, reply = StreamingDetokenizer(tok), ReplyText()
+    for token, free in ((h, False), (first, True), (second, False), (h, False)):
+        reply.append(detok.push(token), free=free)
+    assert reply.runs == [("h", False), ("é", True), ("h", False)]
+
+
 def test_prompt_uses_the_chat_template_with_system_prompt_and_history():
     tok = tiny_tokenizer()
     messages = chat_messages("be brief", [("hi", "hello")], "add")
