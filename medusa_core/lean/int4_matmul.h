@@ -80,7 +80,7 @@ inline __m512 bf16_to_float(const uint16_t* p) {  // 16 bfloat16 -> float32 (exa
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
-// How far ahead of the products, in bytes of a thread's stream, int4_groups prefetches the weights (never past the end
+// How far ahead of the products, in bytes of a thread's stream, int4_group prefetches the weights (never past the end
 // of the thread's share), for passes of one row and of more: a row's products keep pace with the read, where more rows'
 // products slow the stream and lines fetched far ahead would leave the 48 KB L1 before their use. Interleaved in the
 // demo's decoding loop (greedy, 2 threads): one row 2.08 ms a pass at 32 KB, 2.20 at 12 and 20 KB; two to five rows
@@ -109,78 +109,70 @@ inline void group_sums(const uint16_t* x, int64_t M, int64_t ldx, int64_t G, flo
   }
 }
 
-// GG groups g .. g + GG − 1 of rows 0 .. MR − 1 by the H blocks of one pair (H = 2, or 1 for an unpaired last block),
-// whose groups lie H · kRecord bytes apart from `pair` on, added to `total`. Each (row, block, group) accumulates its
-// dot products in one chain of dependent instructions, so a step needs several chains in flight to keep the unit busy:
-// the GG groups' chains are independent, and each group's total is added in group order after them (the same
-// operations, in the same order, as one group at a time). The codes of a chunk are widened once and used by every row.
-// Prefetches the stream kAheadBytes<MR> ahead while below `limit`.
-template <int MR, int H, int GG>
-inline void int4_groups(const uint16_t* x, int64_t ldx, const uint8_t* pair, const float* xsum, int64_t G, int64_t g,
-                        __m512 (&total)[MR][H], __m512i values, uintptr_t limit) {
+// Group g of rows 0 .. MR − 1 by the H blocks of one pair (H = 2, or 1 for an unpaired last block), whose groups lie
+// H · kRecord bytes apart from `pair` on, added to `total`. Each (row, block) accumulates its dot products in one chain
+// of dependent instructions, the rows' and blocks' chains independent. The codes of a chunk are widened once and used
+// by every row. Prefetches the stream kAheadBytes<MR> ahead while below `limit`.
+template <int MR, int H>
+inline void int4_group(const uint16_t* x, int64_t ldx, const uint8_t* pair, const float* xsum, int64_t G, int64_t g,
+                       __m512 (&total)[MR][H], __m512i values, uintptr_t limit) {
   const uint8_t* records = pair + g * H * kRecord;
-  // the stream kAheadBytes<MR> on, fetched while these groups are computed, so that the products overlap the weights' read;
+  // the stream kAheadBytes<MR> on, fetched while this group is computed, so that the products overlap the weights' read;
   // a prefetch changes no value (the address is an integer until it is known to lie in the weights)
   const uintptr_t ahead = reinterpret_cast<uintptr_t>(records) + kAheadBytes<MR>;
   if (ahead < limit) {
-    _Pragma("GCC unroll 40") for (int line = 0; line < GG * H * kRecord / 64; ++line) {
+    _Pragma("GCC unroll 10") for (int line = 0; line < H * kRecord / 64; ++line) {
       _mm_prefetch(reinterpret_cast<const char*>(ahead + 64 * line), _MM_HINT_T0);
     }
   }
-  __m512 dot[MR][H][GG];
+  __m512 dot[MR][H];
   _Pragma("GCC unroll 8") for (int m = 0; m < MR; ++m) {
-    _Pragma("GCC unroll 2") for (int b = 0; b < H; ++b) {
-      _Pragma("GCC unroll 4") for (int k = 0; k < GG; ++k) dot[m][b][k] = _mm512_setzero_ps();
-    }
+    _Pragma("GCC unroll 2") for (int b = 0; b < H; ++b) dot[m][b] = _mm512_setzero_ps();
   }
   _Pragma("GCC unroll 2") for (int c = 0; c < 8; ++c) {
-    _Pragma("GCC unroll 4") for (int k = 0; k < GG; ++k) {
-      __m512bh low[MR], high[MR];  // inputs k0, k0 + 1 and k0 + 2, k0 + 3 of each row, in every lane
+    __m512bh low[MR], high[MR];  // inputs k0, k0 + 1 and k0 + 2, k0 + 3 of each row, in every lane
+    _Pragma("GCC unroll 8") for (int m = 0; m < MR; ++m) {
+      int32_t a, b;
+      std::memcpy(&a, x + m * ldx + g * 32 + c * 4, 4);
+      std::memcpy(&b, x + m * ldx + g * 32 + c * 4 + 2, 4);
+      low[m] = (__m512bh)_mm512_set1_epi32(a);
+      high[m] = (__m512bh)_mm512_set1_epi32(b);
+    }
+    _Pragma("GCC unroll 2") for (int b = 0; b < H; ++b) {
+      const uint8_t* p = records + b * kRecord + c * 32;
+      const __m512i codes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+      const __m512bh w_low = (__m512bh)_mm512_permutexvar_epi16(codes, values);
+      const __m512bh w_high = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(codes, 4), values);
       _Pragma("GCC unroll 8") for (int m = 0; m < MR; ++m) {
-        int32_t a, b;
-        std::memcpy(&a, x + m * ldx + (g + k) * 32 + c * 4, 4);
-        std::memcpy(&b, x + m * ldx + (g + k) * 32 + c * 4 + 2, 4);
-        low[m] = (__m512bh)_mm512_set1_epi32(a);
-        high[m] = (__m512bh)_mm512_set1_epi32(b);
-      }
-      _Pragma("GCC unroll 2") for (int b = 0; b < H; ++b) {
-        const uint8_t* p = records + (k * H + b) * kRecord + c * 32;
-        const __m512i codes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-        const __m512bh w_low = (__m512bh)_mm512_permutexvar_epi16(codes, values);
-        const __m512bh w_high = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(codes, 4), values);
-        _Pragma("GCC unroll 8") for (int m = 0; m < MR; ++m) {
-          dot[m][b][k] = _mm512_dpbf16_ps(dot[m][b][k], w_low, low[m]);
-          dot[m][b][k] = _mm512_dpbf16_ps(dot[m][b][k], w_high, high[m]);
-        }
+        dot[m][b] = _mm512_dpbf16_ps(dot[m][b], w_low, low[m]);
+        dot[m][b] = _mm512_dpbf16_ps(dot[m][b], w_high, high[m]);
       }
     }
   }
-  _Pragma("GCC unroll 4") for (int k = 0; k < GG; ++k) {
-    _Pragma("GCC unroll 2") for (int b = 0; b < H; ++b) {
-      const uint16_t* s = reinterpret_cast<const uint16_t*>(records + (k * H + b) * kRecord + 256);
-      const __m512 scale = bf16_to_float(s), zero = bf16_to_float(s + 16);
-      _Pragma("GCC unroll 8") for (int m = 0; m < MR; ++m) {
-        total[m][b] = _mm512_fmadd_ps(dot[m][b][k], scale, total[m][b]);
-        total[m][b] = _mm512_fmadd_ps(zero, _mm512_set1_ps(xsum[m * G + g + k]), total[m][b]);
-      }
+  _Pragma("GCC unroll 2") for (int b = 0; b < H; ++b) {
+    const uint16_t* s = reinterpret_cast<const uint16_t*>(records + b * kRecord + 256);
+    const __m512 scale = bf16_to_float(s), zero = bf16_to_float(s + 16);
+    _Pragma("GCC unroll 8") for (int m = 0; m < MR; ++m) {
+      total[m][b] = _mm512_fmadd_ps(dot[m][b], scale, total[m][b]);
+      total[m][b] = _mm512_fmadd_ps(zero, _mm512_set1_ps(xsum[m * G + g]), total[m][b]);
     }
   }
 }
 
-// Rows 0 .. MR − 1 by the H blocks of one pair: its groups GG at a time, the last ones one at a time; the outputs
-// rounded to bfloat16 once.
+// Rows 0 .. MR − 1 by the H blocks of one pair, group by group; the outputs rounded to bfloat16 once.
 // Never inlined: each row count's pass is a function of its own, as the compiler laid out passes of up to 4 rows
-// before int4_pass dispatched to 5–8 too (inlined there, 4 rows took 1.09–1.12× as long: scripts/int4_ab.py).
-template <int MR, int H, int GG>
+// before int4_pass dispatched to 5–8 too (inlined there, 4 rows took 1.09–1.12× as long: scripts/int4_ab.py). Two
+// groups a step (two chains a row and block in flight) made it slower since: one row 1.32× as long, two rows
+// 1.17–1.22×, four 1.08–1.27× (docs/BENCH.md, "Two to four rows one group a step"), where two groups had made two to
+// five rows 1–4 % faster while the passes were inlined; five to eight rows' accumulators fill the vector registers.
+template <int MR, int H>
 __attribute__((noinline)) void int4_tile(const uint16_t* x, int64_t ldx, const uint8_t* pair, const float* xsum, int64_t G,
                                          uint16_t* out, int64_t ldo, __m512i values, uintptr_t limit) {
   __m512 total[MR][H];
   _Pragma("GCC unroll 8") for (int m = 0; m < MR; ++m) {
     _Pragma("GCC unroll 2") for (int b = 0; b < H; ++b) total[m][b] = _mm512_setzero_ps();
   }
-  int64_t g = 0;
-  for (; g + GG <= G; g += GG) int4_groups<MR, H, GG>(x, ldx, pair, xsum, G, g, total, values, limit);
-  for (; g < G; ++g) int4_groups<MR, H, 1>(x, ldx, pair, xsum, G, g, total, values, limit);
+  for (int64_t g = 0; g < G; ++g) int4_group<MR, H>(x, ldx, pair, xsum, G, g, total, values, limit);
   _Pragma("GCC unroll 8") for (int m = 0; m < MR; ++m) {
     _Pragma("GCC unroll 2") for (int b = 0; b < H; ++b) {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * ldo + b * 16), (__m256i)_mm512_cvtneps_pbh(total[m][b]));
@@ -188,22 +180,19 @@ __attribute__((noinline)) void int4_tile(const uint16_t* x, int64_t ldx, const u
   }
 }
 
-// A pass of `rows` (1 to 8) rows by the H blocks of one pair: one group a step for one row and for five to eight, two
-// for two to four (interleaved in the demo's decoding loop: one row 2.32 ms a pass with one group a step, 2.41 with
-// two, 2.58 with four; two to five rows 1–4 % faster with two than with one: docs/BENCH.md, "The 4-bit weights as one
-// stream"; five to eight rows' accumulators fill the vector registers with one).
+// A pass of `rows` (1 to 8) rows by the H blocks of one pair (int4_tile).
 template <int H>
 inline void int4_pass(int64_t rows, const uint16_t* x, int64_t ldx, const uint8_t* pair, const float* xsum, int64_t G,
                       uint16_t* out, int64_t ldo, __m512i values, uintptr_t limit) {
   switch (rows) {
-    case 1: return int4_tile<1, H, 1>(x, ldx, pair, xsum, G, out, ldo, values, limit);
-    case 2: return int4_tile<2, H, 2>(x, ldx, pair, xsum, G, out, ldo, values, limit);
-    case 3: return int4_tile<3, H, 2>(x, ldx, pair, xsum, G, out, ldo, values, limit);
-    case 4: return int4_tile<4, H, 2>(x, ldx, pair, xsum, G, out, ldo, values, limit);
-    case 5: return int4_tile<5, H, 1>(x, ldx, pair, xsum, G, out, ldo, values, limit);
-    case 6: return int4_tile<6, H, 1>(x, ldx, pair, xsum, G, out, ldo, values, limit);
-    case 7: return int4_tile<7, H, 1>(x, ldx, pair, xsum, G, out, ldo, values, limit);
-    default: return int4_tile<8, H, 1>(x, ldx, pair, xsum, G, out, ldo, values, limit);
+    case 1: return int4_tile<1, H>(x, ldx, pair, xsum, G, out, ldo, values, limit);
+    case 2: return int4_tile<2, H>(x, ldx, pair, xsum, G, out, ldo, values, limit);
+    case 3: return int4_tile<3, H>(x, ldx, pair, xsum, G, out, ldo, values, limit);
+    case 4: return int4_tile<4, H>(x, ldx, pair, xsum, G, out, ldo, values, limit);
+    case 5: return int4_tile<5, H>(x, ldx, pair, xsum, G, out, ldo, values, limit);
+    case 6: return int4_tile<6, H>(x, ldx, pair, xsum, G, out, ldo, values, limit);
+    case 7: return int4_tile<7, H>(x, ldx, pair, xsum, G, out, ldo, values, limit);
+    default: return int4_tile<8, H>(x, ldx, pair, xsum, G, out, ldo, values, limit);
   }
 }
 
@@ -273,7 +262,7 @@ inline void amx_configure(int64_t R, int64_t tail) {
 }
 
 // One record's codes widened to bfloat16 q − 8 as a tile's rows: row 2c (inputs 4c, 4c + 1 of the group) and 2c + 1
-// (4c + 2, 4c + 3) of chunk c, each [16 outputs × 2 inputs], the words int4_groups multiplies.
+// (4c + 2, 4c + 3) of chunk c, each [16 outputs × 2 inputs], the words int4_group multiplies.
 inline void widen_record(const uint8_t* record, uint16_t* rows, __m512i values) {
   _Pragma("GCC unroll 8") for (int c = 0; c < 8; ++c) {
     const __m512i codes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(record + c * 32)));
@@ -307,7 +296,7 @@ inline void amx_slab(const uint16_t* x, int64_t ldx, int64_t rows, int H, const 
                      float* sums, uint16_t* widened, __m512i values, uintptr_t limit) {
   for (int64_t k = 0; k < n; ++k) {
     const uint8_t* records = pair + (g0 + k) * H * kRecord;
-    const uintptr_t ahead = reinterpret_cast<uintptr_t>(records) + kAmxAheadBytes;  // as int4_groups' prefetch
+    const uintptr_t ahead = reinterpret_cast<uintptr_t>(records) + kAmxAheadBytes;  // as int4_group's prefetch
     if (ahead < limit) {
       for (int line = 0; line < H * kRecord / 64; ++line) _mm_prefetch(reinterpret_cast<const char*>(ahead + 64 * line), _MM_HINT_T0);
     }
@@ -331,7 +320,7 @@ inline void amx_slab(const uint16_t* x, int64_t ldx, int64_t rows, int H, const 
 #undef MEDUSA_AMX_GROUP
 
 // A pass of `rows` ≤ 16 rows by the H blocks of one pair, slab by slab: per row and block, group by group,
-// total += scale · sum, total += zero · Σ x (int4_groups' operations, in its order), the total in a register over a
+// total += scale · sum, total += zero · Σ x (int4_group's operations, in its order), the total in a register over a
 // slab; the outputs rounded to bfloat16 once.
 template <bool Tail>
 inline void amx_pass(const uint16_t* x, int64_t ldx, int64_t rows, int H, const uint8_t* pair, const float* xsum, int64_t G,
