@@ -363,9 +363,9 @@ def main():
     draft_head = draft_index = None  # with --draft-vocabulary: the LM head's rows of the ranked ids, and each id's row
     if a.draft_vocabulary:
         from medusa_core.heads import DRAFT_RANKING_FILE
-        from medusa_core.loading import _read_ranking  # the loader's own checked reading of the ranking
+        from medusa_core.loading import read_ranking  # the loader's own checked reading of the ranking
 
-        ranked = _read_ranking(ROOT / "assets/demo" / DRAFT_RANKING_FILE, cfg.vocab_size)[: a.draft_vocabulary]
+        ranked = read_ranking(ROOT / "assets/demo" / DRAFT_RANKING_FILE, cfg.vocab_size)[: a.draft_vocabulary]
         draft_head = lm.weight.detach()[ranked].to(device=dev, dtype=torch.bfloat16)  # [N, H]
         draft_index = torch.full((cfg.vocab_size,), -100, dtype=torch.long)
         draft_index[ranked] = torch.arange(len(ranked))

@@ -216,9 +216,9 @@ def write_tuned(path: Path, key: str, entry: dict[str, Any]) -> dict[str, Any]:
 
 
 def _model_folder(name_or_path: str) -> Path:
-    from ..loading import _local_folder  # the same resolution the loader uses ("demo", folder, Hub id)
+    from ..loading import local_folder  # the same resolution the loader uses ("demo", folder, Hub id)
 
-    return _local_folder(name_or_path)
+    return local_folder(name_or_path)
 
 
 def preset_settings(model: Any, preset: str) -> tuple[SamplingConfig, str]:
