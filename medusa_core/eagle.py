@@ -116,7 +116,9 @@ class EagleDrafts:
         # keys and values, with room for the drafts' rows after the accepted entries
         self.cache = torch.zeros(2, 1, drafter.heads, capacity + depth, drafter.head_dim)
         self.cos, self.sin = drafter.rope_tables(capacity + depth)
-        self.length, self.last = 0, None
+        self.length = 0  # entries observed: the cache's, then the pending ones
+        self._read, self._last = 0, None  # entries the layer has read into the cache; its output at the last one
+        self._pending: list[tuple[torch.Tensor, list[int]]] = []  # observed, not yet read: (states [r, H], next tokens)
 
     def extend(self, tokens) -> None:
         """The corpus chains' context grows (the drafter learns the accepted tokens with their states: ``observe``)."""
@@ -125,14 +127,28 @@ class EagleDrafts:
 
     def observe(self, states: torch.Tensor, next_tokens: list[int]) -> None:
         """Append the accepted positions: ``states`` [r, H] their final-norm states, ``next_tokens`` the token after
-        each (the last one: the step's new root); the layer reads them ``CHUNK`` rows a call, each row attending to
-        the cache's entries before it. Raises ``ValueError`` when the cache is full."""
+        each (the last one: the step's new root). The layer reads them when its output is next needed (``propose``
+        without a corpus chain, ``last``), every position observed since in one call (``CHUNK`` rows a call), each
+        row attending to the cache's entries before it: a step that takes the corpus's chain runs no pass of the
+        drafter's, and the rows it accepted are read with the next step's (the same bits: the layer computes each row
+        on its own). Raises ``ValueError`` when the cache is full."""
         r = states.shape[0]
         if self.length + r > self.cache.shape[3] - self.depth:
             raise ValueError(f"the drafter's cache holds {self.cache.shape[3] - self.depth} entries; {self.length + r} asked")
-        self.last = self.d.observe_rows(self.d.layer, self.d.fc, self.embed, states.float().contiguous(),
-                                        next_tokens, self.cache, self.cos, self.sin, self.length, self.CHUNK)  # [1, H]
+        self._pending.append((states.detach().float().clone(), list(next_tokens)))
         self.length += r
+
+    @property
+    def last(self) -> torch.Tensor | None:
+        """The layer's output [1, H] at the last observed position (the pending ones read first); None before any."""
+        if self._pending:
+            states = torch.cat([s for s, _ in self._pending]).contiguous()
+            tokens = [t for _, ts in self._pending for t in ts]
+            self._pending = []
+            self._last = self.d.observe_rows(self.d.layer, self.d.fc, self.embed, states, tokens, self.cache, self.cos,
+                                             self.sin, self._read, self.CHUNK)  # [1, H]
+            self._read += states.shape[0]
+        return self._last
 
     def propose(self, limit: int) -> list[int]:
         """Drafts after the root, each chained from the drafter's output before it, while their chain's probability
@@ -140,8 +156,9 @@ class EagleDrafts:
         ≥ ``threshold``: at most ``depth`` and ``limit`` of them, none when the first is below it. Where the corpus
         has a chain (``chains``), that chain instead."""
         chain = self.chains.propose(limit) if self.chains is not None else []
-        if chain or self.last is None:
+        last = None if chain else self.last
+        if last is None:
             return chain
         return self.d.chain(self.d.layer, self.d.fc, self.projection, self.vocabulary, self.draft_ids,
-                            self.embed, self.last, self.cache, self.cos, self.sin, self.length, min(limit, self.depth),
+                            self.embed, last, self.cache, self.cos, self.sin, self.length, min(limit, self.depth),
                             self.log_threshold)

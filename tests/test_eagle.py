@@ -90,10 +90,45 @@ def test_observing_a_prompt_in_chunks_or_a_row_at_a_time_gives_the_same_states_a
     whole.observe(states, tokens)
     for i in range(states.shape[0]):
         single.observe(states[i : i + 1], tokens[i : i + 1])
+        assert single.last is not None  # read now, one row a call
     assert whole.length == single.length == states.shape[0]
     assert torch.equal(whole.last, single.last)
     assert torch.equal(whole.cache[:, :, :, : whole.length], single.cache[:, :, :, : single.length])
     assert whole.propose(2) == single.propose(2) and len(whole.propose(2)) == 2
+
+
+def test_a_step_that_takes_the_corpus_chain_runs_no_pass_of_the_drafter_and_its_rows_are_read_with_the_next(demo):
+    class Corpus:  # a chain at the steps listed
+        def __init__(self, steps):
+            self.steps, self.calls = steps, 0
+
+        def extend(self, tokens):
+            pass
+
+        def propose(self, limit):
+            self.calls += 1
+            return [7] if self.calls in self.steps else []
+
+    drafter = EagleDrafter(TRAINED, demo.config, load_extension()[0])
+    embed, projection = demo.backbone.get_input_embeddings(), Int4Linear.quantize(torch.randn(256, 576))
+    lazy, eager = (EagleDrafts(drafter, embed, projection, None, capacity=32, threshold=0.0, chains=Corpus({2, 3}))
+                   for _ in range(2))
+    reads = []
+    observe_rows = drafter.observe_rows
+    drafter.observe_rows = lambda *a: reads.append(a[3].shape[0]) or observe_rows(*a)
+    rows = torch.randn(9, 576, generator=torch.Generator().manual_seed(5))
+    chains = {"lazy": [], "eager": []}
+    for step, (begin, end) in enumerate([(0, 3), (3, 4), (4, 6), (6, 7), (7, 9)]):
+        tokens = list(range(10 + begin, 10 + end))
+        eager.observe(rows[begin:end], tokens)
+        assert eager.last is not None  # read at once, a call a step
+        lazy.observe(rows[begin:end], tokens)
+        chains["eager"].append(eager.propose(3))
+        chains["lazy"].append(lazy.propose(3))
+    assert chains["lazy"] == chains["eager"] and chains["lazy"][1:3] == [[7], [7]]  # the corpus's at steps 1 and 2
+    # eager: a call a step (3, 1, 2, 1, 2 rows); lazy: none at the corpus's steps, their rows read with step 3's
+    assert reads == [3, 3, 1, 2, 1, 4, 2, 2]
+    assert torch.equal(lazy.cache[:, :, :, :9], eager.cache[:, :, :, :9]) and lazy.length == eager.length == 9
 
 
 class _Reference:
@@ -104,7 +139,8 @@ class _Reference:
     def __init__(self, state, path, module):
         from safetensors.torch import load_file
 
-        self.s, self.module = state, module
+        self.s, self.module = state, module  # the state's cache, tables and threshold; its own length and output
+        self.length, self.last = 0, None
         self.fc = Int4Linear.quantize(load_file(str(path))["fc.weight"])
 
     def layer(self, x, start):
@@ -119,12 +155,12 @@ class _Reference:
     def observe(self, embed, states, tokens):
         x = self.fc(torch.cat([states.float(), embed(torch.tensor(tokens)).float()], -1))
         for begin in range(0, x.shape[0], EagleDrafts.CHUNK):
-            out = self.layer(x[begin : begin + EagleDrafts.CHUNK], self.s.length + begin)
-        self.s.length += x.shape[0]
-        self.s.last = out[-1:]
+            out = self.layer(x[begin : begin + EagleDrafts.CHUNK], self.length + begin)
+        self.length += x.shape[0]
+        self.last = out[-1:]
 
     def propose(self, embed, projection, draft_ids, most):
-        drafts, out, log_chance = [], self.s.last, 0.0
+        drafts, out, log_chance = [], self.last, 0.0
         before = self.module.set_one_row_dots(True)  # the chain's one-row products take the dot products, AMX or not
         try:
             while len(drafts) < most:
@@ -135,7 +171,7 @@ class _Reference:
                 drafts.append(int(draft_ids[column[0, 0]]))
                 if len(drafts) < most:
                     x = self.fc(torch.cat([out, embed(torch.tensor(drafts[-1:])).float()], -1))
-                    out = self.layer(x, self.s.length + len(drafts) - 1)
+                    out = self.layer(x, self.length + len(drafts) - 1)
         finally:
             self.module.set_one_row_dots(before)
         return drafts
@@ -156,7 +192,7 @@ def test_the_compiled_observe_and_chain_give_the_python_calls_bits(demo):
         reference = _Reference(python, TRAINED, module)
         compiled.observe(states, tokens)
         reference.observe(embed, states, tokens)
-        assert compiled.length == python.length and torch.equal(compiled.last, python.last)
+        assert compiled.length == reference.length and torch.equal(compiled.last, reference.last)
         chain = compiled.propose(6)
         assert chain == reference.propose(embed, projection, draft_ids, 4)
         assert torch.equal(compiled.cache, python.cache)  # the drafts' entries past length too
