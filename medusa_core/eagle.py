@@ -116,7 +116,6 @@ class EagleDrafts:
         # keys and values, with room for the drafts' rows after the accepted entries
         self.cache = torch.zeros(2, 1, drafter.heads, capacity + depth, drafter.head_dim)
         self.cos, self.sin = drafter.rope_tables(capacity + depth)
-        self.length = 0  # entries observed: the cache's, then the pending ones
         self._read, self._last = 0, None  # entries the layer has read into the cache; its output at the last one
         self._pending: list[tuple[torch.Tensor, list[int]]] = []  # observed, not yet read: (states [r, H], next tokens)
 
@@ -136,7 +135,11 @@ class EagleDrafts:
         if self.length + r > self.cache.shape[3] - self.depth:
             raise ValueError(f"the drafter's cache holds {self.cache.shape[3] - self.depth} entries; {self.length + r} asked")
         self._pending.append((states.detach().float().clone(), list(next_tokens)))
-        self.length += r
+
+    @property
+    def length(self) -> int:
+        """Entries observed: those the layer has read into the cache, then the pending ones."""
+        return self._read + sum(s.shape[0] for s, _ in self._pending)
 
     @property
     def last(self) -> torch.Tensor | None:

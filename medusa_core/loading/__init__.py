@@ -11,6 +11,9 @@ The head count and block count come from the tensors, never from the config (pub
 are wrong about it). Optional files next to the heads: ``medusa_calibration.json`` (rank accuracies
 and optimised trees, paper 2.3.3, and the heads' temperatures) and ``medusa_tuned.json`` (trees and
 the tree-shaping threshold tuned per device, precision and sampling settings: ``medusa_core.tuned``).
+
+Modules: ``checkpoints`` (the folder, JSON files, head files and the heads they make), ``backbone`` (its precision,
+the model and its tokenizer), ``sidecars`` (the trees, tuned entries and corpus beside the heads); here the loader.
 """
 
 from __future__ import annotations

@@ -91,6 +91,8 @@ def load_backbone(
 
 
 def load_tokenizer(folder: Path, base: str, trust_remote_code: bool):
+    """The tokenizer in the checkpoint ``folder`` where it has one, else the backbone's (``base``, a folder or Hub id);
+    None, with a logged warning, where transformers cannot load either."""
     from transformers import AutoTokenizer
 
     source = str(folder) if (folder / "tokenizer_config.json").exists() else base

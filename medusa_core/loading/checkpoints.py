@@ -86,10 +86,12 @@ def local_folder(name_or_path: str | Path) -> Path:
         return path
     if path.exists() or str(name_or_path).startswith((".", "/", "~")) or str(name_or_path).count("/") != 1:
         raise MedusaCheckpointError(f"{name_or_path}: no such folder, and not a Hub id of the form 'owner/name'")
-    return hub_snapshot(str(name_or_path))
+    return _hub_snapshot(str(name_or_path))
 
 
-def hub_snapshot(repo_id: str) -> Path:
+def _hub_snapshot(repo_id: str) -> Path:
+    """The local folder of Hub repo ``repo_id``'s checkpoint files (downloaded, or from the cache when offline).
+    Raises ``MedusaCheckpointError`` when it is not cached and the Hub cannot be reached, or the download fails."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
