@@ -144,7 +144,7 @@ def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
                 with gr.Row():
                     regenerate = gr.Button("Regenerate (Ctrl+Enter)", size="sm", elem_id="regenerate")
                     clear = gr.Button("Clear", size="sm", elem_id="clear")
-                    highlight = gr.Checkbox(defaults.highlight, label="Highlight drafted tokens (heads, drafter, n-gram or corpus)", elem_id="highlight")
+                    highlight = gr.Checkbox(defaults.highlight, label="Highlight drafted tokens", elem_id="highlight")
                 status_line = gr.Markdown(elem_id="reply-status")
             with gr.Column(scale=4, min_width=400, elem_id="live-column"):
                 tree_plot = gr.Plot(empty_figure(EMPTY_TREE, 380), elem_id="tree-plot", show_label=False)
