@@ -155,7 +155,7 @@ def residual_distributions(probs: torch.Tensor, parent_rows: torch.Tensor, token
 
     After every candidate of a node is rejected (or at a leaf, which has none), the step's last token
     is drawn from this residual: together with the accepted candidates it makes the token at that
-    position distributed exactly as p (see ``MedusaModel.generate``).
+    position distributed exactly as p (see ``verify_tree``).
 
     Args:
         probs: [M, V] target distributions.
@@ -200,8 +200,7 @@ def node_status(parents: Sequence[int], nodes: Sequence[int]) -> tuple[str, ...]
 def verify_tree(
     tree, scores: torch.Tensor, tokens: torch.Tensor, rule: str, eps: float, alpha: float, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Accept a path of a tree step and choose the next step's root (paper 2.3.1; exact sampling: the
-    walk documented in ``MedusaModel.generate``).
+    """Accept a path of a tree step and choose the next step's root (paper 2.3.1; exact sampling below).
 
     Args:
         tree: the step's ``steptree.StepTree`` (N nodes).
@@ -216,6 +215,27 @@ def verify_tree(
     (``SAMPLING_KERNELS``) the greedy and the exact walk on a CPU are one call (``sampling.h`` tree_walk: the same rule
     from the same uniforms, reading only the walked rows; greedy walks into the child holding its parent's argmax, the
     one longest accepted prefix where siblings hold distinct tokens, as in every tree the engine builds).
+
+    Exact sampling (Leviathan et al. 2023, "Fast inference from transformers via speculative
+    decoding", and Chen et al. 2023, "Accelerating LLM decoding with speculative sampling", for
+    one draft; SpecInfer, Miao et al. 2024, and multi-draft speculative sampling for a tree).
+    A step starts at the root, a token already drawn from the backbone's distribution (from the
+    prompt's logits, or the previous step's bonus token). At the current node, with target p =
+    softmax(processed logits) of the backbone there (``NodeProcessors`` given the node's prefix),
+    its children x_1, x_2, ... (distinct tokens: ranks of one head's top-k, or a chain's one draft) are tried
+    in rank order. The drafts (heads, n-gram or corpus chains, the drafter's) are deterministic given the
+    prefix, i.e. point-mass drafts q(x_i) = 1, so the speculative-sampling test
+    ``u < min(1, p(x)/q(x))`` becomes ``u < p_res(x_i)``, with p_res the residual: p with the
+    tokens of the already rejected siblings set to 0 and renormalised. On rejection x_i leaves the
+    residual. If a child is accepted the walk moves to it; if every child is rejected (or the node
+    is a leaf) the step's last token, the bonus, is drawn from the residual at that node and
+    becomes the next step's root. Why the token after a node is distributed as p: x_1 comes out
+    with probability p(x_1); x_i with probability Π_{j<i}(1 − p_res,j(x_j)) · p_res,i(x_i) =
+    (1 − Σ_{j<i} p(x_j)) · p(x_i) / (1 − Σ_{j<i} p(x_j)) = p(x_i); and any other y with
+    probability (1 − Σ_j p(x_j)) · p(y) / (1 − Σ_j p(x_j)) = p(y). An accepted child's node holds
+    the backbone's logits given exactly that prefix, so by induction over positions the whole
+    reply follows plain sampling; stopping rules (EOS, token limit) only cut it. The uniforms of
+    all candidates are drawn up front, which leaves the law unchanged (``try_children``).
     """
     path0 = tree.retrieve_indices[0]  # [D+1]
     greedy = rule == "greedy"

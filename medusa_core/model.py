@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import threading
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
 from transformers import DynamicCache
 
+from .corpus import LazyCorpus
 from .decoding import StepRunner
 from .datastore import Datastore
 from .drafts import DraftConfig, NgramDrafter
@@ -112,9 +112,7 @@ class MedusaModel:
             raise ValueError(f"min_head_probability must be in [0, 1], got {min_head_probability}")
         self.min_head_probability = float(min_head_probability)
         self.tuned = dict(tuned or {})
-        self._corpus = corpus
-        self._corpus_lock = threading.Lock()  # one build when a warm-up thread and a reply ask at once
-        self._corpus_thread: threading.Thread | None = None  # index_corpus_in_background's
+        self._corpus = LazyCorpus(corpus)
         self._trees: dict[str, StepTree] = {}
         self._default_tree = default_tree
         for tree in [*self.trees, *([default_tree] if default_tree else []), *(t.tree for t in self.tuned.values())]:
@@ -148,49 +146,27 @@ class MedusaModel:
     def index_corpus_in_background(self) -> None:
         """Start making the corpus index (``corpus``: ~9 s for the demo at a first start in this process, ~12 s apart,
         then read from the cache folder) in a daemon thread, so that a caller who will want corpus drafts soon does not
-        wait for it: the app at ``ready``, a reply that found it not ready. A source with ``prepare_apart`` (a head
-        folder's replies, ``loading.CorpusIndex``) first makes its index file in a low-priority process of its own, so
-        that replies decoded meanwhile keep their speed. Nothing without a corpus, once it is made, or while a thread
-        this started runs (two callers at once start at most two threads; ``corpus``'s lock makes one build)."""
-        if not self.has_corpus or self.corpus_ready or self._indexing_in_background:
-            return
-        source = self._corpus
-
-        def index() -> None:
-            if hasattr(source, "prepare_apart"):  # its index file made in a low-priority process of its own, then read
-                source.prepare_apart()
-            self.corpus
-
-        self._corpus_thread = threading.Thread(target=index, name="corpus-index", daemon=True)
-        self._corpus_thread.start()
+        wait for it: the app at ``ready``, a reply that found it not ready (``corpus.LazyCorpus.index_in_background``:
+        a head folder's replies are indexed in a low-priority process of their own first). Nothing without a corpus,
+        once it is made, or while such a thread runs."""
+        self._corpus.index_in_background(self._steps.extension)
 
     # ----------------------------------------------------------------------------------- properties
     @property
     def has_corpus(self) -> bool:
         """Whether the model has a corpus of its own replies (``generate(drafts="corpus")``)."""
-        return self._corpus is not None
-
-    @property
-    def _indexing_in_background(self) -> bool:
-        """Whether a thread ``index_corpus_in_background`` started is still making the corpus."""
-        return self._corpus_thread is not None and self._corpus_thread.is_alive()
+        return self._corpus.present
 
     @property
     def corpus_ready(self) -> bool:
         """Whether the model has a corpus that is already made (``corpus`` then returns at once)."""
-        return self._corpus is not None and not callable(self._corpus)
+        return self._corpus.ready
 
     @property
     def corpus(self) -> Datastore | None:
         """The index of the model's own replies (``datastore.Datastore``), made on first use (thread-safe: a
         caller may warm it in the background); None without one."""
-        with self._corpus_lock:
-            if callable(self._corpus):
-                self._corpus = self._corpus()
-            if self._corpus is not None and self._corpus.kernel is None and self._steps.extension is not None:
-                # chains in one compiled call where the step loaded the extension
-                self._corpus.use_kernel(self._steps.extension)
-            return self._corpus
+        return self._corpus.get(self._steps.extension)
 
     @property
     def device(self) -> torch.device:
@@ -353,26 +329,8 @@ class MedusaModel:
                 progress and stop between chunks (closing the iterator).
             prefill_chunk: prompt tokens read per pass (an integer >= 1).
 
-        Exact sampling (Leviathan et al. 2023, "Fast inference from transformers via speculative
-        decoding", and Chen et al. 2023, "Accelerating LLM decoding with speculative sampling", for
-        one draft; SpecInfer, Miao et al. 2024, and multi-draft speculative sampling for a tree).
-        A step starts at the root, a token already drawn from the backbone's distribution (from the
-        prompt's logits, or the previous step's bonus token). At the current node, with target p =
-        softmax(processed logits) of the backbone there (``NodeProcessors`` given the node's prefix),
-        its children x_1, x_2, ... (distinct tokens: ranks
-        of one head's top-k) are tried in rank order. The heads' proposals are deterministic given the
-        prefix, i.e. point-mass drafts q(x_i) = 1, so the speculative-sampling test
-        ``u < min(1, p(x)/q(x))`` becomes ``u < p_res(x_i)``, with p_res the residual: p with the
-        tokens of the already rejected siblings set to 0 and renormalised. On rejection x_i leaves the
-        residual. If a child is accepted the walk moves to it; if every child is rejected (or the node
-        is a leaf) the step's last token, the bonus, is drawn from the residual at that node and
-        becomes the next step's root. Why the token after a node is distributed as p: x_1 comes out
-        with probability p(x_1); x_i with probability Π_{j<i}(1 − p_res,j(x_j)) · p_res,i(x_i) =
-        (1 − Σ_{j<i} p(x_j)) · p(x_i) / (1 − Σ_{j<i} p(x_j)) = p(x_i); and any other y with
-        probability (1 − Σ_j p(x_j)) · p(y) / (1 − Σ_j p(x_j)) = p(y). An accepted child's node holds
-        the backbone's logits given exactly that prefix, so by induction over positions the whole
-        reply follows plain sampling; stopping rules (EOS, token limit) only cut it. The uniforms of
-        all candidates are drawn up front, which leaves the law unchanged (``try_children``).
+        Exact sampling (Leviathan et al. 2023; Chen et al. 2023; SpecInfer, Miao et al. 2024): the walk over the
+        tree and why the reply follows plain sampling are in ``acceptance.verify_tree``.
 
         Returns an iterator; stopping the iteration early releases the KV cache (a ``kept`` one keeps
         the entries written so far, and what they hold).
@@ -417,7 +375,7 @@ class MedusaModel:
         rule = "greedy" if settings.greedy else sampling if medusa else "sample"
         drafter = corpus_chains = None
         # the corpus's chains ("corpus" checked above); the drafter drafts alone rather than wait for a background index
-        waits = drafts == "eagle" and not self.corpus_ready and self._indexing_in_background
+        waits = drafts == "eagle" and not self.corpus_ready and self._corpus.indexing
         if medusa and drafts in ("corpus", "eagle") and self.has_corpus and not waits:
             corpus_chains = NgramDrafter(draft_config, input_ids[0].tolist(), corpus=self.corpus, copy=False)
         if medusa and drafts == "corpus":

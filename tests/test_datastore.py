@@ -252,13 +252,13 @@ def test_indexing_in_the_background_builds_once_and_a_call_meanwhile_starts_no_s
     model.index_corpus_in_background()  # the first thread still builds
     assert not model.corpus_ready
     release.set()
-    model._corpus_thread.join(30)
+    model._corpus.thread.join(30)
     assert model.corpus_ready and calls == [1]
     model.index_corpus_in_background()  # made: nothing to do
     assert calls == [1]
     without = random_heads_model(backbone_for("llama"), None)
     without.index_corpus_in_background()
-    assert without._corpus_thread is None
+    assert without._corpus.thread is None
 
 
 def test_indexing_in_the_background_makes_the_index_apart_first_where_its_source_can(backbone_for, random_heads_model):
@@ -276,7 +276,7 @@ def test_indexing_in_the_background_makes_the_index_apart_first_where_its_source
 
     model = random_heads_model(backbone_for("llama"), Source())
     model.index_corpus_in_background()
-    model._corpus_thread.join(30)
+    model._corpus.thread.join(30)
     assert model.corpus_ready and steps == ["apart", "read"]
 
 
@@ -314,5 +314,5 @@ def test_a_head_folder_with_replies_of_its_backbone_gets_them_as_its_corpus_with
     assert lines and "Indexing the model's own replies (1 files)" in lines[0]
     assert list((tmp_path / "cache" / "corpus").glob("corpus-*.safetensors"))  # kept for the next start
     again = load_medusa_model(folder, quantization=None)
-    again._corpus.prepare_apart()  # made already: read, not built again
+    again._corpus.source.prepare_apart()  # made already: read, not built again
     assert again.corpus.next_token([2, 3]) == (4, 1.0, 2)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from medusa_core import MedusaCheckpointError, eagle, load_medusa_model
+from medusa_core.corpus import LazyCorpus
 from medusa_core.eagle import EagleDrafter, EagleDrafts
 from medusa_core.lean.build import load_extension
 from medusa_core.quant.layers import Int4Linear
@@ -48,7 +49,7 @@ def test_greedy_eagle_drafts_equal_plain_greedy_even_from_a_random_drafter(tmp_p
     model = load_medusa_model("demo")
     model.load_drafter(random_drafter(tmp_path / "random.safetensors", model.config))
     every_draft = DraftConfig(chain_depth=eagle.DEPTH, chain_threshold=0.0)  # every chain DEPTH deep: a random drafter is never confident
-    monkeypatch.setattr(model, "_corpus", None)  # the drafter's chains alone
+    monkeypatch.setattr(model, "_corpus", LazyCorpus(None))  # the drafter's chains alone
     for text in PROMPTS[:2]:
         ids = _ids(model, text)
         plain, _ = _greedy(model, ids, medusa=False)
@@ -310,7 +311,7 @@ def test_the_chain_tuned_for_the_settings_sets_the_drafters_depth_unless_the_dra
         tuned = model.tuned_for(config)
         assert (tuned.chain_depth, tuned.chain_threshold, tuned.chain_measured_speedup) == (2, 0.0, 1.3)
     model.load_drafter(random_drafter(tmp_path / "random.safetensors", model.config))  # never confident: threshold 0
-    model._corpus = None  # the drafter's chains alone
+    model._corpus = LazyCorpus(None)  # the drafter's chains alone
     ids = _ids(model, PROMPTS[0])
     plain, _ = _greedy(model, ids, medusa=False)
     nodes = {}
