@@ -9,7 +9,7 @@
 //   out += zero · Σ x                 (one fused multiply-add; Σ x per row and group, a fixed-order float32 sum)
 // and the output is rounded to bfloat16 once. Each (row, 16 outputs) is one fixed sequence of operations whatever the
 // other rows or columns of the call: a row's bits do not depend on M (batch invariance, invariant.py), and a column's
-// not on which other linears share the call (q/k/v fused, decoder.h fuse).
+// not on which other linears share the call (q/k/v fused, decoder_ops.h fuse).
 //
 // Layout (quant/layers.py int4_tiles): a block is 16 outputs; a record (block b, group g) is 320 bytes: 256 bytes of
 // codes, [8 chunks, 32] — for chunk c (inputs k0 = 32g + 4c .. k0 + 3), byte 2j + s holds code (j, k0 + s) in its low

@@ -126,7 +126,7 @@ class LeanStep:
 
     @property
     def fused(self) -> tuple[int, int]:
-        """Layers whose q/k/v, and whose gate/up, run as one int4 product (``decoder.h`` ``fuse``)."""
+        """Layers whose q/k/v, and whose gate/up, run as one int4 product (``decoder_ops.h`` ``fuse``)."""
         qkv, gate_up = self._decoder.fused()
         return qkv, gate_up
 
