@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 from medusa_core import StepRecord
 
-from .stats import StepRow, rolling_mean
+from .stats import CHAIN_NAMES, StepRow, rolling_mean
 
 ACCEPTED = "#d62728"  # the accepted path: strong red, used for nothing else
 BACKBONE = "#444444"  # the root: the backbone's own token
@@ -104,8 +104,9 @@ EMPTY_TREE = "Each step's candidate tree<br>appears here while a reply streams"
 
 def tree_figure(record: StepRecord, labels: Sequence[str], height: int = 380) -> Figure:
     """One step's candidate tree: nodes by depth with their token text, coloured by source: the backbone's
-    root, head k (paler for lower-ranked candidates) or an n-gram copy from the context (orange
-    diamonds); the accepted path in red; hover shows token id, source (head k rank r / n-gram copy) and status.
+    root, head k (paler for lower-ranked candidates) or a chain's draft (orange diamonds, named by the reply's drafts:
+    an n-gram copy from the context, the corpus's chain, or the drafter's or the corpus's chain, ``CHAIN_NAMES``); the
+    accepted path in red; hover shows token id, source (head k rank r / the chain's name) and status.
     Exact sampling steps also mark the candidates tried and rejected with an ✕ (``record.node_status``).
 
     Labels that would overlap (a 64-node tree has ~40 leaves) are left to the hover, the accepted
@@ -132,18 +133,19 @@ def tree_figure(record: StepRecord, labels: Sequence[str], height: int = 380) ->
         dict(type="scatter", x=[x[i] for i in path], y=[y[i] for i in path], mode="lines", line=dict(color=ACCEPTED, width=4), hoverinfo="skip", name="accepted path"),
     ]
     sources = record.node_sources or ("root",) + ("head",) * (record.tree_nodes - 1)
+    chain = CHAIN_NAMES.get(record.drafts, "n-gram copy")
     # One trace per source: the root (head -1), each head (0-based; shown 1-based, as in the paper), n-gram copies.
     groups = sorted({(sources[i] == "ngram", record.node_heads[i]) for i in range(record.tree_nodes)})
     for ngram, head in groups:
         nodes = [i for i in range(record.tree_nodes) if (sources[i] == "ngram", record.node_heads[i]) == (ngram, head)]
-        where = [_source_text(sources[i], record.node_heads[i], record.node_ranks[i]) for i in nodes]
+        where = [chain if ngram else _source_text(record.node_heads[i], record.node_ranks[i]) for i in nodes]
         data.append(
             dict(
                 type="scatter",
                 x=[x[i] for i in nodes],
                 y=[y[i] for i in nodes],
                 mode="markers+text",
-                name="n-gram copy" if ngram else "backbone" if head < 0 else f"head {head + 1}",
+                name=chain if ngram else "backbone" if head < 0 else f"head {head + 1}",
                 text=[_short(labels[i]) if i in labelled else "" for i in nodes],
                 textposition="middle right",
                 textfont=dict(size=11, color=[ACCEPTED if i in accepted else "#333333" for i in nodes]),
@@ -184,7 +186,8 @@ def tree_figure(record: StepRecord, labels: Sequence[str], height: int = 380) ->
             height=height,
             margin=margin,
             xaxis=dict(
-                title=dict(text="depth (head k proposes depth k)", standoff=4), tickmode="linear", dtick=1,
+                title=dict(text="depth (head k proposes depth k)" if "head" in sources else "depth (draft d of the chain)", standoff=4),
+                tickmode="linear", dtick=1,
                 range=[-0.3, max(x) + 0.9], zeroline=False, gridcolor=GRID,
             ),
             yaxis=dict(title=dict(text="rank: best first ↓"), showticklabels=False, showgrid=False, zeroline=False),
@@ -196,10 +199,8 @@ def tree_figure(record: StepRecord, labels: Sequence[str], height: int = 380) ->
     )
 
 
-def _source_text(source: str, head: int, rank: int) -> str:
-    """A node's source for its hover: ``"backbone"``, ``"head 2 rank 0"`` (1-based head) or ``"n-gram copy"``."""
-    if source == "ngram":
-        return "n-gram copy"
+def _source_text(head: int, rank: int) -> str:
+    """A root's or a head's node's source for its hover: ``"backbone (root)"`` or ``"head 2 rank 0"`` (1-based head)."""
     return "backbone (root)" if head < 0 else f"head {head + 1} rank {rank}"
 
 

@@ -24,6 +24,14 @@ from typing import Iterable, Sequence
 
 from medusa_core import SamplingConfig, StepRecord
 
+#: The Drafts control's choices: (label, ``generate(drafts=...)`` value), those ``drafts_default`` gives first; the
+#: summary names a reply's drafts by the same labels.
+DRAFT_CHOICES = [("drafter + corpus", "eagle"), ("heads only", "heads"), ("heads + corpus", "corpus"), ("hybrid (heads + n-gram)", "hybrid"),
+                 ("n-gram only", "ngram")]
+DRAFT_LABELS = {value: label for label, value in DRAFT_CHOICES}  # a Drafts value -> its label on the page
+#: What the tree plot calls a chain's nodes (``node_sources`` "ngram") under each Drafts value that verifies chains.
+CHAIN_NAMES = {"hybrid": "n-gram copy", "ngram": "n-gram copy", "corpus": "corpus chain", "eagle": "drafter or corpus chain"}
+
 
 @dataclass(frozen=True)
 class StepRow:
@@ -221,9 +229,9 @@ def summary_markdown(summary: Summary) -> str:
             + " · ".join(f"**{rule}** {rate:.2f} ({n} steps)" for rule, n, rate in s.acceleration_by_sampling),
             "",
             "Tokens / step by drafts: "
-            + " · ".join(f"**{drafts}** {rate:.2f} ({n} steps)" for drafts, n, rate in s.acceleration_by_drafts),
+            + " · ".join(f"**{DRAFT_LABELS.get(drafts, drafts)}** {rate:.2f} ({n} steps)" for drafts, n, rate in s.acceleration_by_drafts),
             "",
             f"Accepted beyond the backbone's own token: **{s.head_tokens}** from the heads, "
-            f"**{s.ngram_tokens}** from n-gram drafts",
+            f"**{s.ngram_tokens}** from chains (n-gram, corpus or drafter)",
         ]
     return "\n".join(lines)

@@ -23,10 +23,10 @@ from . import handlers, paths
 from .charts import EMPTY_TREE, empty_figure, speed_figure
 from .engine import Engine
 from .handlers import CONTROL_NAMES, CUSTOM_TREE, Controls
-from .handlers.controls import CONTROL_RANGES, DRAFT_CHOICES, DRAFTS_INFO, FILTER_INFO, TREE_INFO, read_controls
+from .handlers.controls import CONTROL_RANGES, DRAFTS_INFO, FILTER_INFO, TREE_INFO, read_controls
 from .session import Session
 from .settings import AppSettings
-from .stats import summarize, summary_markdown
+from .stats import DRAFT_CHOICES, summarize, summary_markdown
 
 # The status line under the chat says what a reply is doing, so no spinners: each costs the browser work per update.
 MODEL_QUEUE = dict(concurrency_id="model", concurrency_limit=1, show_progress="hidden")

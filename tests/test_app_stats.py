@@ -266,13 +266,40 @@ def test_a_hybrid_step_that_verified_a_long_chain_alone_is_titled_as_the_chain_n
     assert "· ngram (3 nodes)" in title and "+ n-gram" not in title and "(0 from heads, 2 from n-gram)" in title
 
 
+def drafter_record(step=1) -> StepRecord:
+    """A drafter + corpus step (``drafts="eagle"``): the root and a chain of two drafts, both accepted."""
+    return dataclasses.replace(
+        hybrid_record(step), tree_name="ngram", tree_nodes=3, node_token_ids=(10, 16, 17), node_parents=(-1, 0, 1),
+        node_heads=(-1, -1, -1), node_ranks=(0, 0, 0), node_sources=("root", "ngram", "ngram"), accepted_nodes=(0, 1, 2),
+        accept_length=2, token_ids=(16, 17, 9), total_tokens=3, drafts="eagle",
+    )
+
+
+def test_a_drafter_step_names_its_chain_as_the_drafter_or_corpus_chain_not_an_n_gram_copy_or_the_heads():
+    fig = tree_figure(drafter_record(), ["t0", "t6", "t7"])
+    by_name = {t["name"]: t for t in fig.data if t.get("mode") == "markers+text"}
+    assert list(by_name) == ["backbone", "drafter or corpus chain"]
+    assert {c[2] for c in by_name["drafter or corpus chain"]["customdata"]} == {"drafter or corpus chain"}
+    assert "head" not in fig.layout["xaxis"]["title"]["text"]  # no head proposed a node of this step
+    assert "head k" in tree_figure(hybrid_record(), [f"t{i}" for i in range(8)]).layout["xaxis"]["title"]["text"]
+    corpus = dataclasses.replace(drafter_record(), drafts="corpus")
+    assert "corpus chain" in {t.get("name") for t in tree_figure(corpus, ["t0", "t6", "t7"]).data}
+
+
+def test_the_summary_names_the_drafts_as_the_drafts_control_does_and_counts_every_chain_source():
+    s = summarize([row(drafter_record(1)), row(drafter_record(2)), row(hybrid_record(3))], num_heads=3)
+    text = summary_markdown(s)
+    assert "**drafter + corpus** 3.00 (2 steps)" in text and "**hybrid (heads + n-gram)** 5.00 (1 steps)" in text
+    assert "**2** from the heads, **6** from chains (n-gram, corpus or drafter)" in text
+
+
 def test_rows_summary_and_csv_say_how_many_accepted_tokens_came_from_the_heads_and_from_n_gram_drafts(tmp_path):
     rows = [row(hybrid_record(1)), row(hybrid_record(2)), row(record(3, accepted=(0, 1)))]
     assert [(r.head_tokens, r.ngram_tokens, r.drafts) for r in rows] == [(2, 2, "hybrid"), (2, 2, "hybrid"), (1, 0, "")]
     s = summarize(rows, num_heads=3)
     assert (s.head_tokens, s.ngram_tokens) == (5, 4)
     assert s.acceleration_by_drafts == (("hybrid", 2, 5.0), ("", 1, 2.0))
-    assert "**5** from the heads, **4** from n-gram drafts" in summary_markdown(s)
+    assert "**5** from the heads, **4** from chains (n-gram, corpus or drafter)" in summary_markdown(s)
     with write_csv(rows, tmp_path / "s.csv").open() as f:
         read = list(csv.DictReader(f))
     assert [(r["drafts"], r["head_tokens"], r["ngram_tokens"]) for r in read][0] == ("hybrid", "2", "2")

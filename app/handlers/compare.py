@@ -90,12 +90,12 @@ def compare(engine: Engine, settings: AppSettings, session: Session, controls: C
 def compare_table(
     results: dict[str, list[StepRecord]], running: str | None, reading: ReadProgress | None = None, planned: int | None = None
 ) -> str:
-    """The Compare panel: a row per run so far (with the tokens the heads and the n-gram lookup
-    proposed; ``reading``: how far the running one has read its prompt); once all ``planned`` runs ended by themselves
+    """The Compare panel: a row per run so far (with the tokens the heads and the chains -- n-gram, corpus or
+    drafter -- proposed; ``reading``: how far the running one has read its prompt); once all ``planned`` runs ended by themselves
     (EOS, token limit, context), each variant's speedup over Medusa off and whether its reply is identical. A stopped
     Compare (``planned`` None: Stop's report) draws no verdict: a partial run's speed and text say nothing about the
     whole reply."""
-    lines = ["| | tokens | steps | tok/step | from heads | from n-gram or corpus | time (s) | tok/s |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| | tokens | steps | tok/step | from heads | from chains | time (s) | tok/s |", "|---|---|---|---|---|---|---|---|"]
     speed: dict[str, float] = {}
     for mode, records in results.items():
         tokens = sum(len(r.token_ids) for r in records)
@@ -126,7 +126,7 @@ def compare_table(
         lines += [
             "",
             "Greedy decoding, same prompt, tree and token limit; tokens/s leaves out the prompt's prefill; "
-            "from heads / n-gram: accepted tokens each source proposed.",
+            "from heads / chains: accepted tokens each source proposed (chains: n-gram, corpus or drafter).",
         ]
     elif running is None:
         lines += ["", "Stopped before every run finished: no speedup or identity verdict."]

@@ -18,6 +18,7 @@ from medusa_core import CHAIN_SOURCES, CHAT_PRESET, DRAFT_SOURCES, SAMPLING_MODE
 
 from ..engine import Engine
 from ..settings import AppSettings
+from ..stats import DRAFT_LABELS
 from .views import Updates
 
 CUSTOM_TREE = "custom"  # the tree dropdown's entry that selects the custom-tree textbox
@@ -223,10 +224,6 @@ DRAFTS_INFO = ("where each step's candidates come from: heads = the heads only (
                "heads + corpus = the heads' tree, or where the model's corpus of its own replies is confident a chain from it; "
                "drafter + corpus = the corpus's chain, else a chain from the model's EAGLE-style drafter (a model that ships one). "
                "The heads' tree is shaped per step by the model's tuned τ (Model panel: tree shaping)")
-#: The Drafts control's choices: (label, ``generate(drafts=...)`` value), those ``drafts_default`` gives first.
-DRAFT_CHOICES = [("drafter + corpus", "eagle"), ("heads only", "heads"), ("heads + corpus", "corpus"), ("hybrid (heads + n-gram)", "hybrid"),
-                 ("n-gram only", "ngram")]
-DRAFT_LABELS = {value: label for label, value in DRAFT_CHOICES}  # a Drafts value -> its label on the page
 PUBLISHED_TREE_NODES = 64  # the Medusa paper's published trees: 63 candidates + root, tuned for 7B–33B models on GPUs
 
 
