@@ -294,6 +294,7 @@ def test_compare_runs_medusa_off_then_heads_n_gram_and_hybrid_drafts_and_reports
         assert f"| {variant} |" in table
     assert table.count("**yes** ✓") == 3 and "speedup" in table
     assert "| from heads | from chains |" in table and "chains: n-gram, corpus or drafter" in table
+    assert table.startswith("| | tok/s | tok/step |")  # the speed first: a side panel too narrow for the table scrolls
     compare_rows = [r for r in session.rows if r.source == "compare"]
     assert {r.mode for r in compare_rows} == {"baseline", "medusa"}
     assert {r.drafts for r in compare_rows} == {"", "heads", "ngram", "hybrid"}

@@ -90,12 +90,12 @@ def compare(engine: Engine, settings: AppSettings, session: Session, controls: C
 def compare_table(
     results: dict[str, list[StepRecord]], running: str | None, reading: ReadProgress | None = None, planned: int | None = None
 ) -> str:
-    """The Compare panel: a row per run so far (with the tokens the heads and the chains -- n-gram, corpus or
-    drafter -- proposed; ``reading``: how far the running one has read its prompt); once all ``planned`` runs ended by themselves
+    """The Compare panel: a row per run so far (tokens/s and tokens/step first, then the tokens the heads and the
+    chains -- n-gram, corpus or drafter -- proposed; ``reading``: how far the running one has read its prompt); once all ``planned`` runs ended by themselves
     (EOS, token limit, context), each variant's speedup over Medusa off and whether its reply is identical. A stopped
     Compare (``planned`` None: Stop's report) draws no verdict: a partial run's speed and text say nothing about the
     whole reply."""
-    lines = ["| | tokens | steps | tok/step | from heads | from chains | time (s) | tok/s |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| | tok/s | tok/step | tokens | steps | from heads | from chains | time (s) |", "|---|---|---|---|---|---|---|---|"]
     speed: dict[str, float] = {}
     for mode, records in results.items():
         tokens = sum(len(r.token_ids) for r in records)
@@ -108,8 +108,8 @@ def compare_table(
         suffix = "" if mode != running else f" (reading the prompt… {reading.fraction * 100:.0f} %)" if reading else " (running…)"
         heads, ngram = sum(r.head_tokens for r in records), sum(r.ngram_tokens for r in records)
         lines.append(
-            f"| {mode}{suffix} | {tokens} | {len(decode)} | {per_step:.2f} | {heads} | {ngram} | {total_s:.2f} "
-            f"| {speed.get(mode, 0.0):.1f} |"
+            f"| {mode}{suffix} | {speed.get(mode, 0.0):.1f} | {per_step:.2f} | {tokens} | {len(decode)} | {heads} | {ngram} "
+            f"| {total_s:.2f} |"
         )
     finished = len(results) == planned and all(records and records[-1].stop_reason for records in results.values())
     if running is None and finished:

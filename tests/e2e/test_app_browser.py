@@ -233,6 +233,10 @@ def test_a_new_users_session_in_headless_chromium(app_url, tmp_path):
         expect(result).to_contain_text(re.compile(r"hybrid\s+[\d.]+×"))
         expect(result).to_contain_text(re.compile(r"corpus\s+[\d.]+×"))
         expect(result).to_contain_text(re.compile(r"drafter\s+[\d.]+×"))
+        # Each run's name stays on one line (a table wider than the panel scrolls; its first column is not squeezed).
+        rows = result.locator("table").first.locator("tr")
+        heights = [rows.nth(i).bounding_box()["height"] for i in range(rows.count())]  # the header row first
+        assert len(heights) == 7 and max(heights[1:]) < 1.6 * heights[0], heights
         page.screenshot(path=str(SCREENSHOTS / "3-compare.png"), full_page=True)
 
         # The statistics CSV: one row per step of the session, and a saved copy whose path is shown.
