@@ -150,7 +150,7 @@ class Summary:
     medusa_tokens_per_s: float | None
     baseline_tokens_per_s: float | None
     speedup: float | None  # medusa / baseline tokens per second
-    head_acceptance: tuple[float, ...]  # rate for heads 1..K (empty without Medusa steps)
+    head_acceptance: tuple[float, ...]  # rate for heads 1..K over the steps that verified the heads' tree (empty without)
     acceleration_by_sampling: tuple[tuple[str, int, float], ...]  # (rule, Medusa steps, tokens / step), first use first
     acceleration_by_drafts: tuple[tuple[str, int, float], ...] = ()  # (draft source, Medusa steps, tokens / step)
     head_tokens: int = 0  # accepted tokens the heads proposed, over the Medusa steps
@@ -158,10 +158,13 @@ class Summary:
 
 
 def summarize(rows: Sequence[StepRow], num_heads: int) -> Summary:
-    """Summary of a session's decoding steps (prefills left out); tree-less steps (N = 1) of Medusa
-    replies, near a reply's token limit, count as neither, except with n-gram drafts alone, where a
-    step without a match verifies the root alone as part of the method."""
-    medusa = [r for r in rows if r.mode == "medusa" and (r.tree_nodes > 1 or (r.drafts == "ngram" and r.step > 0))]
+    """Summary of a session's decoding steps (prefills, tree ``"prefill"``, left out). A Medusa reply's steps near its token limit or
+    the context's end verify the root alone (tree ``"baseline"``) and count as neither; a step that verifies the
+    root alone by the method's own choice (no chain the drafter or the lookup was sure of, no head node reaching τ)
+    is a Medusa step. Head acceptance is over the steps that verified the heads' tree (not a chain alone, tree
+    ``"ngram"``)."""
+    medusa = [r for r in rows if r.mode == "medusa" and r.tree_name not in ("prefill", "baseline")]
+    with_heads = [r for r in medusa if r.tree_name != "ngram"]
     baseline = [r for r in rows if r.mode == "baseline" and r.step > 0]
     medusa_speed, baseline_speed = decode_tokens_per_s(medusa), decode_tokens_per_s(baseline)
     return Summary(
@@ -174,9 +177,9 @@ def summarize(rows: Sequence[StepRow], num_heads: int) -> Summary:
         baseline_tokens_per_s=baseline_speed,
         speedup=medusa_speed / baseline_speed if medusa_speed and baseline_speed else None,
         head_acceptance=tuple(
-            sum(r.head_tokens >= k for r in medusa) / len(medusa) for k in range(1, num_heads + 1)
+            sum(r.head_tokens >= k for r in with_heads) / len(with_heads) for k in range(1, num_heads + 1)
         )
-        if medusa
+        if with_heads
         else (),
         acceleration_by_sampling=_acceleration_by(medusa, "sampling"),
         acceleration_by_drafts=_acceleration_by(medusa, "drafts"),

@@ -65,12 +65,31 @@ def test_summary_gives_acceleration_speedup_and_per_head_acceptance():
     assert "1.17×" in text and "67%" in text
 
 
-def test_summary_without_baseline_has_no_speedup_and_tree_less_medusa_steps_are_left_out():
-    tail = dataclasses.replace(row(record(1)), tree_nodes=1, accepted_tokens=1, head_tokens=0)
-    s = summarize([row(record(0)), tail], num_heads=3)
+def test_summary_without_baseline_has_no_speedup_and_the_root_alone_near_the_token_limit_is_left_out():
+    # near the token limit (or the context's end) a Medusa reply verifies the root alone, its tree "baseline"
+    tail = dataclasses.replace(row(record(2)), tree_name="baseline", tree_nodes=1, accepted_tokens=1, head_tokens=0)
+    s = summarize([row(record(1)), tail], num_heads=3)
     assert s.speedup is None and s.medusa_steps == 1 and s.acceleration_rate == 3
     assert "–×" in summary_markdown(s)
     assert summarize([], 4).head_acceptance == ()
+
+
+def test_steps_that_verify_the_root_alone_by_the_methods_own_choice_count_as_medusa_steps():
+    # the drafter unsure of its first draft, or no head node reaching τ: the root alone, mid-reply, is the method
+    unsure = dataclasses.replace(row(drafter_record(2)), tree_nodes=1, accepted_tokens=1, head_tokens=0, ngram_tokens=0)
+    shaped = dataclasses.replace(row(record(3)), tree_nodes=1, accepted_tokens=1, head_tokens=0)
+    s = summarize([row(drafter_record(1)), unsure], num_heads=3)
+    assert s.medusa_steps == 2 and s.acceleration_rate == 2.0  # (3 + 1) / 2, as the reply's own stats line says
+    s = summarize([row(record(1)), shaped], num_heads=3)
+    assert s.medusa_steps == 2 and s.acceleration_rate == 2.0
+
+
+def test_head_acceptance_is_over_the_steps_that_verified_the_heads_tree_and_absent_without_any():
+    drafter = [row(drafter_record(i)) for i in range(1, 4)]
+    s = summarize(drafter, num_heads=3)
+    assert s.head_acceptance == () and "acceptance rate" not in summary_markdown(s)
+    s = summarize(drafter + [row(record(4)), row(record(5, accepted=(0, 1)))], num_heads=3)
+    assert s.head_acceptance == pytest.approx((1.0, 0.5, 0.0))  # 2 heads steps: both reached head 1, one head 2
 
 
 def test_rolling_mean_averages_the_last_window_values():
