@@ -209,6 +209,9 @@ def _short(label: str, limit: int = 8) -> str:
     return label if len(label) <= limit else label[: limit - 1] + "…"
 
 
+WHOLE_TICKS = 12  # sessions of at most this many steps get a tick at every step (plotly would tick halves)
+
+
 def speed_figure(rows: Sequence[StepRow], height: int = 300) -> Figure:
     """Session steps in order: tokens/s per step (dots, for the latest ``MAX_MARKERS`` steps) with a
     rolling mean per reply (lines) on top, tokens accepted per step (a stepped line) below; Medusa and
@@ -255,7 +258,7 @@ def speed_figure(rows: Sequence[StepRow], height: int = 300) -> Figure:
             legend=dict(orientation="h", x=0, y=1.0, yanchor="bottom"),
             xaxis=dict(anchor="y", matches="x2", showticklabels=False, gridcolor=GRID),
             yaxis=dict(domain=[0.42, 1.0], title=dict(text="tokens/s"), rangemode="tozero", gridcolor=GRID),
-            xaxis2=dict(anchor="y2", title=dict(text="session step"), gridcolor=GRID),
+            xaxis2=dict(anchor="y2", title=dict(text="session step"), gridcolor=GRID, **({"dtick": 1} if len(rows) <= WHOLE_TICKS else {})),
             yaxis2=dict(domain=[0.0, 0.34], title=dict(text="tokens/step"), rangemode="tozero", dtick=1, gridcolor=GRID),
             bargap=0.1,
             paper_bgcolor=TRANSPARENT,

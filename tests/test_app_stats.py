@@ -175,6 +175,12 @@ def test_speed_figure_separates_modes_and_replies_and_is_valid_plotly():
     assert by_name["medusa tokens/s"]["marker"]["color"] != by_name["baseline tokens/s"]["marker"]["color"]
 
 
+def test_the_speed_figure_ticks_whole_steps_on_a_short_session_and_leaves_a_long_one_to_plotly():
+    short = speed_figure([row(record(i)) for i in range(1, 4)])
+    assert short.layout["xaxis2"]["dtick"] == 1  # no step 1.5 on a three-step reply
+    assert "dtick" not in speed_figure([row(record(i)) for i in range(1, 200)]).layout["xaxis2"]
+
+
 def test_speed_figure_draws_dots_only_for_the_latest_steps_but_lines_for_all():
     from app.charts import MAX_MARKERS
 
