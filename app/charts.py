@@ -26,6 +26,7 @@ LABEL_PX = 12  # vertical room one node label needs (11 px text)
 TRANSPARENT = "rgba(0,0,0,0)"  # figure backgrounds: the page's own (light or dark) shows through
 GRID = "rgba(128,128,128,0.25)"  # readable on light and dark backgrounds
 MAX_MARKERS = 150  # per-step dots for the session's latest steps only: every SVG dot costs the browser a redraw
+WHOLE_TICKS = 12  # sessions of at most this many steps get a tick at every step (plotly would tick halves)
 
 
 @dataclass(frozen=True)
@@ -207,9 +208,6 @@ def _source_text(head: int, rank: int) -> str:
 def _short(label: str, limit: int = 8) -> str:
     """A node label short enough not to run into the next depth's column."""
     return label if len(label) <= limit else label[: limit - 1] + "…"
-
-
-WHOLE_TICKS = 12  # sessions of at most this many steps get a tick at every step (plotly would tick halves)
 
 
 def speed_figure(rows: Sequence[StepRow], height: int = 300) -> Figure:
