@@ -44,7 +44,7 @@ class StepRow:
     mode: str  # "medusa" or "baseline"
     tree_name: str
     tree_nodes: int  # N, nodes verified this step, root included (1 = plain decoding)
-    drafts: str  # where candidates came from (medusa_core.DRAFT_SOURCES): hybrid, heads, ngram; "" with Medusa off
+    drafts: str  # where candidates came from (medusa_core.DRAFT_SOURCES: heads, hybrid, ngram, corpus, eagle); "" with Medusa off
     temperature: float  # the sampling settings of the reply (medusa_core.SamplingConfig), HF generate semantics
     top_k: int  # 0 = off
     top_p: float  # 1 = off
@@ -55,7 +55,7 @@ class StepRow:
     sampling: str  # the step's rule (medusa_core.SAMPLING_RULES): greedy, sample (baseline), typical or exact
     accepted_tokens: int  # tokens added to the reply this step (the backbone's own + those from heads)
     head_tokens: int  # of which proposed by the heads
-    ngram_tokens: int  # of which copied from the context by n-gram lookup (prompt lookup)
+    ngram_tokens: int  # of which from a chain: the n-gram lookup's (prompt lookup), the corpus's or the drafter's
     step_latency_ms: float  # includes the prefill on step 0
     prefill_ms: float
     tokens_per_s: float  # accepted_tokens / step latency
@@ -154,15 +154,15 @@ class Summary:
     acceleration_by_sampling: tuple[tuple[str, int, float], ...]  # (rule, Medusa steps, tokens / step), first use first
     acceleration_by_drafts: tuple[tuple[str, int, float], ...] = ()  # (draft source, Medusa steps, tokens / step)
     head_tokens: int = 0  # accepted tokens the heads proposed, over the Medusa steps
-    ngram_tokens: int = 0  # accepted tokens the n-gram lookup copied
+    ngram_tokens: int = 0  # accepted tokens from chains (n-gram lookup, corpus, drafter)
 
 
 def summarize(rows: Sequence[StepRow], num_heads: int) -> Summary:
-    """Summary of a session's decoding steps (prefills, tree ``"prefill"``, left out). A Medusa reply's steps near its token limit or
-    the context's end verify the root alone (tree ``"baseline"``) and count as neither; a step that verifies the
-    root alone by the method's own choice (no chain the drafter or the lookup was sure of, no head node reaching τ)
-    is a Medusa step. Head acceptance is over the steps that verified the heads' tree (not a chain alone, tree
-    ``"ngram"``)."""
+    """Summary of a session's decoding steps (prefills, tree ``"prefill"``, left out). A Medusa reply's steps
+    near its token limit or the context's end verify the root alone (tree ``"baseline"``) and count as neither; a
+    step that verifies the root alone by the method's own choice (no chain the drafter or the lookup was sure of,
+    no head node reaching τ) is a Medusa step. Head acceptance is over the steps that verified the heads' tree
+    (not a chain alone, tree ``"ngram"``)."""
     medusa = [r for r in rows if r.mode == "medusa" and r.tree_name not in ("prefill", "baseline")]
     with_heads = [r for r in medusa if r.tree_name != "ngram"]
     baseline = [r for r in rows if r.mode == "baseline" and r.step > 0]

@@ -107,7 +107,7 @@ class StepRecord:
 
     @property
     def ngram_tokens(self) -> int:
-        """Of ``draft_tokens``, those of n-gram drafts, prompt lookup's or the corpus's (``node_sources`` ``"ngram"``)."""
+        """Of ``draft_tokens``, those of chains: prompt lookup's, the corpus's or the drafter's (``node_sources`` ``"ngram"``)."""
         if not self.node_sources:
             return 0
         kept = self.accepted_nodes[1 : 1 + self.draft_tokens]
