@@ -51,7 +51,7 @@ def cmd_profile(model: Any, args: argparse.Namespace, command: str) -> int:
     stats = pstats.Stats(prof)
     stages = []
     for (file, line, func), (_, calls, tottime, cumtime, _) in stats.stats.items():
-        if file.endswith(("medusa_core/model.py", "medusa_core/decoding.py", "medusa_core/acceptance.py", "medusa_core/heads.py")):
+        if file.endswith(("medusa_core/model.py", "medusa_core/model_facts.py", "medusa_core/decoding.py", "medusa_core/acceptance.py", "medusa_core/heads.py")):
             stages.append([f"{Path(file).name}:{func}", calls, _fmt(1e3 * cumtime / steps, 3), _fmt(1e3 * tottime / steps, 3)])
     stages.sort(key=lambda r: -float(r[2]))
     lines += [f"{steps} steps, {tokens} tokens, {elapsed:.2f} s under cProfile: {1e3 * elapsed / steps:.2f} ms/step, "
