@@ -511,6 +511,11 @@ def test_the_model_panel_names_the_tree_of_the_latest_reply(engine, settings, co
     session = Session()
     send(engine, settings, session, dataclasses.replace(controls, tree="chain_3"))
     assert "chain_3 (latest reply)" in handlers.model_panel(engine, session)
+    # drafts that verify a chain at every step (drafter + corpus, n-gram only) use no tree: the panel says so, not
+    # the internal name of a chain's step ("ngram")
+    send(engine, settings, session, dataclasses.replace(controls, drafts="ngram"), "def add(a, b): return a + b\ndef add")
+    panel = handlers.model_panel(engine, session)
+    assert "| tree in use | none: each step of the latest reply verified a chain (n-gram only drafts) |" in panel, panel
 
 
 def test_while_the_model_loads_the_page_shows_progress_and_a_failed_load_says_why(settings, controls, monkeypatch):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import html
 import os
-from typing import Any
+from typing import Any, Sequence
 
 import gradio as gr
 import torch
@@ -16,7 +16,7 @@ from medusa_core import MedusaModel, ReadProgress, SamplingConfig, StepRecord, e
 from ..charts import EMPTY_TREE, empty_figure, speed_figure, tree_figure
 from ..engine import Engine
 from ..session import Session, Turn
-from ..stats import StepRow, decode_tokens_per_s, summarize, summary_markdown
+from ..stats import DRAFT_LABELS, StepRow, decode_tokens_per_s, summarize, summary_markdown
 from ..text import template_system_prompt, token_label
 
 #: A handler's result: component name -> new value (``app.handlers.OUTPUTS`` lists the names per handler).
@@ -169,13 +169,26 @@ def labels(engine: Engine, session: Session, record: StepRecord) -> list[str]:
     return [cache[t] for t in record.node_token_ids]
 
 
+def _tree_in_use(records: Sequence[StepRecord]) -> str | None:
+    """The model panel's "tree in use" for the latest reply's steps: the tree of its first step that verified one
+    (a step verifying a chain alone is tree ``"ngram"``, near the token limit the root alone, ``"baseline"``), what
+    it verified instead where none did, None before any reply."""
+    steps = [r for r in records if r.step > 0]
+    tree = next((r.tree_name for r in steps if r.tree_name not in ("ngram", "baseline")), None)
+    if tree or not steps:
+        return f"{tree} (latest reply)" if tree else None
+    if steps[0].mode != "medusa":
+        return "none: Medusa was off for the latest reply"
+    return f"none: each step of the latest reply verified a chain ({DRAFT_LABELS.get(steps[0].drafts, steps[0].drafts)} drafts)"
+
+
 def model_panel(engine: Engine, session: Session | None = None) -> str:
     """The model panel as Markdown: names, precision, device, heads, tree in use and its shaping, memory."""
     if engine.model is None:
         return f"**{html.escape(engine.status())}**"
     model = engine.model
     d = model.describe()
-    in_use = next((r.tree_name for r in session.last_records if r.step > 0), None) if session is not None else None
+    in_use = _tree_in_use(session.last_records) if session is not None else None
     backbone = {"gguf": "4-bit, the GGUF file's own blocks", "nf4": "4-bit NF4", "int8": "8-bit"}.get(
         d["quantization"], "not quantized")
     rows = [
@@ -189,7 +202,7 @@ def model_panel(engine: Engine, session: Session | None = None) -> str:
                          + _drafting(d, model.vocab_size)),
         ("EAGLE drafter", _drafter_chain(model.tuned) if model.has_drafter else "none"),
         ("context window", f"{d['max_context']} tokens"),
-        ("tree in use", f"{in_use} (latest reply)" if in_use else f"{d['default_tree']} (the model's default)"),
+        ("tree in use", in_use or f"{d['default_tree']} (the model's default)"),
         ("tree shaping", _shaping(d, model.tuned)),
         ("chat template", "the tokenizer's" if getattr(model.tokenizer, "chat_template", None) else "Vicuna v1.1 (the tokenizer has none)"),
         ("default system prompt", html.escape(template_system_prompt(model.tokenizer) or "none (the template writes none)")),

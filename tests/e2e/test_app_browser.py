@@ -239,6 +239,17 @@ def test_a_new_users_session_in_headless_chromium(app_url, tmp_path):
         assert len(heights) == 7 and max(heights[1:]) < 1.6 * heights[0], heights
         page.screenshot(path=str(SCREENSHOTS / "3-compare.png"), full_page=True)
 
+        # The Model tab's row names break between words only ("precision" on one line, not "precisio / n").
+        page.get_by_role("tab", name="Model").click()
+        expect(page.locator("#model-panel")).to_contain_text("decoding pass")
+        lines = page.evaluate(
+            "() => [...document.querySelectorAll('#model-panel td:first-child')].map(td => {"
+            " const t = document.createTreeWalker(td, NodeFilter.SHOW_TEXT).nextNode(); const r = document.createRange();"
+            " r.selectNodeContents(t); return [t.textContent.trim(), r.getClientRects().length]; })"
+        )
+        words = [(name, n) for name, n in lines if " " not in name]
+        assert words and all(n == 1 for _, n in words), lines
+
         # The statistics CSV: one row per step of the session, and a saved copy whose path is shown.
         downloaded = tmp_path / "session.csv"
         rows = download_csv(page, downloaded)
