@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from medusa_core import StepRecord
+from medusa_core import CHAIN_SOURCES, StepRecord
 
 from .stats import CHAIN_NAMES, StepRow, rolling_mean
 
@@ -171,13 +171,14 @@ def tree_figure(record: StepRecord, labels: Sequence[str], height: int = 380) ->
     cut = record.accept_length - kept
     where = "after EOS" if record.stop_reason == "eos" else "at the token limit"
     copied = {"hybrid": "n-gram", "ngram": "n-gram", "corpus": "the corpus", "eagle": "the drafter or corpus"}.get(record.drafts)
-    copied = f", {record.ngram_tokens} from {copied}" if copied else ""
+    heads = "" if record.drafts in CHAIN_SOURCES and record.step > 0 else f"{record.head_tokens} from heads"  # chains alone: no heads
+    copied = f"{', ' if heads else ''}{record.ngram_tokens} from {copied}" if copied else ""
     # the prefill verifies no tree; a hybrid step with a long chain verifies the chain alone (tree "ngram")
     drafts = " + n-gram" if record.drafts == "hybrid" and record.step > 0 and record.tree_name != "ngram" else ""
     name = "chain" if record.drafts == "eagle" and record.step > 0 else record.tree_name  # the drafter's or the corpus's
     title = (
         f"step {record.step} · {name}{drafts} ({record.tree_nodes} node{'' if record.tree_nodes == 1 else 's'})<br>"
-        f"+{added} token{'' if added == 1 else 's'} ({record.head_tokens} from heads{copied}{f'; {cut} cut {where}' if cut else ''})"
+        f"+{added} token{'' if added == 1 else 's'} ({heads}{copied}{f'; {cut} cut {where}' if cut else ''})"
         f" · {record.sampling}"
     )
     return Figure(

@@ -306,6 +306,7 @@ def test_a_drafter_step_names_its_chain_as_the_drafter_or_corpus_chain_not_an_n_
     assert list(by_name) == ["backbone", "drafter or corpus chain"]
     assert {c[2] for c in by_name["drafter or corpus chain"]["customdata"]} == {"drafter or corpus chain"}
     assert "head" not in fig.layout["xaxis"]["title"]["text"]  # no head proposed a node of this step
+    assert "+3 tokens (2 from the drafter or corpus)" in fig.layout["title"]["text"]  # no "0 from heads": none drafts here
     assert "head k" in tree_figure(hybrid_record(), [f"t{i}" for i in range(8)]).layout["xaxis"]["title"]["text"]
     corpus = dataclasses.replace(drafter_record(), drafts="corpus")
     assert "corpus chain" in {t.get("name") for t in tree_figure(corpus, ["t0", "t6", "t7"]).data}
