@@ -175,7 +175,7 @@ def tree_figure(record: StepRecord, labels: Sequence[str], height: int = 380) ->
     copied = f"{', ' if heads else ''}{record.ngram_tokens} from {copied}" if copied else ""
     # the prefill verifies no tree; a hybrid step with a long chain verifies the chain alone (tree "ngram")
     drafts = " + n-gram" if record.drafts == "hybrid" and record.step > 0 and record.tree_name != "ngram" else ""
-    name = "chain" if record.drafts == "eagle" and record.step > 0 else record.tree_name  # the drafter's or the corpus's
+    name = "chain" if record.tree_name == "ngram" and record.step > 0 else record.tree_name  # a chain verified alone
     title = (
         f"step {record.step} · {name}{drafts} ({record.tree_nodes} node{'' if record.tree_nodes == 1 else 's'})<br>"
         f"+{added} token{'' if added == 1 else 's'} ({heads}{copied}{f'; {cut} cut {where}' if cut else ''})"

@@ -288,7 +288,8 @@ def test_a_hybrid_step_that_verified_a_long_chain_alone_is_titled_as_the_chain_n
         accept_length=2, token_ids=(16, 17, 9), total_tokens=3,
     )
     title = tree_figure(chain, ["t0", "t6", "t7"]).layout["title"]["text"]
-    assert "· ngram (3 nodes)" in title and "+ n-gram" not in title and "(0 from heads, 2 from n-gram)" in title
+    assert "· chain (3 nodes)" in title and "ngram" not in title and "+ n-gram" not in title  # not the internal "ngram"
+    assert "(0 from heads, 2 from n-gram)" in title
 
 
 def drafter_record(step=1) -> StepRecord:
