@@ -7,8 +7,7 @@ per-message stats; the step slider (typed number, arrow key); copy as plain text
 JSON transcripts; edit and resend; a reload keeps the chat; dark mode contrast; the layout at 800 px.
 
 Screenshots go to ``screenshots-tmp/e2e`` (or ``$MEDUSA_CHAT_E2E_SCREENSHOTS``): mid-stream at
-1440×900, after the reply, Compare, dark mode, 800 px wide. ``MEDUSA_CHAT_E2E_UPDATE_SCREENSHOT=1``
-also refreshes ``assets/screenshots/app.png``.
+1440×900, after the reply, Compare, dark mode, 800 px wide (the README's own: ``scripts/readme_screenshot.py``).
 
 Uses Debian's ``chromium`` (``/usr/bin/chromium``, or ``$MEDUSA_CHAT_E2E_CHROMIUM``); Playwright never
 downloads a browser. ``MEDUSA_CHAT_E2E_MODEL`` overrides the model (``tiny`` builds a tiny random one,
@@ -20,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -29,7 +27,6 @@ from harness import CHROMIUM, REPO, chromium, download, download_csv, launched_a
 pytestmark = pytest.mark.e2e
 
 SCREENSHOTS = Path(os.environ.get("MEDUSA_CHAT_E2E_SCREENSHOTS", REPO / "screenshots-tmp" / "e2e"))
-README_SCREENSHOT = REPO / "assets" / "screenshots" / "app.png"
 PROMPTS = (
     "What is the capital of France?",
     "Write a Python function that checks whether a string is a palindrome.",
@@ -334,9 +331,6 @@ def test_a_new_users_session_in_headless_chromium(app_url, tmp_path):
             assert header.evaluate(one_line), f"table header {header.inner_text()!r} breaks over lines"
         narrow.screenshot(path=str(SCREENSHOTS / "6-800px.png"), full_page=True)
         assert not errors, errors
-    if os.environ.get("MEDUSA_CHAT_E2E_UPDATE_SCREENSHOT") == "1":
-        README_SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(SCREENSHOTS / "2-reply-1440x900.png", README_SCREENSHOT)
 
 
 DRAGON = "Write a long story about a dragon."
