@@ -138,6 +138,11 @@ def test_a_new_users_session_in_headless_chromium(app_url, tmp_path):
         page.screenshot(path=str(SCREENSHOTS / "1-streaming-1440x900.png"))
         _idle(page)
         expect(page.locator("#send")).to_be_enabled()
+        # The chosen drafts keep their dot under the pointer (Gradio's hover style painted a checked radio white).
+        chosen = page.locator("#drafts input[value=eagle]")
+        chosen.hover()
+        page.wait_for_timeout(400)  # past the theme's colour transition
+        assert chosen.evaluate("e => e.matches(':hover') && getComputedStyle(e).backgroundColor") not in (False, "rgb(255, 255, 255)")
 
         # Stats under the reply: tokens, tokens/s, time to first token, wall time, the drafts: the demo starts with its
         # drafter + corpus, its fastest (while a first start still indexes the model's own replies, a fresh cache, the
