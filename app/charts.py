@@ -12,9 +12,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from medusa_core import CHAIN_SOURCES, StepRecord
+from medusa_core import StepRecord
 
-from .stats import CHAIN_NAMES, StepRow, rolling_mean
+from .stats import CHAIN_NAMES, StepRow, drafted_from, rolling_mean
 
 ACCEPTED = "#d62728"  # the accepted path: strong red, used for nothing else
 BACKBONE = "#444444"  # the root: the backbone's own token
@@ -170,15 +170,14 @@ def tree_figure(record: StepRecord, labels: Sequence[str], height: int = 380) ->
     added, kept = len(record.token_ids), record.draft_tokens
     cut = record.accept_length - kept
     where = "after EOS" if record.stop_reason == "eos" else "at the token limit"
-    copied = {"hybrid": "n-gram", "ngram": "n-gram", "corpus": "the corpus", "eagle": "the drafter or corpus"}.get(record.drafts)
-    heads = "" if record.drafts in CHAIN_SOURCES and record.step > 0 else f"{record.head_tokens} from heads"  # chains alone: no heads
-    copied = f"{', ' if heads else ''}{record.ngram_tokens} from {copied}" if copied else ""
+    # the prefill (step 0) names every source's count, 0 each
+    counts = drafted_from(record.drafts, record.head_tokens, record.ngram_tokens, count_heads=True if record.step == 0 else None)
     # the prefill verifies no tree; a hybrid step with a long chain verifies the chain alone (tree "ngram")
     drafts = " + n-gram" if record.drafts == "hybrid" and record.step > 0 and record.tree_name != "ngram" else ""
-    name = "chain" if record.tree_name == "ngram" and record.step > 0 else record.tree_name  # a chain verified alone
+    name = "chain" if record.tree_name == "ngram" else record.tree_name  # a chain verified alone
     title = (
         f"step {record.step} · {name}{drafts} ({record.tree_nodes} node{'' if record.tree_nodes == 1 else 's'})<br>"
-        f"+{added} token{'' if added == 1 else 's'} ({heads}{copied}{f'; {cut} cut {where}' if cut else ''})"
+        f"+{added} token{'' if added == 1 else 's'} ({counts}{f'; {cut} cut {where}' if cut else ''})"
         f" · {record.sampling}"
     )
     return Figure(

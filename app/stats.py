@@ -22,7 +22,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from medusa_core import SamplingConfig, StepRecord
+from medusa_core import CHAIN_SOURCES, SamplingConfig, StepRecord
 
 #: The Drafts control's choices: (label, ``generate(drafts=...)`` value), those ``drafts_default`` gives first; the
 #: summary names a reply's drafts by the same labels.
@@ -31,6 +31,23 @@ DRAFT_CHOICES = [("drafter + corpus", "eagle"), ("heads only", "heads"), ("heads
 DRAFT_LABELS = {value: label for label, value in DRAFT_CHOICES}  # a Drafts value -> its label on the page
 #: What the tree plot calls a chain's nodes (``node_sources`` "ngram") under each Drafts value that verifies chains.
 CHAIN_NAMES = {"hybrid": "n-gram copy", "ngram": "n-gram copy", "corpus": "corpus chain", "eagle": "drafter or corpus chain"}
+#: Where a chain's accepted tokens came from, under each Drafts value that verifies chains ("2 from the corpus").
+CHAIN_SOURCE_TEXT = {"hybrid": "n-gram", "ngram": "n-gram", "corpus": "the corpus", "eagle": "the drafter or corpus"}
+
+
+def drafted_from(drafts: str, head_tokens: int, chain_tokens: int, *, count_heads: bool | None = None) -> str:
+    """Accepted drafted tokens by source as a reply's drafts make them, e.g. ``"12 from heads, 2 from n-gram"``: the
+    heads' count unless the drafts are chains alone (``CHAIN_SOURCES``; ``count_heads`` decides instead when given),
+    the chain's where the drafts verify chains (``CHAIN_SOURCE_TEXT``)."""
+    source = CHAIN_SOURCE_TEXT.get(drafts)
+    heads = drafts not in CHAIN_SOURCES if count_heads is None else count_heads
+    return ", ".join(([f"{head_tokens} from heads"] if heads else []) + ([f"{chain_tokens} from {source}"] if source else []))
+
+
+def verified_heads_tree(tree_name: str) -> bool:
+    """Whether a step of this ``tree_name`` verified the heads' tree: not the prefill (``"prefill"``), not the root
+    alone near the token limit (``"baseline"``), not a chain alone (``"ngram"``)."""
+    return tree_name not in ("prefill", "baseline", "ngram")
 
 
 @dataclass(frozen=True)
@@ -164,7 +181,7 @@ def summarize(rows: Sequence[StepRow], num_heads: int) -> Summary:
     no head node reaching τ) is a Medusa step. Head acceptance is over the steps that verified the heads' tree
     (not a chain alone, tree ``"ngram"``)."""
     medusa = [r for r in rows if r.mode == "medusa" and r.tree_name not in ("prefill", "baseline")]
-    with_heads = [r for r in medusa if r.tree_name != "ngram"]
+    with_heads = [r for r in medusa if verified_heads_tree(r.tree_name)]
     baseline = [r for r in rows if r.mode == "baseline" and r.step > 0]
     medusa_speed, baseline_speed = decode_tokens_per_s(medusa), decode_tokens_per_s(baseline)
     return Summary(

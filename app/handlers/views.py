@@ -16,7 +16,8 @@ from medusa_core import MedusaModel, ReadProgress, SamplingConfig, StepRecord, e
 from ..charts import EMPTY_TREE, empty_figure, speed_figure, tree_figure
 from ..engine import Engine
 from ..session import Session, Turn
-from ..stats import DRAFT_LABELS, StepRow, decode_tokens_per_s, summarize, summary_markdown
+from ..stats import (DRAFT_LABELS, StepRow, decode_tokens_per_s, drafted_from, summarize, summary_markdown,
+                     verified_heads_tree)
 from ..text import template_system_prompt, token_label
 
 #: A handler's result: component name -> new value (``app.handlers.OUTPUTS`` lists the names per handler).
@@ -95,10 +96,7 @@ def turn_stats(session: Session, turn: Turn) -> str:
         drafts = rows[0].drafts
         extra = {"hybrid": " + n-gram", "corpus": " + corpus"}.get(drafts, "")
         tree = {"ngram": "n-gram drafts", "eagle": "drafter + corpus chains"}.get(drafts, f"tree {turn.tree}{extra}")
-        heads, ngram = sum(r.head_tokens for r in rows), sum(r.ngram_tokens for r in rows)
-        sources = {"heads": f"{heads} from heads", "ngram": f"{ngram} from n-gram",
-                   "corpus": f"{heads} from heads, {ngram} from the corpus", "eagle": f"{ngram} from the drafter or corpus"}
-        parts += [tree, sources.get(drafts, f"{heads} from heads, {ngram} from n-gram")]  # hybrid: both
+        parts += [tree, drafted_from(drafts, sum(r.head_tokens for r in rows), sum(r.ngram_tokens for r in rows))]
     else:
         parts.append("Medusa off")
     parts.append(settings_label(rows[-1]))
@@ -170,13 +168,14 @@ def labels(engine: Engine, session: Session, record: StepRecord) -> list[str]:
 
 
 def _tree_in_use(records: Sequence[StepRecord]) -> str | None:
-    """The model panel's "tree in use" for the latest reply's steps: the tree of its first step that verified one
-    (a step verifying a chain alone is tree ``"ngram"``, near the token limit the root alone, ``"baseline"``), what
-    it verified instead where none did, None before any reply."""
+    """The model panel's "tree in use" for the latest reply's steps: the tree of its first step that verified the
+    heads' tree (``stats.verified_heads_tree``), what it verified instead where none did, None before any reply."""
     steps = [r for r in records if r.step > 0]
-    tree = next((r.tree_name for r in steps if r.tree_name not in ("ngram", "baseline")), None)
-    if tree or not steps:
-        return f"{tree} (latest reply)" if tree else None
+    tree = next((r.tree_name for r in steps if verified_heads_tree(r.tree_name)), None)
+    if tree:
+        return f"{tree} (latest reply)"
+    if not steps:
+        return None
     if steps[0].mode != "medusa":
         return "none: Medusa was off for the latest reply"
     return f"none: each step of the latest reply verified a chain ({DRAFT_LABELS.get(steps[0].drafts, steps[0].drafts)} drafts)"
