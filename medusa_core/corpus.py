@@ -47,7 +47,8 @@ class LazyCorpus:
     def get(self, extension: ModuleType | None) -> Datastore | None:
         """The corpus, made now if it is not yet (blocking while another thread makes it); None without one.
         ``extension``: the lean step's compiled extension, if loaded: the corpus then drafts its chains in one
-        compiled call (``Datastore.use_kernel``)."""
+        compiled call (``Datastore.use_kernel``). Raises what the source's function raises (a head folder's replies:
+        ``OSError`` or ``ValueError`` for an unreadable file, ``Datastore.cached``); a later call tries again."""
         with self._lock:
             if callable(self.source):
                 self.source = self.source()
