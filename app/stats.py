@@ -6,8 +6,8 @@ Pure functions over ``StepRow`` lists. Definitions (Medusa paper, section 3):
 - *tokens/s* of a group of steps: tokens / (Σ step latency − Σ prefill), i.e. decoding speed without
   the prompt's prefill, so short and long prompts compare fairly;
 - *speedup*: Medusa tokens/s over the tokens/s of the session's baseline (Medusa off) steps;
-- *acceptance rate of head k*: the share of Medusa steps whose accepted path reached depth k,
-  i.e. that kept a token proposed by head k;
+- *acceptance rate of head k*: the share of the Medusa steps whose tree held a node of head k that kept a token
+  proposed by head k (their accepted path reached depth k); none for a head no step's tree reached;
 - per *sampling rule* (``StepRecord.sampling``: greedy, typical, exact): the acceleration rate of the
   Medusa steps that used it, so typical and exact acceptance compare side by side;
 - per *draft source* (``StepRecord.drafts``: hybrid, heads, ngram): the same, and how many accepted
@@ -61,6 +61,7 @@ class StepRow:
     mode: str  # "medusa" or "baseline"
     tree_name: str
     tree_nodes: int  # N, nodes verified this step, root included (1 = plain decoding)
+    head_depth: int  # the deepest head with a node in the step's tree (1-based; 0 = none: a chain or the root alone)
     drafts: str  # where candidates came from (medusa_core.DRAFT_SOURCES: heads, hybrid, ngram, corpus, eagle); "" with Medusa off
     temperature: float  # the sampling settings of the reply (medusa_core.SamplingConfig), HF generate semantics
     top_k: int  # 0 = off
@@ -102,6 +103,7 @@ class StepRow:
             mode=record.mode,
             tree_name=record.tree_name,
             tree_nodes=record.tree_nodes,
+            head_depth=max(record.node_heads, default=-1) + 1,
             drafts=record.drafts,
             temperature=config.temperature,
             top_k=config.top_k,
@@ -167,7 +169,8 @@ class Summary:
     medusa_tokens_per_s: float | None
     baseline_tokens_per_s: float | None
     speedup: float | None  # medusa / baseline tokens per second
-    head_acceptance: tuple[float, ...]  # rate for heads 1..K over the steps that verified the heads' tree (empty without)
+    head_acceptance: tuple[float | None, ...]  # heads 1..K, each over the steps whose tree held its nodes (None: no
+    # step's did); empty when no step verified the heads' tree
     acceleration_by_sampling: tuple[tuple[str, int, float], ...]  # (rule, Medusa steps, tokens / step), first use first
     acceleration_by_drafts: tuple[tuple[str, int, float], ...] = ()  # (draft source, Medusa steps, tokens / step)
     head_tokens: int = 0  # accepted tokens the heads proposed, over the Medusa steps
@@ -179,7 +182,8 @@ def summarize(rows: Sequence[StepRow], num_heads: int) -> Summary:
     near its token limit or the context's end verify the root alone (tree ``"baseline"``) and count as neither; a
     step that verifies the root alone by the method's own choice (no chain the drafter or the lookup was sure of,
     no head node reaching τ) is a Medusa step. Head acceptance is over the steps that verified the heads' tree
-    (not a chain alone, tree ``"ngram"``)."""
+    (not a chain alone, tree ``"ngram"``): head k's over those whose tree held a node of head k (``head_depth``); None
+    for a head that no step's tree reached (a tree shallower than the heads: its rate is unknown, not 0)."""
     medusa = [r for r in rows if r.mode == "medusa" and r.tree_name not in ("prefill", "baseline")]
     with_heads = [r for r in medusa if verified_heads_tree(r.tree_name)]
     baseline = [r for r in rows if r.mode == "baseline" and r.step > 0]
@@ -193,9 +197,7 @@ def summarize(rows: Sequence[StepRow], num_heads: int) -> Summary:
         medusa_tokens_per_s=medusa_speed,
         baseline_tokens_per_s=baseline_speed,
         speedup=medusa_speed / baseline_speed if medusa_speed and baseline_speed else None,
-        head_acceptance=tuple(
-            sum(r.head_tokens >= k for r in with_heads) / len(with_heads) for k in range(1, num_heads + 1)
-        )
+        head_acceptance=tuple(_acceptance([r for r in with_heads if r.head_depth >= k], k) for k in range(1, num_heads + 1))
         if with_heads
         else (),
         acceleration_by_sampling=_acceleration_by(medusa, "sampling"),
@@ -203,6 +205,11 @@ def summarize(rows: Sequence[StepRow], num_heads: int) -> Summary:
         head_tokens=sum(r.head_tokens for r in medusa),
         ngram_tokens=sum(r.ngram_tokens for r in medusa),
     )
+
+
+def _acceptance(rows: Sequence[StepRow], k: int) -> float | None:
+    """Share of ``rows`` that kept a token of head ``k`` (1-based); None without rows."""
+    return sum(r.head_tokens >= k for r in rows) / len(rows) if rows else None
 
 
 def _acceleration_by(medusa: Sequence[StepRow], field: str) -> tuple[tuple[str, int, float], ...]:
@@ -240,8 +247,12 @@ def summary_markdown(summary: Summary) -> str:
             "",
             "| head | " + " | ".join(str(k) for k in range(1, len(s.head_acceptance) + 1)) + " |",
             "|---|" + "---|" * len(s.head_acceptance),
-            "| acceptance rate | " + " | ".join(f"{a:.0%}" for a in s.head_acceptance) + " |",
+            "| acceptance rate | " + " | ".join(num(a, ".0%") for a in s.head_acceptance) + " |",
         ]
+        unreached = [str(k) for k, a in enumerate(s.head_acceptance, 1) if a is None]
+        if unreached:
+            lines += ["", f"– : no step's tree held a node of head{'s' if len(unreached) > 1 else ''} {', '.join(unreached)} "
+                          "(the tree in use is shallower)"]
     if s.acceleration_by_sampling:
         lines += [
             "",

@@ -60,7 +60,7 @@ def test_summary_gives_acceleration_speedup_and_per_head_acceptance():
     assert s.baseline_tokens_per_s == pytest.approx(100.0)
     assert s.speedup == pytest.approx(7 / 0.060 / 100.0)
     assert s.medusa_step_ms == pytest.approx(20.0)
-    assert s.head_acceptance == pytest.approx((2 / 3, 1 / 3, 1 / 3, 0.0))
+    assert s.head_acceptance[:3] == pytest.approx((2 / 3, 1 / 3, 1 / 3)) and s.head_acceptance[3] is None
     text = summary_markdown(s)
     assert "1.17×" in text and "67%" in text
 
@@ -90,6 +90,17 @@ def test_head_acceptance_is_over_the_steps_that_verified_the_heads_tree_and_abse
     assert s.head_acceptance == () and "acceptance rate" not in summary_markdown(s)
     s = summarize(drafter + [row(record(4)), row(record(5, accepted=(0, 1)))], num_heads=3)
     assert s.head_acceptance == pytest.approx((1.0, 0.5, 0.0))  # 2 heads steps: both reached head 1, one head 2
+
+
+def test_a_head_no_steps_tree_reached_has_no_acceptance_rate_rather_than_zero():
+    # the demo's tuned trees at the chat preset verify head 1 alone: heads 2-4 were never verified, not rejected
+    head_1_tree = dict(node_parents=PARENTS[:3], node_heads=HEADS[:3], node_ranks=RANKS[:3], node_token_ids=(10, 11, 12), tree_nodes=3)
+    steps = [row(dataclasses.replace(record(i, accepted=(0, 1) if i % 2 else (0,)), **head_1_tree)) for i in range(1, 5)]
+    assert [r.head_depth for r in steps] == [1] * 4
+    s = summarize(steps + [row(record(5, accepted=(0, 1, 3)))], num_heads=4)  # one step of a deeper tree
+    assert s.head_acceptance[:3] == pytest.approx((3 / 5, 1.0, 0.0)) and s.head_acceptance[3] is None
+    assert "| acceptance rate | 60% | 100% | 0% | – |" in summary_markdown(s)
+    assert "no step's tree held a node of head 4" in summary_markdown(s)
 
 
 def test_rolling_mean_averages_the_last_window_values():
@@ -196,7 +207,7 @@ def test_head_tokens_are_counted_after_the_cut_at_the_token_limit():
     cut = dataclasses.replace(record(accepted=(0, 1, 3, 5), stop="max_new_tokens"), token_ids=(11, 13), total_tokens=2)
     r = row(cut)
     assert (r.accepted_tokens, r.head_tokens) == (2, 2)
-    assert summarize([r], num_heads=3).head_acceptance == (1.0, 1.0, 0.0)
+    assert summarize([r], num_heads=3).head_acceptance == (1.0, 1.0, 0.0)  # head 3's node was verified, then cut
     figure = tree_figure(cut, [str(t) for t in cut.node_token_ids])
     assert "+2 tokens (2 from heads; 1 cut at the token limit" in figure.layout["title"]["text"]
     path = next(t for t in figure.data if t.get("name") == "accepted path")
