@@ -1,0 +1,158 @@
+"""How handlers share the model: the session state, one model queue, each reply's steps on one thread, the
+outputs each event declares.
+
+Handler-level tests of the app on a tiny random Llama with Medusa heads: no browser, no server. Handlers are
+called as the page calls them; streaming handlers are iterated, and a Stop is either the Stop handler's flag or
+closing the generator (what Gradio's ``cancels=`` does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import torch
+from handler_support import reply_html, send
+
+from app import handlers
+from app.engine import Engine
+from app.handlers import CUSTOM_TREE
+from app.handlers.generation import fit_prompt
+from app.session import Session, Turn
+from app.ui import build_ui
+
+
+def test_session_state_copies_are_independent_and_usable():
+    import copy
+
+    original = Session()
+    original.turns.append(Turn(user="x"))
+    copied = copy.deepcopy(original)
+    assert copied.turns[0].user == "x" and copied.turns is not original.turns
+    assert not copied.busy and copied.id != original.id
+
+
+def test_prompts_are_built_on_the_cpu_host_side(engine, controls):
+    ids, dropped = fit_prompt(engine.model, controls, [], "def add")
+    assert ids.dtype == torch.long and ids.shape[0] == 1 and dropped == 0
+
+
+def test_generations_share_one_model_queue_and_stop_cancels_them(engine, settings):
+    fns = list(build_ui(engine, settings).fns.values())
+    generating = [f for f in fns if f.name in ("respond", "compare")]
+    assert len(generating) == 4  # reply after send, after regenerate, after an edit; compare
+    assert {(f.concurrency_id, f.concurrency_limit, f.queue) for f in generating} == {("model", 1, True)}
+    generating_ids = {i for i, f in enumerate(fns) if f in generating}
+    cancellers = [f for f in fns if f.cancels]
+    assert len(cancellers) == 3 and all(set(f.cancels) == generating_ids for f in cancellers)  # Stop, Clear, trash icon
+    assert all(not f.queue for f in fns if f.name in ("stop", "export_csv", "show_step"))  # run beside a reply
+    asking = [f for f in fns if f.name in ("add_user", "regenerate", "edit_user")]  # queued, so their warnings reach the page
+    assert len(asking) == 3 and {(f.concurrency_id, f.concurrency_limit, f.queue) for f in asking} == {("ask", None, True)}
+
+
+def test_every_handler_returns_only_the_outputs_its_event_declares(engine, settings, controls):
+    session = Session()
+    returned: dict[str, set[str]] = {}
+
+    def note(name, updates):
+        returned.setdefault(name, set()).update(updates)
+
+    note("page_status", handlers.page_status(engine, settings))
+    note("add_user", handlers.add_user(engine, session, controls, "def add"))
+    for u in handlers.respond(engine, settings, session, controls):
+        note("respond", u)
+    note("regenerate", handlers.regenerate(engine, session, controls))
+    for u in handlers.respond(engine, settings, session, dataclasses.replace(controls, tree=CUSTOM_TREE, custom_tree="[[")):
+        note("respond", u)
+    handlers.regenerate(engine, session, controls)
+    for u in handlers.respond(engine, settings, session, controls):
+        note("respond", u)
+    for u in handlers.compare(engine, settings, session, controls):
+        note("compare", u)
+    note("stop", handlers.stop(engine, session, False))
+    note("rerender_chat", handlers.rerender_chat(session, True))
+    note("show_step", handlers.show_step(engine, session, 0))
+    note("check_tree", handlers.check_tree(engine, CUSTOM_TREE, "[[0]]"))
+    note("medusa_notice", handlers.medusa_notice(engine, 0.2, "eagle"))
+    note("export_csv", handlers.export_csv(settings, session))
+    note("export_transcript", handlers.export_transcript(engine, settings, session, "sys", fmt="md"))
+    note("explain_controls", handlers.explain_controls(True, 0.0))
+    note("greedy_preset", handlers.greedy_preset())
+    note("chat_preset", handlers.chat_preset(engine, settings))
+    note("edit_user", handlers.edit_user(engine, session, controls, 0, "def sub"))
+    for u in handlers.respond(engine, settings, session, controls):
+        note("respond", u)
+    note("restore_chat", handlers.restore_chat(Session(), session.saved(), False))
+    note("clear", handlers.clear(engine, session))
+    assert set(returned) == set(handlers.OUTPUTS)
+    for name, keys in returned.items():
+        assert keys <= set(handlers.OUTPUTS[name]), name
+
+
+def test_a_served_engine_runs_every_step_of_a_reply_on_its_own_thread_and_closes_it_there(engine, settings, controls, monkeypatch):
+    # launch.py serves the model's work on the thread that loaded it: torch's OpenMP runtime keeps one team of threads
+    # per thread that runs parallel work, and a second team (a reply in one of Gradio's worker threads) makes every
+    # team yield its CPUs on each wait: on the demo a reply decoded at ~110 tokens/s in a worker thread against ~400
+    # on the loading thread.
+    model = engine.model
+    generate = model.generate
+    seen, closed = [], []
+
+    def watched(*args, **kwargs):
+        steps = generate(*args, **kwargs)
+
+        def run():
+            try:
+                for record in steps:
+                    seen.append(threading.current_thread())
+                    yield record
+            finally:
+                closed.append(threading.current_thread())
+                steps.close()
+
+        return run()
+
+    monkeypatch.setattr(model, "generate", watched)
+    server = threading.Thread(target=engine.serve, name="engine-serve", daemon=True)
+    server.start()
+    try:
+        updates = send(engine, settings, Session(), controls)
+        assert reply_html(updates[-2] if "chatbot" not in updates[-1] else updates[-1])
+        assert seen and set(seen) == {server} and closed == [server]
+        session = Session()  # Stop after the first step: the rest is never made, and the steps close on the server
+        handlers.add_user(engine, session, controls, "def add")
+        seen.clear(), closed.clear()
+        for update in handlers.respond(engine, settings, session, controls):
+            if seen:
+                session.stop_requested.set()
+        assert len(seen) == 1 and closed == [server]
+    finally:
+        engine.stop_serving()
+        server.join(10)
+    assert not server.is_alive()
+    assert list(engine.steps(iter([1, 2]))) == [1, 2]  # no server: the caller's own thread
+
+
+def test_a_served_engine_hands_over_steps_that_come_before_it_serves(engine, monkeypatch):
+    # launch.py's engine is made ``served``: a message sent while the model loads is answered once it is ready, which
+    # may be just before the main thread reaches ``serve``; its steps wait for that thread rather than run in the
+    # worker thread (which would start a second team of OpenMP threads for good).
+    served = Engine(engine.description, served=True)
+    served.model = engine.model
+    where = []
+
+    def steps():
+        where.append(threading.current_thread())
+        yield 1
+
+    result = []
+    client = threading.Thread(target=lambda: result.extend(served.steps(steps())))
+    client.start()
+    client.join(0.3)
+    assert client.is_alive() and not where  # waiting for the server
+    server = threading.Thread(target=served.serve, daemon=True)
+    server.start()
+    client.join(10)
+    served.stop_serving()
+    server.join(10)
+    assert result == [1] and where == [server] and not server.is_alive()
