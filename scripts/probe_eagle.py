@@ -53,12 +53,12 @@ from medusa_core.gguf import demo_gguf_file  # noqa: E402
 from medusa_core.loading import load_backbone  # noqa: E402
 from medusa_core.train import read_distilled  # noqa: E402
 
-from build_demo import TRAIN_SPLITS, distilled_folder  # noqa: E402  (scripts/ is on the path when a script runs)
+from demo_build.common import TRAIN_SPLITS, distilled_folder  # noqa: E402  (scripts/ is on the path when a script runs)
 
 
 def replies_file(name: str) -> Path:
     """``{split}-gguf-{settings}``'s served replies: in ``assets/demo/distill``, or ``assets/demo-training/distill``
-    for a round whose prompts the repository does not hold (``build_demo.distilled_folder``)."""
+    for a round whose prompts the repository does not hold (``demo_build.common.distilled_folder``)."""
     return distilled_folder(name.split("-")[0]) / f"{name}.jsonl.gz"
 
 

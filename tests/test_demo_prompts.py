@@ -133,32 +133,32 @@ def test_round_five_gives_new_topics_the_round_three_templates_and_keeps_held_ou
 def test_distilling_a_round_whose_prompt_file_is_missing_says_how_to_write_it(tmp_path, monkeypatch):
     import argparse
 
-    import build_demo
+    from demo_build import replies
 
-    monkeypatch.setattr(build_demo, "PROMPTS", tmp_path)
-    monkeypatch.setattr(build_demo, "load_served", lambda args: pytest.fail("the backbone loads before the check"))
+    monkeypatch.setattr(replies, "PROMPTS", tmp_path)
+    monkeypatch.setattr(replies, "load_served", lambda args: pytest.fail("the backbone loads before the check"))
     args = argparse.Namespace(distill_splits=["train_deep"], served_settings=["chat"], quantization="gguf")
     with pytest.raises(SystemExit, match=r"train_deep\.jsonl.*--round 4"):
-        build_demo.stage_distill_served(args)
+        replies.stage_distill_served(args)
 
 
 def test_the_topics_stage_keeps_a_topics_file_it_did_not_write_here(tmp_path, monkeypatch):
     import argparse
 
-    import build_demo
+    from demo_build import replies
 
     (tmp_path / "topics.jsonl").write_text('{"kind": "stem", "topic": "tidal energy"}\n')
-    monkeypatch.setattr(build_demo, "PROMPTS", tmp_path)
-    monkeypatch.setattr(build_demo, "WORK", tmp_path / "work")
-    monkeypatch.setattr(build_demo, "load", lambda dtype: pytest.fail("the backbone loads to write the file again"))
-    build_demo.stage_topics(argparse.Namespace(topic_requests=3, distill_dtype="float32", topic_round=5))
+    monkeypatch.setattr(replies, "PROMPTS", tmp_path)
+    monkeypatch.setattr(replies, "WORK", tmp_path / "work")
+    monkeypatch.setattr(replies, "load", lambda dtype: pytest.fail("the backbone loads to write the file again"))
+    replies.stage_topics(argparse.Namespace(topic_requests=3, distill_dtype="float32", topic_round=5))
     assert (tmp_path / "topics.jsonl").read_text() == '{"kind": "stem", "topic": "tidal energy"}\n'
 
 
 def test_round_six_lists_show_round_five_topics_and_say_how_to_write_them_when_missing(tmp_path, monkeypatch):
     import argparse
 
-    import build_demo
+    from demo_build import replies
 
     listed = demo_prompts.read_topics(PROMPTS / "topics.jsonl")
     requests = demo_prompts.topic_requests(20, demo_prompts.TOPIC_ROUNDS[6][1], listed)
@@ -170,11 +170,11 @@ def test_round_six_lists_show_round_five_topics_and_say_how_to_write_them_when_m
         topics = [demo_prompts.parse_topics("coding", " " + s)[0] for s in shown] if row["kind"] == "coding" else shown
         assert len(set(topics)) == 6 and set(topics) <= {t for k, t in listed if k == row["kind"]}
         assert not any(demo_prompts.is_heldout(prefix + t) for t in topics)
-    monkeypatch.setattr(build_demo, "PROMPTS", tmp_path)  # no round-5 topics here
-    monkeypatch.setattr(build_demo, "WORK", tmp_path / "work")
-    monkeypatch.setattr(build_demo, "load", lambda dtype: pytest.fail("the backbone loads before the check"))
+    monkeypatch.setattr(replies, "PROMPTS", tmp_path)  # no round-5 topics here
+    monkeypatch.setattr(replies, "WORK", tmp_path / "work")
+    monkeypatch.setattr(replies, "load", lambda dtype: pytest.fail("the backbone loads before the check"))
     with pytest.raises(SystemExit, match=r"topics\.jsonl.*--stages topics --topic-round 5"):
-        build_demo.stage_topics(argparse.Namespace(topic_requests=3, distill_dtype="float32", topic_round=6))
+        replies.stage_topics(argparse.Namespace(topic_requests=3, distill_dtype="float32", topic_round=6))
     assert not (tmp_path / "topics6.jsonl").exists()
 
 
@@ -209,15 +209,15 @@ def test_a_round_whose_earlier_prompt_file_is_missing_says_which_round_writes_it
 def test_served_replies_of_rounds_the_repository_does_not_hold_stay_out_of_the_shipped_corpus():
     import argparse
 
-    import build_demo
     import probe_eagle
+    from demo_build import common
 
     ignored = {line.strip().lstrip("/") for line in (ROOT / ".gitignore").read_text().splitlines()}
-    assert {f"assets/demo/prompts/{split}.jsonl" for split in build_demo.UNSHIPPED_SPLITS} <= ignored
+    assert {f"assets/demo/prompts/{split}.jsonl" for split in common.UNSHIPPED_SPLITS} <= ignored
     args = argparse.Namespace(quantization="gguf")
-    for split in build_demo.TRAIN_SPLITS:
-        replies = build_demo.served_distilled(split, args, "chat")
-        folder = build_demo.TRAINING_REPLIES if split in build_demo.UNSHIPPED_SPLITS else build_demo.DISTILLED
+    for split in common.TRAIN_SPLITS:
+        replies = common.served_distilled(split, args, "chat")
+        folder = common.TRAINING_REPLIES if split in common.UNSHIPPED_SPLITS else common.DISTILLED
         assert replies == folder / f"{split}-gguf-chat.jsonl.gz"
         assert probe_eagle.replies_file(f"{split}-gguf-chat") == replies  # the drafter's training reads them there
-    assert build_demo.served_distilled("heldout", args, "greedy").parent == build_demo.DISTILLED
+    assert common.served_distilled("heldout", args, "greedy").parent == common.DISTILLED
