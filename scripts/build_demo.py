@@ -77,7 +77,7 @@ from demo_build.common import DTYPES, SERVED_SETTINGS, TRAIN_SPLITS, WORK, log, 
 from demo_build.heads import stage_calibrate, stage_heads, stage_measure, stage_ranking  # noqa: E402
 from demo_build.replies import stage_distill, stage_distill_served, stage_prompts, stage_self_instruct, stage_topics  # noqa: E402
 from demo_build.shipping import stage_evaluate, stage_export  # noqa: E402
-from demo_prompts import TOPIC_ROUNDS  # noqa: E402
+from demo_build.topic_rounds import TOPIC_ROUNDS  # noqa: E402
 
 
 STAGES = {

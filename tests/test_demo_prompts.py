@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import demo_prompts  # noqa: E402
+from demo_build import prompt_sources, topic_rounds  # noqa: E402
 
 PROMPTS = ROOT / "assets" / "demo" / "prompts"
 
@@ -30,7 +31,7 @@ def test_round_two_adds_new_prompts_and_never_a_held_out_group(built):
     first = {r["messages"][0]["content"] for r in train + heldout}
     assert len(more) > len(train)
     assert not first & {r["messages"][0]["content"] for r in more}
-    assert not any(demo_prompts.is_heldout(r["group"]) for r in more)
+    assert not any(prompt_sources.is_heldout(r["group"]) for r in more)
     assert {r["group"] for r in heldout}.isdisjoint(r["group"] for r in train + more)
     assert [r["id"] for r in more] == list(range(len(more)))
 
@@ -42,7 +43,7 @@ def test_round_two_writing_prompts_are_four_forms_a_topic_as_shipped():
 
     from demo_seeds import MORE_WRITING_TOPICS, WRITING_TOPICS
 
-    writing = [row for row in demo_prompts.more_template_prompts(random.Random(demo_prompts.SEED + 1)) if row[0] == "writing"]
+    writing = [row for row in prompt_sources.more_template_prompts(random.Random(prompt_sources.SEED + 1)) if row[0] == "writing"]
     assert len(writing) == 4 * len(WRITING_TOPICS + MORE_WRITING_TOPICS)
 
 
@@ -51,7 +52,7 @@ def test_shipped_prompt_files_keep_held_out_prompts_unseen():
     held_groups = {r["group"] for r in heldout}
     assert len(train) >= 3000 and len(heldout) >= 200 and len(more) >= 3000
     assert held_groups.isdisjoint(r["group"] for r in train + more)
-    assert all(demo_prompts.is_heldout(r["group"]) for r in heldout)
+    assert all(prompt_sources.is_heldout(r["group"]) for r in heldout)
     texts = [r["messages"][0]["content"] for r in train + heldout + more]
     assert len(texts) == len(set(texts))
 
@@ -66,7 +67,7 @@ def test_later_rounds_repeat_no_prompt_and_hold_no_held_out_group():
         assert not texts & seen, name
         seen |= texts
         assert held_groups.isdisjoint(r["group"] for r in rows), name
-        assert not any(demo_prompts.is_heldout(r["group"]) for r in rows), name
+        assert not any(prompt_sources.is_heldout(r["group"]) for r in rows), name
 
 
 def test_round_four_asks_nothing_the_rounds_before_it_asked():
@@ -75,28 +76,28 @@ def test_round_four_asks_nothing_the_rounds_before_it_asked():
     before = {r["messages"][0]["content"] for name in names for r in _read(name)}
     texts = {r["messages"][0]["content"] for r in rows}
     assert len(texts) == len(rows) and not before & texts
-    assert not any(demo_prompts.is_heldout(r["group"]) for r in rows)
+    assert not any(prompt_sources.is_heldout(r["group"]) for r in rows)
     assert {r["source"] for r in rows} >= {"python-docs", "generated"}
     assert [r["id"] for r in rows] == list(range(len(rows)))
 
 
 def test_topics_are_read_from_the_backbones_list_lines_only():
     continuation = " a dream gone wrong\n- A sunset over a cathedral.\n- 100 stars\n- a poem: love\n\n- a red kite\nThe end\n- x y"
-    assert demo_prompts.parse_topics("writing", continuation) == ["a dream gone wrong", "A sunset over a cathedral", "a red kite"]
-    assert demo_prompts.parse_topics("writing", "100 stars\n- a lighthouse") == []  # the list's first item is not one
+    assert topic_rounds.parse_topics("writing", continuation) == ["a dream gone wrong", "A sunset over a cathedral", "a red kite"]
+    assert topic_rounds.parse_topics("writing", "100 stars\n- a lighthouse") == []  # the list's first item is not one
     coding = " Write a function that checks if a number is prime.\n- Write a function that sums.\n- Sort a list.\n- Write a"
-    assert demo_prompts.parse_topics("coding", coding) == ["checks if a number is prime"]
+    assert topic_rounds.parse_topics("coding", coding) == ["checks if a number is prime"]
 
 
 def test_topic_requests_show_only_training_topics():
-    requests = demo_prompts.topic_requests(30)
-    assert len(requests) == 30 * len(demo_prompts.TOPIC_KINDS) and requests == demo_prompts.topic_requests(30)
+    requests = topic_rounds.topic_requests(30)
+    assert len(requests) == 30 * len(topic_rounds.TOPIC_KINDS) and requests == topic_rounds.topic_requests(30)
     for row in requests:
-        _, prefix, _, _ = demo_prompts.TOPIC_KINDS[row["kind"]]
+        _, prefix, _, _ = topic_rounds.TOPIC_KINDS[row["kind"]]
         shown = [line[2:] for line in row["request"].splitlines()[1:-1]]
         assert len(shown) == 6 and row["request"].endswith("\n-")
-        topics = [demo_prompts.parse_topics("coding", " " + s)[0] for s in shown] if row["kind"] == "coding" else shown
-        assert not any(demo_prompts.is_heldout(prefix + t) for t in topics)
+        topics = [topic_rounds.parse_topics("coding", " " + s)[0] for s in shown] if row["kind"] == "coding" else shown
+        assert not any(prompt_sources.is_heldout(prefix + t) for t in topics)
 
 
 def test_round_five_gives_new_topics_the_round_three_templates_and_keeps_held_out_topics_out(tmp_path):
@@ -113,13 +114,13 @@ def test_round_five_gives_new_topics_the_round_three_templates_and_keeps_held_ou
     topics += [("everyday", f"fold paper crane number {n}") for n in range(40)]
     file = tmp_path / "topics.jsonl"
     file.write_text("".join(json.dumps({"kind": k, "topic": t}) + "\n" for k, t in topics))
-    assert not any(demo_prompts.is_heldout(g) for g in ("w:a paper boat in the gutter", "s:tidal energy"))
+    assert not any(prompt_sources.is_heldout(g) for g in ("w:a paper boat in the gutter", "s:tidal energy"))
     rows = demo_prompts.build_topics(existing, file)
     groups = {r["group"] for r in rows}
     assert "w:a paper boat in the gutter" in groups and "s:tidal energy" in groups
     assert not {"w:" + variant, "w:autumn leaves", "w:A paper boat in the gutter"} & groups
-    assert not any(demo_prompts.is_heldout(g) for g in groups)
-    assert sum(not demo_prompts.is_heldout("d:" + t) for k, t in topics if k == "everyday") * demo_prompts.TEMPLATES_PER_TOPIC == sum(
+    assert not any(prompt_sources.is_heldout(g) for g in groups)
+    assert sum(not prompt_sources.is_heldout("d:" + t) for k, t in topics if k == "everyday") * topic_rounds.TEMPLATES_PER_TOPIC == sum(
         r["category"] == "everyday" for r in rows)  # held-out hashes dropped
     before = {r["messages"][0]["content"] for n in names[:-1] for r in _read(n)}
     texts = [r["messages"][0]["content"] for r in rows]
@@ -160,16 +161,16 @@ def test_round_six_lists_show_round_five_topics_and_say_how_to_write_them_when_m
 
     from demo_build import replies
 
-    listed = demo_prompts.read_topics(PROMPTS / "topics.jsonl")
-    requests = demo_prompts.topic_requests(20, demo_prompts.TOPIC_ROUNDS[6][1], listed)
-    assert requests == demo_prompts.topic_requests(20, demo_prompts.TOPIC_ROUNDS[6][1], listed)
-    assert requests != demo_prompts.topic_requests(20)  # not round 5's lists
+    listed = topic_rounds.read_topics(PROMPTS / "topics.jsonl")
+    requests = topic_rounds.topic_requests(20, topic_rounds.TOPIC_ROUNDS[6][1], listed)
+    assert requests == topic_rounds.topic_requests(20, topic_rounds.TOPIC_ROUNDS[6][1], listed)
+    assert requests != topic_rounds.topic_requests(20)  # not round 5's lists
     for row in requests:
-        _, prefix, _, _ = demo_prompts.TOPIC_KINDS[row["kind"]]
+        _, prefix, _, _ = topic_rounds.TOPIC_KINDS[row["kind"]]
         shown = [line[2:] for line in row["request"].splitlines()[1:-1]]
-        topics = [demo_prompts.parse_topics("coding", " " + s)[0] for s in shown] if row["kind"] == "coding" else shown
+        topics = [topic_rounds.parse_topics("coding", " " + s)[0] for s in shown] if row["kind"] == "coding" else shown
         assert len(set(topics)) == 6 and set(topics) <= {t for k, t in listed if k == row["kind"]}
-        assert not any(demo_prompts.is_heldout(prefix + t) for t in topics)
+        assert not any(prompt_sources.is_heldout(prefix + t) for t in topics)
     monkeypatch.setattr(replies, "PROMPTS", tmp_path)  # no round-5 topics here
     monkeypatch.setattr(replies, "WORK", tmp_path / "work")
     monkeypatch.setattr(replies, "load", lambda dtype: pytest.fail("the backbone loads before the check"))
@@ -194,8 +195,8 @@ def test_round_six_leaves_out_round_fives_topics_and_prompts(tmp_path):
     rows6 = [json.loads(line) for line in (tmp_path / "train_topics6.jsonl").read_text().splitlines()]
     groups6 = {r["group"] for r in rows6}
     assert groups5 == {"s:tidal energy", "c:counts the words in a sentence"}
-    assert groups6 == {g for g in ("s:ocean acidification", "c:reverses a linked list") if not demo_prompts.is_heldout(g)}
-    assert len(rows6) == demo_prompts.TEMPLATES_PER_TOPIC * len(groups6) and groups6
+    assert groups6 == {g for g in ("s:ocean acidification", "c:reverses a linked list") if not prompt_sources.is_heldout(g)}
+    assert len(rows6) == topic_rounds.TEMPLATES_PER_TOPIC * len(groups6) and groups6
 
 
 def test_a_round_whose_earlier_prompt_file_is_missing_says_which_round_writes_it(tmp_path):

@@ -24,7 +24,7 @@ def continuations(model, tok, enc, **generate) -> list[str]:
 
 def stage_self_instruct(args) -> None:
     """Questions the backbone writes itself, one per seed topic and style (greedy, batched)."""
-    from demo_prompts import self_instruct_requests
+    from .prompt_sources import self_instruct_requests
 
     out = WORK / "self_instruct.jsonl"
     if out.exists():
@@ -56,7 +56,7 @@ def stage_topics(args) -> None:
     ``build/demo/<file>.done`` counting the requests done; a file without that count, as the repository holds it, is
     kept); ``demo_prompts.py --round N`` makes them prompts. Raises ``SystemExit`` when the topics a round's lists show
     are not there."""
-    from demo_prompts import TOPIC_ROUNDS, parse_topics, read_topics, topic_requests
+    from .topic_rounds import TOPIC_ROUNDS, parse_topics, read_topics, topic_requests
 
     name, seed, shown = TOPIC_ROUNDS[args.topic_round]
     out, done = PROMPTS / name, WORK / f"{Path(name).stem}.done"
