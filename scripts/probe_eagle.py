@@ -28,8 +28,9 @@ top-1 where draft 1 is right, and a 2-draft chain's tokens per step 1 + P(d1) + 
     # what the drafter's work costs a decoding step on this CPU in ATen calls
     python scripts/probe_eagle.py --cost
 
-Results: docs/BENCH.md, "An EAGLE-style drafter". Reads ``assets/demo/distill`` (and ``assets/demo-training/distill``, rounds 4-6); the backbone is
-``$MEDUSA_DEMO_GGUF`` or the installed demo GGUF file.
+Results: docs/BENCH.md, "An EAGLE-style drafter". The drafter module and the step-cost timing live in
+``scripts/eagle_probe/``. Reads ``assets/demo/distill`` (and ``assets/demo-training/distill``, rounds 4-6); the
+backbone is ``$MEDUSA_DEMO_GGUF`` or the installed demo GGUF file.
 """
 
 import argparse
@@ -43,7 +44,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,6 +54,8 @@ from medusa_core.loading import load_backbone  # noqa: E402
 from medusa_core.train import read_distilled  # noqa: E402
 
 from demo_build.common import TRAIN_SPLITS, distilled_folder  # noqa: E402  (scripts/ is on the path when a script runs)
+from eagle_probe.cost import step_cost  # noqa: E402
+from eagle_probe.drafter import Drafter  # noqa: E402
 
 
 def replies_file(name: str) -> Path:
@@ -64,152 +66,6 @@ def replies_file(name: str) -> Path:
 
 def log(msg):
     print(f"[probe {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-class RMS(nn.Module):
-    """RMS norm with a learned scale (Llama's)."""
-
-    def __init__(self, h, eps):
-        super().__init__()
-        self.w, self.eps = nn.Parameter(torch.ones(h)), eps
-
-    def forward(self, x):
-        return self.w * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-
-
-def rope(x, pos, theta):
-    """x [B, h, W, d], pos [W] int."""
-    d = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device).float() / d)
-    ang = pos.float()[:, None] * inv[None]
-    cos, sin = torch.cat([ang.cos()] * 2, -1).to(x.dtype), torch.cat([ang.sin()] * 2, -1).to(x.dtype)
-    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
-    return x * cos + torch.cat([-x2, x1], -1) * sin
-
-
-class Drafter(nn.Module):
-    """The drafter: fc [H, 2H] over [f_t, e(x_{t+1})], then one pre-norm Llama layer (full multi-head attention with
-    the backbone's RoPE θ, SiLU-gated MLP); its output [.., H] is read by the backbone's LM head. ``window`` > 0 limits
-    attention to the last ``window`` positions (a measurement; training uses all, 0)."""
-
-    def __init__(self, cfg):
-        super().__init__()
-        self.window = 0
-        h, self.nh = cfg.hidden_size, cfg.num_attention_heads
-        self.theta, self.hd = cfg.rope_theta if hasattr(cfg, "rope_theta") else cfg.rope_parameters["rope_theta"], h // self.nh
-        self.fc = nn.Linear(2 * h, h, bias=False)
-        self.n1, self.n2 = RMS(h, cfg.rms_norm_eps), RMS(h, cfg.rms_norm_eps)
-        self.q, self.k, self.v, self.o = (nn.Linear(h, h, bias=False) for _ in range(4))
-        self.g, self.u = nn.Linear(h, cfg.intermediate_size, bias=False), nn.Linear(h, cfg.intermediate_size, bias=False)
-        self.d = nn.Linear(cfg.intermediate_size, h, bias=False)
-
-    def qkv(self, x, pos):
-        B, W, _ = x.shape
-        y = self.n1(x)
-        q, k, v = (m(y).view(B, W, self.nh, self.hd).transpose(1, 2) for m in (self.q, self.k, self.v))
-        return rope(q, pos, self.theta), rope(k, pos, self.theta), v
-
-    def out(self, x, a):
-        B, W, _ = x.shape
-        x = x + self.o(a.transpose(1, 2).reshape(B, W, -1))
-        y = self.n2(x)
-        return x + self.d(F.silu(self.g(y)) * self.u(y))
-
-    def forward(self, feats, emb, feats2=None, emb2=None):
-        """Stream X: inputs (f_t, e_{t+1}) at positions t, causal. Stream Y (optional): inputs at positions t that
-        attend to X at positions < t and to themselves. Returns (out_x [B, W, H], out_y or None)."""
-        B, W, _ = feats.shape
-        pos = torch.arange(W, device=feats.device)
-        x = self.fc(torch.cat([feats, emb], -1))
-        qx, kx, vx = self.qkv(x, pos)
-        back = pos[:, None] - pos[None, :]  # [W, W] i - j
-        win = self.window
-        if win:
-            ox = self.out(x, F.scaled_dot_product_attention(qx, kx, vx, attn_mask=(back >= 0) & (back < win)))
-        else:
-            ox = self.out(x, F.scaled_dot_product_attention(qx, kx, vx, is_causal=True))
-        if feats2 is None:
-            return ox, None
-        y = self.fc(torch.cat([feats2, emb2], -1))
-        qy, ky, vy = self.qkv(y, pos)
-        earlier = (back > 0) & (back < win) if win else back > 0
-        mask = torch.cat([earlier, torch.eye(W, dtype=torch.bool, device=x.device)], 1)
-        a = F.scaled_dot_product_attention(qy, torch.cat([kx, ky], 2), torch.cat([vx, vy], 2), attn_mask=mask)
-        return ox, self.out(y, a)
-
-
-@torch.inference_mode()
-def step_cost(cached: int = 400, draft_vocabulary: int = 8192) -> None:
-    """Mean wall time (ms) of one step's drafter work in ATen calls: the k accepted rows' catch-up
-    through the layer with a KV cache of ``cached`` entries, draft 1's top-1 over ``draft_vocabulary`` tokens,
-    draft 2 chained from it (random bf16 weights: the cost does not depend on their values)."""
-    from transformers import AutoConfig
-
-    from medusa_core.gguf import gguf_model_folder
-
-    torch.set_num_threads(2)
-    cfg = AutoConfig.from_pretrained(gguf_model_folder(os.environ.get("MEDUSA_DEMO_GGUF") or demo_gguf_file()))
-    d = Drafter(cfg).to(torch.bfloat16).eval()
-    h, nh = cfg.hidden_size, cfg.num_attention_heads
-    proj = torch.randn(draft_vocabulary, h, dtype=torch.bfloat16)
-    keys, values = (torch.randn(1, nh, cached, h // nh, dtype=torch.bfloat16) for _ in range(2))
-
-    def layer(x, start, keys, values):
-        q, k, v = d.qkv(x[None], torch.arange(start, start + len(x)))
-        keys, values = torch.cat([keys, k], 2), torch.cat([values, v], 2)
-        mask = torch.ones(len(x), keys.shape[2], dtype=torch.bool).tril(keys.shape[2] - len(x))
-        return d.out(x[None], F.scaled_dot_product_attention(q, keys, values, attn_mask=mask))[0], keys, values
-
-    def step(rows):
-        f, e = torch.randn(rows, h, dtype=torch.bfloat16), torch.randn(rows, h, dtype=torch.bfloat16)
-        out, k, v = layer(d.fc(torch.cat([f, e], -1)), cached, keys, values)
-        first = (out[-1:] @ proj.T).argmax(-1)
-        out2, _, _ = layer(d.fc(torch.cat([out[-1:], e[-1:]], -1)), cached + rows, k, v)
-        return first, (out2 @ proj.T).argmax(-1)
-
-    # The same work in fewer calls: fused q/k/v and gate/up products, torch's one-call RMS norm, RoPE tables, a
-    # preallocated cache written in place, no mask for the one-row draft.
-    eps, hd = cfg.rms_norm_eps, h // nh
-    w_qkv = torch.cat([d.q.weight, d.k.weight, d.v.weight]).T.contiguous()
-    w_gu, w_o, w_d, w_fc = torch.cat([d.g.weight, d.u.weight]).T.contiguous(), d.o.weight.T, d.d.weight.T, d.fc.weight.T
-    inv = 1.0 / d.theta ** (torch.arange(0, hd, 2).float() / hd)
-    angles = torch.arange(cached + 64).float()[:, None] * inv[None]
-    cos, sin = (torch.cat([f(angles)] * 2, -1).to(torch.bfloat16)[:, None] for f in (torch.cos, torch.sin))
-    cache = torch.randn(2, nh, cached + 64, hd, dtype=torch.bfloat16)
-
-    def fused(x, start, keep):
-        r = len(x)
-        qkv = (F.rms_norm(x, (h,), d.n1.w, eps) @ w_qkv).view(r, 3, nh, hd)
-        qk = qkv[:, :2]
-        qk = qk * cos[start : start + r, None] + torch.cat([-qk[..., hd // 2 :], qk[..., : hd // 2]], -1) * sin[start : start + r, None]
-        if keep:  # accepted rows: their keys and values stay
-            cache[0, :, start : start + r] = qk[:, 1].transpose(0, 1)
-            cache[1, :, start : start + r] = qkv[:, 2].transpose(0, 1)
-            k, v = cache[0, :, : start + r], cache[1, :, : start + r]
-        else:
-            k = torch.cat([cache[0, :, :start], qk[:, 1].transpose(0, 1)], 1)
-            v = torch.cat([cache[1, :, :start], qkv[:, 2].transpose(0, 1)], 1)
-        mask = None if r == 1 else torch.ones(r, start + r, dtype=torch.bool).tril(start)
-        a = F.scaled_dot_product_attention(qk[:, 0].transpose(0, 1), k, v, attn_mask=mask)
-        x = x + a.transpose(0, 1).reshape(r, h) @ w_o
-        g, u = (F.rms_norm(x, (h,), d.n2.w, eps) @ w_gu).chunk(2, -1)
-        return x + (F.silu(g) * u) @ w_d
-
-    def fused_step(rows):
-        f, e = torch.randn(rows, h, dtype=torch.bfloat16), torch.randn(rows, h, dtype=torch.bfloat16)
-        out = fused(torch.cat([f, e], -1) @ w_fc, cached, True)
-        first = (out[-1:] @ proj.T).argmax(-1)
-        out2 = fused(torch.cat([out[-1:], e[-1:]], -1) @ w_fc, cached + rows, False)
-        return first, (out2 @ proj.T).argmax(-1)
-
-    for name, fn in (("as trained (module calls)", step), ("fused calls", fused_step)):
-        for rows in (1, 2, 3):
-            for _ in range(20):
-                fn(rows)
-            t, n = time.perf_counter(), 300
-            for _ in range(n):
-                fn(rows)
-            print(f"{name}: catch-up of {rows} row(s) + 2 drafts: {(time.perf_counter() - t) / n * 1e3:.3f} ms")
 
 
 def main():
