@@ -13,10 +13,11 @@ import json
 
 import gradio as gr
 import pytest
-from handler_support import greedy_reference, reply_html, send
 
 from app import handlers
 from app.session import Session
+
+from .handler_support import greedy_reference, reply_html, send
 
 
 def test_a_reply_streams_step_by_step_and_equals_the_engines_greedy_output(engine, settings, controls):

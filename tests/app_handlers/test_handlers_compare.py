@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from handler_support import send
-
 from app import handlers
 from app.session import Session
 from app.stats import summarize, summary_markdown
+
+from .handler_support import send
 
 
 def test_compare_runs_medusa_off_then_heads_n_gram_and_hybrid_drafts_and_reports_identical_greedy_replies(

@@ -11,7 +11,6 @@ from __future__ import annotations
 import csv
 import dataclasses
 
-from handler_support import greedy_reference, send
 from transformers import GenerationConfig
 
 from app import handlers
@@ -20,6 +19,8 @@ from app.session import Session
 from app.settings import AppSettings
 from medusa_core import CHAT_PRESET
 from medusa_core.processors import CHAT_SAMPLING
+
+from .handler_support import greedy_reference, send
 
 
 def test_the_sampling_control_reaches_the_engine_and_the_page_marks_rejected_nodes_and_acceptance_per_mode(

@@ -12,13 +12,14 @@ import dataclasses
 import re
 
 import torch
-from handler_support import HeldIndex, reply_html, send, with_drafter
 
 from app import handlers
 from app.handlers import CUSTOM_TREE, Controls
 from app.handlers.controls import drafts_default
 from app.session import Session
 from medusa_core import CHAT_PRESET, TunedSettings
+
+from .handler_support import HeldIndex, reply_html, send, with_drafter
 
 
 def test_an_invalid_custom_tree_gets_the_validators_message(engine, settings, controls):

@@ -12,11 +12,11 @@ import dataclasses
 import json
 from pathlib import Path
 
-from handler_support import send
-
 from app import handlers
 from app.session import Session
 from app.stats import CSV_COLUMNS
+
+from .handler_support import send
 
 
 def test_export_writes_every_column_and_one_row_per_step(engine, settings, controls):

@@ -13,13 +13,14 @@ import threading
 
 import gradio as gr
 import pytest
-from handler_support import waiting_reply
 
 import medusa_core.model
 from app import handlers
 from app.engine import Engine
 from app.session import Session
 from app.ui import build_ui
+
+from .handler_support import waiting_reply
 
 
 def test_while_the_model_loads_the_page_shows_progress_and_a_failed_load_says_why(settings, controls, monkeypatch):

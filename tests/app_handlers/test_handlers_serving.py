@@ -12,7 +12,6 @@ import dataclasses
 import threading
 
 import torch
-from handler_support import reply_html, send
 
 from app import handlers
 from app.engine import Engine
@@ -20,6 +19,8 @@ from app.handlers import CUSTOM_TREE
 from app.handlers.generation import fit_prompt
 from app.session import Session, Turn
 from app.ui import build_ui
+
+from .handler_support import reply_html, send
 
 
 def test_session_state_copies_are_independent_and_usable():

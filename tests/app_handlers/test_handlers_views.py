@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from handler_support import send
-
 from app import handlers
 from app.handlers import CUSTOM_TREE
 from app.session import Session
 from medusa_core.invariant import ATTENTION_KERNEL
+
+from .handler_support import send
 
 
 def test_the_model_panel_shows_names_precision_device_heads_and_memory(engine):

@@ -1,0 +1,1 @@
+"""Handler-level tests of the app, one module per feature (``app/handlers/``)."""
