@@ -256,6 +256,16 @@ def test_the_threshold_of_a_tuned_entry_uses_its_fitted_latencies_or_else_its_ov
                  "step_latency_fitted_ms": {"0": 70.0, "1": 90.0, "2": 92.0, "4": 96.0, "8": 104.0}}
     # the slope over the Medusa trees (the heads' pass is paid whatever a shaped step keeps): 2 ms per path
     assert tuned_threshold(tuner_run) == pytest.approx(2.0 * 1.8 / 96.0)
+    # shaping only drops nodes of the chosen tree: trees larger than it, dearer per path, do not count (this AMD
+    # EPYC's greedy run, 2026-11-29: the slope over 1-8 paths, 1.0 ms, made τ 0.35 for a one-node tree whose node
+    # costs ~0.35 ms)
+    measured = {"0": 4.14, "1": 4.36, "2": 4.71, "3": 6.04, "4": 6.58, "6": 8.70, "8": 11.15}
+    one_node = {"nodes": 2, "measured_acceleration": 1.56, "step_latency_fitted_ms": measured}
+    # one Medusa size up to it: the slope to the next size (from the plain step it would count the heads' pass, which a
+    # shaped step pays whatever it keeps)
+    assert tuned_threshold(one_node) == pytest.approx((4.71 - 4.36) * 1.56 / 4.36)
+    two_nodes = {"nodes": 3, "measured_acceleration": 1.7, "step_latency_fitted_ms": measured}
+    assert tuned_threshold(two_nodes) == pytest.approx((4.71 - 4.36) * 1.7 / 4.71)
     by_hand = {"nodes": 3, "measured_acceleration": 1.41, "measured_overhead": 1.46}  # a tree picked from a benchmark
     assert tuned_threshold(by_hand) == pytest.approx((0.46 / 2) * 1.41 / 1.46)  # slope from the plain step
     with pytest.raises(ValueError, match="neither step_latency_fitted_ms nor measured_overhead"):

@@ -127,7 +127,9 @@ def tuned_threshold(entry: Mapping[str, Any]) -> float:
     """``choose_min_head_probability`` from the figures a ``medusa_tuned.json`` entry stores.
 
     A tuner run stores ``step_latency_fitted_ms`` per size: Δ is the slope over the Medusa trees (n ≥ 1:
-    a shaped step runs the heads' pass whatever it keeps), T the chosen tree's (``nodes`` − 1 paths). An
+    a shaped step runs the heads' pass whatever it keeps) up to the chosen tree's size (shaping drops only that
+    tree's nodes, so larger trees, dearer per path where a pass outgrows a group of rows, do not count; a one-path
+    tree's is the slope to the next size), T the chosen tree's (``nodes`` − 1 paths). An
     entry picked by hand from a benchmark stores only its tree's ``measured_overhead`` (step cost ÷ the
     plain step's): Δ is then the slope from the plain step to that tree, which counts the heads' pass as
     per-token cost and so overstates Δ. A is ``measured_acceleration`` either way.
@@ -136,8 +138,11 @@ def tuned_threshold(entry: Mapping[str, Any]) -> float:
     paths, accel = int(entry["nodes"]) - 1, float(entry["measured_acceleration"])
     if "step_latency_fitted_ms" in entry:
         latency = {int(n): float(t) for n, t in entry["step_latency_fitted_ms"].items()}
-        medusa = {n: t for n, t in latency.items() if n >= 1}
-        return choose_min_head_probability(marginal_token_cost(medusa if len(medusa) >= 2 else latency), latency[paths], accel)
+        medusa = sorted(n for n in latency if n >= 1)
+        sizes = [n for n in medusa if n <= paths] or medusa[:1]
+        sizes += [n for n in medusa if n > sizes[-1]][: max(0, 2 - len(sizes))]  # a one-path tree: to the next size
+        slope = marginal_token_cost({n: latency[n] for n in sizes} if len(sizes) >= 2 else latency)
+        return choose_min_head_probability(slope, latency[paths], accel)
     if "measured_overhead" in entry:
         overhead = float(entry["measured_overhead"])
         return choose_min_head_probability(marginal_token_cost({0: 1.0, paths: overhead}), overhead, accel)
