@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("lean_step.cpp")
 #: Everything the build reads: the source and the headers it includes.
-FILES = tuple(SOURCE.with_name(name) for name in ("lean_step.cpp", "decoder.h", "decoder_ops.h", "eagle_chain.h", "row_attention.h", "corpus_chain.h", "draft_heads.h", "refine_top.h", "top_columns.h", "int4_matmul.h", "sampling.h"))
+FILES = tuple(SOURCE.with_name(name) for name in ("lean_step.cpp", "decoder.h", "decoder_ops.h", "eagle_chain.h", "row_attention.h", "corpus_chain.h", "draft_heads.h", "refine_top.h", "top_columns.h", "int4_matmul.h", "int4_dots.h", "int4_amx.h", "sampling.h"))
 #: Environment variable that turns the lean step off (``0``): transformers' forward then runs every pass.
 ENV = "MEDUSA_LEAN_STEP"
 #: Environment variable that keeps the 4-bit product off the AMX tiles (``0``) on a CPU that has them: it then runs on
