@@ -5,7 +5,7 @@ repetition_penalty=...)`` token for token on every architecture, with heads that
 reply (so deep paths are accepted) and with random heads; a variant that penalises only the context
 and not the node's ancestors in the tree breaks it, so the test has teeth. Typical and exact
 verification judge candidates by the processed distribution: with top-k 1 both must equal greedy.
-The chi-square proof that exact sampling with processors follows plain sampling is in test_sampling.py.
+The chi-square proof that exact sampling with processors follows plain sampling is in sampling/test_sampling_statistics.py.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ prompt (with the method order rotated) so that machine drift hits all of them al
 compared token for token with HF ``generate``; every divergence is listed in the report. At temperature > 0
 every method samples from softmax(logits / T) (HF with ``top_k=0``), seeded per (prompt, repeat) so typical
 and exact runs see the same prompts and seeds; outputs are then not compared (exactness of the distribution
-is a statistical property, tested in ``tests/test_sampling.py``).
+is a statistical property, tested in ``tests/sampling/test_sampling_statistics.py``).
 
 One module per job, in the order a run uses them:
 

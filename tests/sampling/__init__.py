@@ -1,0 +1,1 @@
+"""Tests of exact sampling at temperature > 0, one module per part."""
