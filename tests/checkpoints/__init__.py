@@ -1,0 +1,1 @@
+"""Tests of checkpoint loading and saving, one module per part."""
