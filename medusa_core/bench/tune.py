@@ -139,8 +139,8 @@ def tuned_threshold(entry: Mapping[str, Any]) -> float:
     if "step_latency_fitted_ms" in entry:
         latency = {int(n): float(t) for n, t in entry["step_latency_fitted_ms"].items()}
         medusa = sorted(n for n in latency if n >= 1)
-        sizes = [n for n in medusa if n <= paths] or medusa[:1]
-        sizes += [n for n in medusa if n > sizes[-1]][: max(0, 2 - len(sizes))]  # a one-path tree: to the next size
+        sizes = [n for n in medusa if n <= paths]
+        sizes += [n for n in medusa if n > paths][: max(0, 2 - len(sizes))]  # a one-path tree: to the next size
         slope = marginal_token_cost({n: latency[n] for n in sizes} if len(sizes) >= 2 else latency)
         return choose_min_head_probability(slope, latency[paths], accel)
     if "measured_overhead" in entry:

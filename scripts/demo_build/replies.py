@@ -117,21 +117,30 @@ def prompt_file(split: str) -> Path:
 
 def _distill_split(model, tok, split: str, name: str, args, backbone: str, dtype: str) -> None:
     """Greedy replies to ``prompts/{split}.jsonl`` into ``distill_{name}.jsonl`` (resumed), and the run's speed."""
-    from medusa_core.train import distill, read_distilled, read_prompts
+    from medusa_core.train import distill, read_prompts
 
     out = WORK / f"distill_{name}.jsonl"
+    _timed(f"distill {name}", f"distill_{name}", out, lambda: distill(
+        model, tok, read_prompts(prompt_file(split)), out, max_new_tokens=args.max_reply_tokens, batch_size=args.distill_batch),
+        backbone=backbone, dtype=dtype, batch_size=args.distill_batch)
+
+
+def _timed(label: str, key: str, out: Path, run, **figures) -> None:
+    """``run()``, a distillation appending to ``out``, then what it added logged as ``label`` (replies, reply tokens,
+    reply tokens/s) and saved in the build's figures under ``key`` with the run's time and ``figures``."""
+    from medusa_core.train import read_distilled
+
     before = len(read_distilled(out)) if out.exists() else 0
     t0 = time.time()
-    distill(model, tok, read_prompts(prompt_file(split)), out,
-            max_new_tokens=args.max_reply_tokens, batch_size=args.distill_batch)
+    run()
     rows = read_distilled(out)
     new_tokens, seconds = sum(len(r["reply_ids"]) for r in rows[before:]), time.time() - t0
     if new_tokens:
-        log(f"distill {name}: {len(rows) - before} replies, {new_tokens} tokens in {seconds:.0f} s "
+        log(f"{label}: {len(rows) - before} replies, {new_tokens} tokens in {seconds:.0f} s "
             f"({new_tokens / seconds:.0f} reply tokens/s)")
-        save_figures(**{f"distill_{name}_run_{int(time.time())}": {
+        save_figures(**{f"{key}_run_{int(time.time())}": {
             "replies": len(rows) - before, "reply_tokens": new_tokens, "seconds": round(seconds),
-            "backbone": backbone, "dtype": dtype, "batch_size": args.distill_batch, "threads": torch.get_num_threads()}})
+            **figures, "threads": torch.get_num_threads()}})
 
 
 def stage_distill_served(args) -> None:
@@ -141,7 +150,7 @@ def stage_distill_served(args) -> None:
     from transformers import AutoTokenizer
 
     from medusa_core import CHAT_PRESET, SamplingConfig
-    from medusa_core.train import distill, read_distilled, read_prompts
+    from medusa_core.train import distill, read_prompts
 
     if args.distill_splits:
         for split in args.distill_splits:
@@ -157,15 +166,6 @@ def stage_distill_served(args) -> None:
         for split in splits:
             out = served_distilled(split, args, settings)
             out.parent.mkdir(parents=True, exist_ok=True)
-            before = len(read_distilled(out)) if out.exists() else 0
-            t0 = time.time()
-            distill(served, tok, read_prompts(prompt_file(split)), out, max_new_tokens=args.served_reply_tokens,
-                    batch_size=args.distill_batch, sampling=sampling, seed=SEED)
-            rows = read_distilled(out)
-            new_tokens, seconds = sum(len(r["reply_ids"]) for r in rows[before:]), time.time() - t0
-            if new_tokens:
-                log(f"distill_served {out.name}: {len(rows) - before} replies, {new_tokens} tokens in {seconds:.0f} s "
-                    f"({new_tokens / seconds:.0f} reply tokens/s)")
-                save_figures(**{f"distill_served_{out.name}_run_{int(time.time())}": {
-                    "replies": len(rows) - before, "reply_tokens": new_tokens, "seconds": round(seconds),
-                    "settings": settings, "batch_size": args.distill_batch, "threads": torch.get_num_threads()}})
+            _timed(f"distill_served {out.name}", f"distill_served_{out.name}", out, lambda: distill(
+                served, tok, read_prompts(prompt_file(split)), out, max_new_tokens=args.served_reply_tokens,
+                batch_size=args.distill_batch, sampling=sampling, seed=SEED), settings=settings, batch_size=args.distill_batch)
