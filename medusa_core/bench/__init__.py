@@ -46,18 +46,16 @@ from .methods import DEFAULT_TREES, METHOD_KINDS, Method, build_methods, default
 from .prompts import Prompt, encode_prompt, load_prompts
 from .report import environment, markdown_table, summary_markdown, write_report
 from .run import LOOP_NGRAM, LOOP_TIMES, Run, loops, run_benchmark, run_once
-from .tune import (
+from .tune import dump_tuned, measure_step_latency, write_tuned
+from .tune_rules import (
     TUNE_SIZES,
     choose_min_head_probability,
     choose_tree_size,
     confirm_choice,
-    dump_tuned,
     marginal_token_cost,
-    measure_step_latency,
     monotone_latency,
     predict_speedups,
     tuned_threshold,
-    write_tuned,
 )
 
 __all__ = [

@@ -23,7 +23,8 @@ from .profiling import cmd_profile
 from .prompts import load_prompts
 from .report import environment, write_report
 from .run import run_benchmark
-from .tune import TUNE_SIZES, cmd_tune, preset_settings
+from .tune import cmd_tune, preset_settings
+from .tune_rules import TUNE_SIZES
 from .tune_chain import CHAIN_VALUES, parse_chains
 
 DESCRIPTION = "Speed, measured: the benchmark program and the hardware-aware tree tuner (paper appendix B.1, 2.3.3)."

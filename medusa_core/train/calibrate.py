@@ -82,7 +82,6 @@ def head_temperatures(
     roots [M] for root-conditioned heads (``collect_positions(with_roots=True)``).
     Returns [K] temperatures. Raises ``ValueError`` when no position has a target.
     """
-    dtype, device = next(heads.parameters()).dtype, next(heads.parameters()).device
     rows = (labels != -100).any(dim=1).nonzero().flatten()
     if not len(rows):
         raise ValueError(f"no position of labels {list(labels.shape)} has a target: nothing to fit temperatures on")

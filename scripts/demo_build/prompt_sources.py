@@ -158,7 +158,7 @@ def reasoning_and_math(rng: random.Random, n: int, start: int = 0):
             f"{a} has {x} {item} and gives {b} {min(x, y)}. How many does {a} have left? Think step by step.",
             f"If today is Monday, what day will it be in {x} days?",
             f"There are {x} people in a room and each shakes hands with everyone else once. How many handshakes?",
-            f"Is the statement 'every square is a rectangle' true? Explain why.",
+            "Is the statement 'every square is a rectangle' true? Explain why.",
             f"{a}, {b} and {c} sit in a row. {a} is not at either end. Who sits in the middle?",
         ]
         math = [

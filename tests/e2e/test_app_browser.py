@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 from harness import CHROMIUM, REPO, chromium, download, download_csv, launched_app, send, tiny_model
+from layout import CONTRAST_JS, element_box, overlap
 
 pytestmark = pytest.mark.e2e
 
@@ -72,32 +73,6 @@ def _open(page, url: str) -> None:
     expect(page.locator("#tree input")).to_have_value(READY, timeout=60_000)
 
 
-def _box(page, selector: str) -> dict[str, float]:
-    return page.locator(selector).bounding_box()
-
-
-def _overlap(a: dict[str, float], b: dict[str, float]) -> bool:
-    return a["x"] < b["x"] + b["width"] and b["x"] < a["x"] + a["width"] and a["y"] < b["y"] + b["height"] and b["y"] < a["y"] + a["height"]
-
-
-# WCAG contrast ratio of an element's text colour against the background it is drawn on (its own,
-# or the nearest ancestor's that is not transparent).
-CONTRAST_JS = """
-(el) => {
-  const rgb = (c) => c.match(/[\\d.]+/g).slice(0, 3).map(Number);
-  const opaque = (c) => { const v = c.match(/[\\d.]+/g).map(Number); return v.length < 4 || v[3] > 0; };
-  const lum = (c) => {
-    const [r, g, b] = rgb(c).map((v) => { v /= 255; return v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4; });
-    return 0.2126 * r + 0.7152 * g + 0.0722 * b;
-  };
-  let bg = el;
-  while (bg.parentElement && !opaque(getComputedStyle(bg).backgroundColor)) bg = bg.parentElement;
-  const [a, b] = [lum(getComputedStyle(el).color), lum(getComputedStyle(bg).backgroundColor)].sort((x, y) => y - x);
-  return (a + 0.05) / (b + 0.05);
-}
-"""
-
-
 def test_a_new_users_session_in_headless_chromium(app_url, tmp_path):
     from playwright.sync_api import expect
 
@@ -112,7 +87,7 @@ def test_a_new_users_session_in_headless_chromium(app_url, tmp_path):
         _open(page, app_url)
 
         # At 1440×900 the live tree and the speed chart sit beside the chat, inside the window.
-        chat, tree_box, speed_box = _box(page, "#chat"), _box(page, "#tree-plot"), _box(page, "#speed-plot")
+        chat, tree_box, speed_box = (element_box(page, s) for s in ("#chat", "#tree-plot", "#speed-plot"))
         assert tree_box["x"] >= chat["x"] + chat["width"] and speed_box["x"] >= chat["x"] + chat["width"]
         assert tree_box["y"] + tree_box["height"] <= 900 and speed_box["y"] + speed_box["height"] <= 900
 
@@ -325,11 +300,11 @@ def test_a_new_users_session_in_headless_chromium(app_url, tmp_path):
         _open(narrow, app_url)
         expect(narrow.locator("#chat [data-testid=bot]")).to_have_count(2)
         _send(narrow, PROMPTS[1])
-        chat, tree_box = _box(narrow, "#chat"), _box(narrow, "#tree-plot")
+        chat, tree_box = element_box(narrow, "#chat"), element_box(narrow, "#tree-plot")
         assert tree_box["y"] >= chat["y"] + chat["height"]
-        assert _box(narrow, "#message textarea")["width"] >= 300
-        title, legend = _box(narrow, "#tree-plot .gtitle"), _box(narrow, "#tree-plot .legend")
-        assert not _overlap(title, legend)
+        assert element_box(narrow, "#message textarea")["width"] >= 300
+        title, legend = element_box(narrow, "#tree-plot .gtitle"), element_box(narrow, "#tree-plot .legend")
+        assert not overlap(title, legend)
         assert title["x"] + title["width"] <= tree_box["x"] + tree_box["width"]
         one_line = "(e) => { const r = document.createRange(); r.selectNodeContents(e); return r.getClientRects().length <= 1; }"
         for header in narrow.locator("#summary th").all():
