@@ -40,10 +40,12 @@ def main(argv: list[str]) -> int:
 
     torch.set_num_threads(settings.threads)  # before any model code runs
 
-    from app.engine import Engine
+    from app.engine import SWITCH_INTERVAL_S, Engine
     from app.paths import CSS_FILE
     from app.ui import build_ui
     from medusa_core import load_medusa_model
+
+    sys.setswitchinterval(SWITCH_INTERVAL_S)  # the serving thread gets the GIL back soon after each compiled call
 
     engine = Engine(f"{settings.model} ({settings.quantization} backbone, device {settings.device})", settings.kept_cache_mb,
                     served=True)  # this thread loads the model, then runs every reply's steps (engine.serve below)

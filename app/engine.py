@@ -4,7 +4,8 @@ conversations, kept between their turns (``medusa_core.ConversationCache``).
 ``launch.py`` starts serving first and loads the model afterwards, so the page can show the load
 progress; until ``ready`` a sent message waits for it (``handlers.respond``) and the other chat handlers answer
 with the loading status. Then its main thread, which loaded the model, runs every reply's steps (``serve``,
-``steps``): all of the model's work on one thread.
+``steps``): all of the model's work on one thread, a few steps ahead of the page's handler, so that decoding does
+not wait while Gradio sends an update to the browser.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from datetime import datetime, timezone
 from typing import Any, Callable, Iterator, TypeVar
 
 from medusa_core import ConversationCache, MedusaModel
@@ -22,6 +24,16 @@ from medusa_core.lean import build as lean_build
 #: within the engine's ``kept_cache_mb`` (without a limit, up to the context window's entries: on the
 #: demo 46 kB per token, 0.38 GB at 8,192 tokens).
 KEPT_CONVERSATIONS = 2
+#: Steps the serving thread makes ahead of a reply's reader (``Engine.steps``): while the page's handler waits for
+#: Gradio to send an update, decoding goes on (on the demo, 2 cores, the app's 1 thread: a step waited for the page
+#: ~31 % of a reply's time when each step waited for its reader; docs/APP.md, "Steps made ahead of the page").
+AHEAD = 8
+#: Python's thread switch interval while the app serves (``sys.setswitchinterval``, launch.py; Python's default
+#: 0.005 s). The serving thread releases the GIL in every compiled call of a step and needs it back after each;
+#: while the page's handler or Gradio runs Python, it waits up to this long for it. In the app on the demo (2 cores,
+#: 1 thread, headless Chromium), with steps made ahead: 0.005 s 115–124 tokens/s with Medusa, 0.0005 s 136–139
+#: (docs/APP.md, "Steps made ahead of the page").
+SWITCH_INTERVAL_S = 0.0005
 
 T = TypeVar("T")
 
@@ -47,7 +59,7 @@ class Engine:
         self._done = threading.Event()
         self._kept: OrderedDict[str, ConversationCache] = OrderedDict()
         self._kept_lock = threading.Lock()
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()  # ``steps``' calls, for ``serve``
+        self._jobs: queue.SimpleQueue[_Stream | None] = queue.SimpleQueue()  # work for ``serve``
         self._server: threading.Thread | None = None  # the thread in ``serve``, if one is
         self._served = served  # whether ``steps`` hands work over (a thread serves, or will)
 
@@ -97,36 +109,27 @@ class Engine:
         """Make ``serve`` return after the work it runs now (tests; ``launch.py`` stops on Ctrl+C)."""
         self._jobs.put(None)
 
-    def steps(self, iterator: Iterator[T]) -> Iterator[T]:
-        """``iterator``'s items (a reply's ``generate`` records), each made on the thread in ``serve`` while the caller
-        waits for it (an engine made ``served`` waits for that thread to start), and closed there when the result is
-        closed or ends; ``iterator`` itself where no thread serves (tests, notebooks) or the caller is that thread. Two
-        replies at once take turns, one step each."""
+    def steps(self, iterator: Iterator[T]) -> Iterator[tuple[T, datetime]]:
+        """``iterator``'s items (a reply's ``generate`` records), each with the time it was made (UTC).
+
+        Where a thread serves (``serve``; an engine made ``served`` waits for that thread to start), the items are
+        made there, up to ``AHEAD`` of the reader, from the reader's first ``next`` on; closing the result (Stop,
+        Gradio's cancel) stops the making after the step in progress and closes ``iterator`` there, and the items
+        made but not read are dropped (a kept conversation cache then holds their tokens too, which the next turn's
+        prompt does not match: it reads from where they differ). Two replies at once take turns, one step each.
+        Where no thread serves (tests, notebooks) or the caller is that thread, the items are made as they are read.
+        An exception of ``iterator`` is raised to the reader after the items made before it."""
         if not self._served or self._server is threading.current_thread():
-            return iterator
+            return _stamped(iterator)
         return self._on_server(iterator)
 
-    def _on_server(self, iterator: Iterator[T]) -> Iterator[T]:
+    def _on_server(self, iterator: Iterator[T]) -> Iterator[tuple[T, datetime]]:
+        stream = _Stream(self._jobs, iterator)
         try:
-            while True:
-                try:
-                    item = self._call(next, iterator)
-                except StopIteration:
-                    return
-                yield item
+            while (made := stream.take()) is not None:
+                yield made
         finally:
-            close = getattr(iterator, "close", None)
-            if close is not None:
-                self._call(close)
-
-    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` on the serving thread, its result or its exception here."""
-        job = _Job(fn, args)
-        self._jobs.put(job)
-        job.done.wait()
-        if job.error is not None:
-            raise job.error
-        return job.result
+            stream.close()
 
     def conversation(self, key: str) -> ConversationCache:
         """The KV cache kept for conversation ``key`` (a session id), made on first use; the least recently
@@ -174,21 +177,102 @@ class Engine:
         return f"{self.model.name} ready (loaded in {self.load_seconds:.1f} s)"
 
 
-class _Job:
-    """One call that ``Engine.serve`` runs for another thread: its result or exception, and when it is done."""
+def _stamped(iterator: Iterator[T]) -> Iterator[tuple[T, datetime]]:
+    """``iterator``'s items with the time each was made, closing ``iterator`` when closed."""
+    try:
+        for item in iterator:
+            yield item, datetime.now(timezone.utc)
+    finally:
+        close = getattr(iterator, "close", None)
+        if close is not None:
+            close()
 
-    def __init__(self, fn: Callable[..., Any], args: tuple):
-        self.fn, self.args = fn, args
-        self.result: Any = None
-        self.error: BaseException | None = None
-        self.done = threading.Event()
+
+class _Stream:
+    """A reply's steps made on the serving thread ahead of their reader (``Engine.steps``).
+
+    The stream is its own job in the engine's queue: each ``run`` (on the serving thread) makes one item and
+    queues the stream again while fewer than ``AHEAD`` wait to be read, so streams and other jobs take turns. The
+    reader's ``take`` hands out the items in order and queues a stream that paused; ``close`` asks the next ``run``
+    to close the iterator and waits for it.
+    """
+
+    def __init__(self, jobs: queue.SimpleQueue, iterator: Iterator[Any]):
+        self._jobs, self._iterator = jobs, iterator
+        self._lock = threading.Condition()
+        self._made: deque[tuple[Any, datetime]] = deque()
+        self._queued = False  # a run is in the queue or running
+        self._cancelled = False  # the reader closed the stream
+        self._ended = False  # the iterator is exhausted, failed or closed
+        self._error: BaseException | None = None
+
+    def _queue(self) -> None:
+        """Queue a run unless one is queued or the iterator ended (the lock held)."""
+        if not self._queued and not self._ended:
+            self._queued = True
+            self._jobs.put(self)
 
     def run(self) -> None:
+        """On the serving thread: make the next item, or close the iterator once the reader closed the stream."""
+        with self._lock:
+            cancelled = self._cancelled
+        if cancelled:
+            self._end(close=True)
+            return
         try:
-            self.result = self.fn(*self.args)
-        except BaseException as e:  # noqa: BLE001 - handed to the caller; Ctrl+C also ends ``serve``
-            self.error = e
+            item = next(self._iterator)
+        except StopIteration:
+            self._end()
+            return
+        except BaseException as e:  # noqa: BLE001 - raised to the reader; Ctrl+C also ends ``serve``
+            self._end(error=e)
             if not isinstance(e, Exception):
                 raise
-        finally:
-            self.done.set()
+            return
+        with self._lock:
+            self._made.append((item, datetime.now(timezone.utc)))
+            self._queued = False
+            self._lock.notify_all()
+            if self._cancelled or len(self._made) < AHEAD:
+                self._queue()
+
+    def _end(self, close: bool = False, error: BaseException | None = None) -> None:
+        if close:
+            try:
+                self._iterator.close()
+            except Exception as e:  # noqa: BLE001 - raised to the reader
+                error = e
+        with self._lock:
+            self._ended, self._queued, self._error = True, False, error
+            self._lock.notify_all()
+
+    def take(self) -> tuple[Any, datetime] | None:
+        """The next item and when it was made, waiting for it; None once the iterator is exhausted. Raises the
+        iterator's exception once the items made before it are read."""
+        with self._lock:
+            while True:
+                if self._made:
+                    made = self._made.popleft()
+                    self._queue()
+                    return made
+                if self._ended:
+                    error, self._error = self._error, None
+                    if error is not None:
+                        raise error
+                    return None
+                self._queue()
+                self._lock.wait()
+
+    def close(self) -> None:
+        """Stop making items and wait until the serving thread has closed the iterator (unless it ended);
+        raises what closing it raised."""
+        with self._lock:
+            if not self._ended:
+                self._cancelled = True
+                self._queue()
+                while not self._ended:
+                    self._lock.wait()
+            error, self._error = self._error, None
+            self._made.clear()
+        if error is not None:
+            raise error

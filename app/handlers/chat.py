@@ -14,6 +14,7 @@ import logging
 import math
 import time
 from contextlib import closing
+from datetime import datetime
 from typing import Any, Generator, Iterator
 
 import gradio as gr
@@ -193,7 +194,12 @@ def _wait_for_model(engine: Engine, session: Session, turn: Turn) -> Generator[U
 
 
 def _stream(
-    engine: Engine, settings: AppSettings, session: Session, controls: Controls, steps: Iterator[StepRecord], turn: Turn
+    engine: Engine,
+    settings: AppSettings,
+    session: Session,
+    controls: Controls,
+    steps: Iterator[tuple[StepRecord | ReadProgress, datetime]],
+    turn: Turn,
 ) -> Iterator[Updates]:
     """Record the reply's steps and yield throttled page updates; failures end up in the chat."""
     last_chat = last_plot = last_speed = last_save = 0.0

@@ -6,6 +6,7 @@ and Compare).
 from __future__ import annotations
 
 import dataclasses
+from datetime import datetime
 from typing import Iterator
 
 import torch
@@ -25,14 +26,15 @@ EARLIER_REPLIES = 8
 def record_steps(
     engine: Engine,
     session: Session,
-    steps: Iterator[StepRecord | ReadProgress],
+    steps: Iterator[tuple[StepRecord | ReadProgress, datetime]],
     controls: Controls,
     source: str,
     reply_index: int,
     reply: ReplyText,
 ) -> Iterator[StepRecord | ReadProgress]:
-    """Consume the engine's steps: record each in the session's statistics and the reply's text;
-    ``ReadProgress`` records (a long prompt being read) are passed on as they are.
+    """Consume the engine's steps (``Engine.steps``: each record with the time it was made): record each in the
+    session's statistics (stamped with that time) and the reply's text; ``ReadProgress`` records (a long prompt being
+    read) are passed on as they are.
 
     Stops after the current step, or the current chunk of the prompt, when Stop is pressed; closing
     this generator closes the engine's iterator, which releases the KV cache (a conversation's kept
@@ -43,7 +45,7 @@ def record_steps(
     detok = StreamingDetokenizer(engine.model.tokenizer)
     ids: list[int] = []
     try:
-        for record in steps:
+        for record, made_at in steps:
             if isinstance(record, ReadProgress):
                 yield record
                 if session.stop_requested.is_set():
@@ -58,6 +60,7 @@ def record_steps(
                     config=sampling_config(controls),
                     posterior_threshold=controls.posterior_threshold,
                     posterior_alpha=controls.posterior_alpha,
+                    when=made_at,
                 )
             )
             session.last_records.append(record)

@@ -8,13 +8,16 @@ closing the generator (what Gradio's ``cancels=`` does).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
+import time
 
+import pytest
 import torch
 
 from app import handlers
-from app.engine import Engine
+from app.engine import AHEAD, Engine
 from app.handlers import CUSTOM_TREE
 from app.handlers.generation import fit_prompt
 from app.session import Session, Turn
@@ -120,18 +123,19 @@ def test_a_served_engine_runs_every_step_of_a_reply_on_its_own_thread_and_closes
         updates = send(engine, settings, Session(), controls)
         assert reply_html(updates[-2] if "chatbot" not in updates[-1] else updates[-1])
         assert seen and set(seen) == {server} and closed == [server]
-        session = Session()  # Stop after the first step: the rest is never made, and the steps close on the server
+        session = Session()  # Stop after the first step: at most AHEAD more are made, the reply keeps the first
         handlers.add_user(engine, session, controls, "def add")
         seen.clear(), closed.clear()
         for update in handlers.respond(engine, settings, session, controls):
             if seen:
                 session.stop_requested.set()
-        assert len(seen) == 1 and closed == [server]
+        assert 1 <= len(seen) <= 1 + AHEAD and closed == [server]
+        assert [r.stop_reason for r in session.rows] == ["stopped"]
     finally:
         engine.stop_serving()
         server.join(10)
     assert not server.is_alive()
-    assert list(engine.steps(iter([1, 2]))) == [1, 2]  # no server: the caller's own thread
+    assert [item for item, _ in engine.steps(iter([1, 2]))] == [1, 2]  # no server: the caller's own thread
 
 
 def test_a_served_engine_hands_over_steps_that_come_before_it_serves(engine, monkeypatch):
@@ -156,4 +160,68 @@ def test_a_served_engine_hands_over_steps_that_come_before_it_serves(engine, mon
     client.join(10)
     served.stop_serving()
     server.join(10)
-    assert result == [1] and where == [server] and not server.is_alive()
+    assert [item for item, _ in result] == [1] and where == [server] and not server.is_alive()
+
+
+@contextlib.contextmanager
+def served(engine):
+    """``engine`` served by a thread of its own, as ``launch.py``'s main thread serves it."""
+    server = threading.Thread(target=engine.serve, name="engine-serve", daemon=True)
+    server.start()
+    try:
+        yield server
+    finally:
+        engine.stop_serving()
+        server.join(10)
+
+
+def test_steps_are_made_ahead_while_their_reader_is_busy_and_stamped_when_made():
+    # Gradio sends each update to the browser before it asks the handler for the next: in that time the serving
+    # thread makes the next steps (at most AHEAD unread), so decoding does not wait for the page.
+    engine, made = Engine("counting"), []
+
+    def count():
+        for i in range(3 * AHEAD):
+            made.append(i)
+            yield i
+
+    with served(engine):
+        steps = engine.steps(count())
+        first, first_at = next(steps)
+        time.sleep(0.3)  # the reader is busy
+        assert first == 0 and len(made) == 1 + AHEAD  # made ahead, but no further
+        rest = list(steps)
+    assert [i for i, _ in rest] == list(range(1, 3 * AHEAD))
+    stamps = [first_at] + [at for _, at in rest]
+    assert stamps == sorted(stamps) and (stamps[AHEAD] - first_at).total_seconds() < 0.3  # when made, not when read
+
+
+def test_closing_steps_stops_the_making_on_the_server_and_errors_reach_the_reader():
+    engine, where = Engine("closing"), {}
+
+    def endless():
+        try:
+            i = 0
+            while True:
+                i += 1
+                yield i
+        finally:
+            where["closed"] = threading.current_thread()
+
+    def failing():
+        yield 1
+        raise ValueError("the step failed")
+
+    with served(engine) as server:
+        steps = engine.steps(endless())
+        assert [next(steps)[0] for _ in range(3)] == [1, 2, 3]
+        steps.close()
+        assert where["closed"] is server
+        failed = engine.steps(failing())
+        assert next(failed)[0] == 1
+        with pytest.raises(ValueError, match="the step failed"):
+            next(failed)
+        first, second = engine.steps(endless()), engine.steps(iter([10, 20]))  # two readers: both are served
+        assert [next(first)[0], next(second)[0], next(first)[0], next(second)[0]] == [1, 10, 2, 20]
+        first.close()
+        assert list(second) == []
