@@ -5,6 +5,8 @@ progress, and Stop or Clear end the reading within one chunk. Handler-level, on 
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 
 import pytest
 
@@ -59,6 +61,30 @@ def test_a_later_turn_reads_only_its_new_tokens_and_answers_as_a_fresh_chat(engi
     list(stream)
     ids = fit_prompt(engine.model, controls, session.history(1), "add")[0][0].tolist()
     assert read == len(ids) - min(common_prefix(held, ids), len(ids) - 1) < len(ids) // 2
+    assert session.turns[1].reply.text == fresh_reply(engine, session, controls, 1)
+
+
+def test_after_a_reply_stopped_while_steps_were_made_ahead_the_next_turn_answers_as_a_fresh_chat(engine, settings, controls):
+    # launch.py's engine makes a reply's steps ahead of the page (Engine.steps): a Stop leaves tokens in the kept cache
+    # that the chat never showed; the next turn's prompt does not match them and reads from where they differ.
+    server = threading.Thread(target=engine.serve, name="engine-serve", daemon=True)
+    server.start()
+    try:
+        session = Session()
+        handlers.add_user(engine, session, controls, "def add(a, b): return a + b")
+        for _ in handlers.respond(engine, settings, session, controls):
+            if session.rows and not session.stop_requested.is_set():
+                time.sleep(0.2)  # the serving thread makes the next steps meanwhile
+                session.stop_requested.set()
+        shown = sum(r.accepted_tokens for r in session.rows)
+        assert session.turns[0].state == "stopped" and shown < controls.max_new_tokens
+        ids = fit_prompt(engine.model, controls, [], session.turns[0].user)[0][0].tolist()
+        assert len(engine.conversation(session.id).token_ids) > len(ids) + shown - 1  # steps made ahead, not shown
+        send(engine, settings, session, controls, "add")
+    finally:
+        engine.stop_serving()
+        server.join(10)
+    assert session.turns[1].state == "done"
     assert session.turns[1].reply.text == fresh_reply(engine, session, controls, 1)
 
 
