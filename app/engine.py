@@ -204,7 +204,8 @@ class _Stream:
         self._queued = False  # a run is in the queue or running
         self._cancelled = False  # the reader closed the stream
         self._ended = False  # the iterator is exhausted, failed or closed
-        self._error: BaseException | None = None
+        self._error: BaseException | None = None  # the iterator's, for the reader's ``take``
+        self._closing_error: BaseException | None = None  # closing's, for the reader's ``close``
 
     def _queue(self) -> None:
         """Queue a run unless one is queued or the iterator ended (the lock held)."""
@@ -237,13 +238,14 @@ class _Stream:
                 self._queue()
 
     def _end(self, close: bool = False, error: BaseException | None = None) -> None:
-        if close:
+        closing_error = None
+        if close and (close_fn := getattr(self._iterator, "close", None)) is not None:
             try:
-                self._iterator.close()
-            except Exception as e:  # noqa: BLE001 - raised to the reader
-                error = e
+                close_fn()
+            except Exception as e:  # noqa: BLE001 - raised to the reader's close
+                closing_error = e
         with self._lock:
-            self._ended, self._queued, self._error = True, False, error
+            self._ended, self._queued, self._error, self._closing_error = True, False, error, closing_error
             self._lock.notify_all()
 
     def take(self) -> tuple[Any, datetime] | None:
@@ -264,15 +266,15 @@ class _Stream:
                 self._lock.wait()
 
     def close(self) -> None:
-        """Stop making items and wait until the serving thread has closed the iterator (unless it ended);
-        raises what closing it raised."""
+        """Stop making items and wait until the serving thread has closed the iterator (unless it ended); the items
+        made but not read, and an exception the reader did not reach, are dropped. Raises what closing raised."""
         with self._lock:
             if not self._ended:
                 self._cancelled = True
                 self._queue()
                 while not self._ended:
                     self._lock.wait()
-            error, self._error = self._error, None
+            error, self._closing_error, self._error = self._closing_error, None, None
             self._made.clear()
         if error is not None:
             raise error

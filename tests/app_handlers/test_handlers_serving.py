@@ -221,6 +221,9 @@ def test_closing_steps_stops_the_making_on_the_server_and_errors_reach_the_reade
         assert next(failed)[0] == 1
         with pytest.raises(ValueError, match="the step failed"):
             next(failed)
+        plain = engine.steps(iter([1, 2, 3]))  # an iterator without close()
+        assert next(plain)[0] == 1
+        plain.close()
         first, second = engine.steps(endless()), engine.steps(iter([10, 20]))  # two readers: both are served
         assert [next(first)[0], next(second)[0], next(first)[0], next(second)[0]] == [1, 10, 2, 20]
         first.close()
