@@ -1,7 +1,8 @@
-"""Measure what the live view costs: the same greedy replies through ``medusa_core`` alone and through
-the real app in headless Chromium (chat streaming, tree plot and charts redrawing).
+"""Measure what the live view costs: replies at the app's first settings (its chat defaults, its default drafts)
+through ``medusa_core`` alone and through the real app in headless Chromium (chat streaming, tree plot and charts
+redrawing). The replies are sampled, each side with fresh seeds, so speeds are compared as medians.
 
-    python tests/e2e/measure_live_view.py                    # the demo model, NF4
+    python tests/e2e/measure_live_view.py                    # the demo model, its default backbone
     python tests/e2e/measure_live_view.py --model tiny --quantization none
 
 Speed is wall-clock decoding speed: tokens after the first step / time from the end of the first
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import statistics
 import sys
 import tempfile
@@ -42,13 +44,17 @@ PROMPTS = (
 )
 
 
-def engine_run(model, system_prompt: str, prompt: str, max_new_tokens: int) -> tuple[int, float]:
-    """(tokens after step 0, seconds from the end of step 0 to the end of the last step)."""
-    from app.text import chat_messages, prompt_ids
+def engine_run(model, controls, prompt: str) -> tuple[int, float]:
+    """(tokens after step 0, seconds from the end of step 0 to the end of the last step) of one reply generated as
+    the app generates it with ``controls`` (``app.handlers.Controls``), without the page."""
+    from app.handlers.controls import sampling_config
+    from app.handlers.generation import fit_prompt
 
-    ids = prompt_ids(model.tokenizer, chat_messages(system_prompt, [], prompt))
+    ids, _ = fit_prompt(model, controls, [], prompt)
     ends, tokens = [], []
-    for record in model.generate(ids, max_new_tokens=max_new_tokens):
+    for record in model.generate(ids, max_new_tokens=controls.max_new_tokens, config=sampling_config(controls),
+                                 posterior_threshold=controls.posterior_threshold, posterior_alpha=controls.posterior_alpha,
+                                 drafts=controls.drafts, sampling=controls.sampling, seed=controls.seed):
         ends.append(time.time())
         tokens.append(len(record.token_ids))
     return sum(tokens[1:]), ends[-1] - ends[0]
@@ -71,7 +77,7 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=len(PROMPTS))
     parser.add_argument("--rounds", type=int, default=3, help="times each prompt runs on each side")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads on both sides (default 1; the app's default is the physical cores)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads on both sides (default 1: the app's default on a 2-core machine, the physical cores but one)")
     parser.add_argument("--app-arg", action="append", default=[], help="extra flag for launch.py, e.g. --app-arg=--redraw-interval-s=1 (repeatable)")
     parser.add_argument("--stall-tokens", type=int, default=600, help="length of the reply whose page stalls are measured (0: skip)")
     parser.add_argument("--out", type=Path, default=REPO / "out" / "live_view_cost.csv")
@@ -79,6 +85,7 @@ def main() -> int:
 
     import torch
 
+    from app.handlers import Controls
     from app.settings import AppSettings
     from medusa_core import load_medusa_model
 
@@ -88,7 +95,9 @@ def main() -> int:
     home = Path(tempfile.mkdtemp(prefix="medusa-live-cost-"))
     model_path = tiny_model(home / "tiny") if args.model == "tiny" else args.model
     model = load_medusa_model(model_path, quantization=args.quantization)
-    system_prompt = AppSettings(_env_file=None).system_prompt
+    controls = dataclasses.replace(Controls.from_settings(AppSettings(_env_file=None), model), max_new_tokens=args.max_new_tokens)
+    if model.has_corpus:
+        assert model.corpus is not None  # indexed before timing, as the app has it after its first start
     prompts = PROMPTS[: args.prompts]
     engine: list[tuple[int, float]] = []
     with launched_app(model_path, args.quantization, home, *app_args) as url, chromium() as browser:
@@ -96,12 +105,12 @@ def main() -> int:
         page.goto(url)
         page.locator("#tree input").wait_for()
         page.wait_for_function("() => /nodes/.test(document.querySelector('#tree input')?.value)", timeout=60_000)
-        engine_run(model, system_prompt, prompts[0], 8)  # warm-up, both sides
+        engine_run(model, dataclasses.replace(controls, max_new_tokens=8), prompts[0])  # warm-up, both sides
         send(page, prompts[0], watch=False)
         page.locator("#clear").click()
         for _ in range(args.rounds):
             for prompt in prompts:
-                engine.append(engine_run(model, system_prompt, prompt, args.max_new_tokens))
+                engine.append(engine_run(model, controls, prompt))
                 send(page, prompt, watch=False)  # the page only renders, as in a user's browser
                 page.locator("#clear").click()  # same prompt as the engine's: no history
                 page.wait_for_timeout(300)
