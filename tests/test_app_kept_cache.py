@@ -72,14 +72,18 @@ def test_after_a_reply_stopped_while_steps_were_made_ahead_the_next_turn_answers
     try:
         session = Session()
         handlers.add_user(engine, session, controls, "def add(a, b): return a + b")
+        ids = fit_prompt(engine.model, controls, [], session.turns[0].user)[0][0].tolist()
+        kept = engine.conversation(session.id)
         for _ in handlers.respond(engine, settings, session, controls):
             if session.rows and not session.stop_requested.is_set():
-                time.sleep(0.2)  # the serving thread makes the next steps meanwhile
+                shown = sum(r.accepted_tokens for r in session.rows)
+                deadline = time.monotonic() + 10
+                while len(kept.token_ids) <= len(ids) + shown and time.monotonic() < deadline:
+                    time.sleep(0.01)  # the serving thread makes the next steps meanwhile
                 session.stop_requested.set()
         shown = sum(r.accepted_tokens for r in session.rows)
         assert session.turns[0].state == "stopped" and shown < controls.max_new_tokens
-        ids = fit_prompt(engine.model, controls, [], session.turns[0].user)[0][0].tolist()
-        assert len(engine.conversation(session.id).token_ids) > len(ids) + shown - 1  # steps made ahead, not shown
+        assert len(kept.token_ids) > len(ids) + shown - 1  # steps made ahead, not shown
         send(engine, settings, session, controls, "add")
     finally:
         engine.stop_serving()
