@@ -18,21 +18,31 @@ from medusa_core.bench import ALL, build_parser, encode_prompt, main
 from tiny_models import write_tiny_medusa
 
 
+def bench(heads, prompts, out, *args: str) -> int:
+    """``python -m medusa_core.bench`` with ``args`` (a subcommand first, if any) on a tiny float32 model: its folder,
+    the prompt file and the output folder added."""
+    command = [args[0]] if args and not args[0].startswith("-") else []
+    return main([*command, "--model", str(heads), "--quantization", "none", "--prompts", str(prompts), "--out", str(out),
+                 *args[len(command):]])
+
+
+def read_rows(path) -> list[dict[str, str]]:
+    """The rows of a CSV file the benchmark wrote."""
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
 def test_benchmark_program_on_a_tiny_model_writes_csv_and_markdown_for_every_method(tiny, tmp_path):
     heads, prompts = tiny
     out = tmp_path / "out"
-    assert main([
-        "--model", str(heads), "--quantization", "none", "--prompts", str(prompts), "--trees", "chain_2,sparse_8",
-        "--max-new-tokens", "12", "--repeats", "2", "--out", str(out), "--no-progress", "--threads", "1",
-    ]) == 0
+    assert bench(heads, prompts, out, "--trees", "chain_2,sparse_8", "--max-new-tokens", "12", "--repeats", "2",
+                 "--no-progress", "--threads", "1") == 0
     methods = {"hf", "hf_pld", "baseline", "medusa:chain_2", "medusa:sparse_8", "ngram", "medusa+ngram:chain_2",
                "medusa+ngram:sparse_8"}
-    with open(out / "summary.csv") as f:
-        rows = list(csv.DictReader(f))
+    rows = read_rows(out / "summary.csv")
     assert {r["method"] for r in rows} == methods
     assert {r["category"] for r in rows} == {"python", "coding", ALL}
-    with open(out / "runs.csv") as f:
-        runs = list(csv.DictReader(f))
+    runs = read_rows(out / "runs.csv")
     assert len(runs) == len(methods) * 2 * 2  # methods x prompts x repeats
     assert all(r["ngram_tokens"] == "0" for r in runs if not r["method"].endswith("ngram") and "+ngram" not in r["method"])
     assert all(r["head_tokens"] == "0" for r in runs if r["method"] == "ngram")
@@ -65,17 +75,13 @@ def test_a_run_at_two_thread_counts_reports_a_row_per_method_and_count_and_a_con
                                                {"role": "assistant", "content": "return a + b"},
                                                {"role": "user", "content": "and sub?"}]}) + "\n")
     out, before = tmp_path / "out", torch.get_num_threads()
-    assert main([
-        "--model", str(heads), "--quantization", "none", "--prompts", str(prompts), "--methods", "hf,baseline,medusa:chain_2",
-        "--max-new-tokens", "6", "--repeats", "1", "--out", str(out), "--no-progress", "--threads", "1", "2",
-    ]) == 0
+    assert bench(heads, prompts, out, "--methods", "hf,baseline,medusa:chain_2", "--max-new-tokens", "6", "--repeats",
+                 "1", "--no-progress", "--threads", "1", "2") == 0
     assert torch.get_num_threads() == before  # the caller's setting is restored
-    with open(out / "runs.csv") as f:
-        runs = list(csv.DictReader(f))
+    runs = read_rows(out / "runs.csv")
     assert sorted((r["method"], r["threads"], r["category"]) for r in runs) == sorted(
         (m, t, c) for m in ("hf", "baseline", "medusa:chain_2") for t in ("1", "2") for c in ("python", "multi-turn"))
-    with open(out / "summary.csv") as f:
-        overall = [r for r in csv.DictReader(f) if r["category"] == ALL]
+    overall = [r for r in read_rows(out / "summary.csv") if r["category"] == ALL]
     assert [(r["method"], r["threads"]) for r in overall] == [
         ("hf", "1"), ("baseline", "1"), ("medusa:chain_2", "1"), ("hf", "2"), ("baseline", "2"), ("medusa:chain_2", "2")]
     assert all((r["identical"], r["compared"]) == ("2", "2") for r in overall if r["method"] != "hf")
@@ -87,17 +93,12 @@ def test_a_run_at_two_thread_counts_reports_a_row_per_method_and_count_and_a_con
 def test_greedy_with_a_repetition_penalty_gives_hf_the_same_penalty_and_reports_loops_and_endings(tiny, tmp_path):
     heads, prompts = tiny
     out = tmp_path / "out"
-    assert main([
-        "--model", str(heads), "--quantization", "none", "--prompts", str(prompts), "--methods", "hf,baseline,medusa:chain_2",
-        "--max-new-tokens", "24", "--repeats", "1", "--out", str(out), "--no-progress", "--threads", "1",
-        "--repetition-penalty", "1.5",
-    ]) == 0
-    with open(out / "summary.csv") as f:
-        overall = {r["method"]: r for r in csv.DictReader(f) if r["category"] == ALL}
+    assert bench(heads, prompts, out, "--methods", "hf,baseline,medusa:chain_2", "--max-new-tokens", "24",
+                 "--repeats", "1", "--no-progress", "--threads", "1", "--repetition-penalty", "1.5") == 0
+    overall = {r["method"]: r for r in read_rows(out / "summary.csv") if r["category"] == ALL}
     # the penalty changes the tiny model's reply, so identity with HF proves HF got the same processor
     assert all((overall[m]["identical"], overall[m]["compared"]) == ("2", "2") for m in ("baseline", "medusa:chain_2"))
-    with open(out / "runs.csv") as f:
-        assert all(r["ended"] in ("True", "False") for r in csv.DictReader(f))
+    assert all(r["ended"] in ("True", "False") for r in read_rows(out / "runs.csv"))
     markdown = (out / "summary.md").read_text()
     assert "repetition_penalty: 1.5" in markdown and "| loops | ends (EOS) |" in markdown
 
@@ -122,17 +123,12 @@ def test_the_chat_preset_starts_from_the_models_chat_defaults_and_flags_override
 def test_a_sampled_benchmark_records_each_runs_rule_and_compares_no_outputs(sampling, tiny, tmp_path):
     heads, prompts = tiny
     out = tmp_path / "out"
-    assert main([
-        "--model", str(heads), "--quantization", "none", "--prompts", str(prompts), "--trees", "chain_2",
-        "--max-new-tokens", "8", "--repeats", "1", "--out", str(out), "--no-progress",
-        "--temperature", "0.7", "--sampling", sampling, "--threads", "1",
-    ]) == 0
-    with open(out / "runs.csv") as f:
-        rules = {r["method"]: r["sampling"] for r in csv.DictReader(f)}
+    assert bench(heads, prompts, out, "--trees", "chain_2", "--max-new-tokens", "8", "--repeats", "1",
+                 "--no-progress", "--temperature", "0.7", "--sampling", sampling, "--threads", "1") == 0
+    rules = {r["method"]: r["sampling"] for r in read_rows(out / "runs.csv")}
     assert rules == {"hf": "sample", "hf_pld": "sample", "baseline": "sample", "medusa:chain_2": sampling, "ngram": sampling,
                      "medusa+ngram:chain_2": sampling}
-    with open(out / "summary.csv") as f:
-        overall = {r["method"]: r for r in csv.DictReader(f) if r["category"] == ALL}
+    overall = {r["method"]: r for r in read_rows(out / "summary.csv") if r["category"] == ALL}
     assert float(overall["medusa:chain_2"]["acceleration"]) >= 1.0 and float(overall["medusa:chain_2"]["speedup"]) > 0
     assert all(r["compared"] == "0" for r in overall.values())
     markdown = (out / "summary.md").read_text()
@@ -216,11 +212,9 @@ def test_draft_flags_reach_the_engine_and_the_report_and_shaped_trees_stay_ident
         return generate(self, *args, **kwargs)
 
     monkeypatch.setattr(MedusaModel, "generate", spy)
-    assert main([
-        "--model", str(heads), "--quantization", "none", "--prompts", str(prompts), "--methods", "hf,medusa:sparse_8,medusa+ngram:sparse_8",
-        "--max-new-tokens", "12", "--repeats", "1", "--out", str(out), "--no-progress", "--threads", "1",
-        "--draft-tokens", "4", "--min-path-probability", "0.1", "--min-head-probability", "0.9",
-    ]) == 0
+    assert bench(heads, prompts, out, "--methods", "hf,medusa:sparse_8,medusa+ngram:sparse_8", "--max-new-tokens",
+                 "12", "--repeats", "1", "--no-progress", "--threads", "1", "--draft-tokens", "4",
+                 "--min-path-probability", "0.1", "--min-head-probability", "0.9") == 0
     markdown = (out / "summary.md").read_text()
     assert "draft_tokens: 4, min_path_probability: 0.1, min_head_probability: 0.9" in markdown
     assert "No divergence" in markdown
@@ -232,8 +226,8 @@ def test_profile_split_only_times_each_stage_of_plain_medusa_and_hybrid_steps_an
 
     heads, prompts = tiny
     out = tmp_path / "prof"
-    assert main(["profile", "--model", str(heads), "--quantization", "none", "--prompts", str(prompts), "--split-only",
-                 "--tree", "chain_2", "--max-new-tokens", "8", "--rounds", "1", "--out", str(out), "--threads", "1"]) == 0
+    assert bench(heads, prompts, out, "profile", "--split-only", "--tree", "chain_2", "--max-new-tokens", "8",
+                 "--rounds", "1", "--threads", "1") == 0
     table = (out / "profile.md").read_text()
     assert all(f"| {kind} |" in table for kind in ("plain", "medusa:chain_2", "medusa+ngram:chain_2"))
     model = load_medusa_model(heads, quantization="none")
@@ -265,14 +259,14 @@ def test_corpus_drafts_run_in_the_bench_and_the_profile_for_a_model_with_a_corpu
         for i in range(2):
             f.write(json.dumps({"id": i, "messages": [], "prompt_ids": ids[0].tolist(), "reply_ids": reply, "reply": ""}) + "\n")
     out = tmp_path / "out"
-    assert main(["--model", str(heads), "--quantization", "none", "--prompts", str(prompts), "--methods", "hf,medusa+corpus:chain_2",
-                 "--max-new-tokens", "12", "--repeats", "1", "--out", str(out), "--no-progress", "--threads", "1"]) == 0
+    assert bench(heads, prompts, out, "--methods", "hf,medusa+corpus:chain_2", "--max-new-tokens", "12", "--repeats",
+                 "1", "--no-progress", "--threads", "1") == 0
     markdown = (out / "summary.md").read_text()
     assert "| medusa+corpus:chain_2 |" in markdown and "No divergence" in markdown
-    rows = list(csv.DictReader((out / "runs.csv").open()))
+    rows = read_rows(out / "runs.csv")
     assert int(next(r for r in rows if r["method"] == "medusa+corpus:chain_2")["ngram_tokens"]) > 0  # the corpus's chains accepted
-    assert main(["profile", "--model", str(heads), "--quantization", "none", "--prompts", str(prompts), "--split-only",
-                 "--tree", "chain_2", "--max-new-tokens", "8", "--rounds", "1", "--out", str(tmp_path / "prof"), "--threads", "1"]) == 0
+    assert bench(heads, prompts, tmp_path / "prof", "profile", "--split-only", "--tree", "chain_2",
+                 "--max-new-tokens", "8", "--rounds", "1", "--threads", "1") == 0
     assert "| medusa+corpus:chain_2 |" in (tmp_path / "prof" / "profile.md").read_text()
 
 
@@ -290,9 +284,8 @@ def test_profile_at_the_chat_preset_decodes_every_step_at_the_apps_chat_settings
 
     monkeypatch.setattr(profiling, "step_split", recording)
     out = tmp_path / "prof"
-    assert main(["profile", "--model", str(heads), "--quantization", "none", "--prompts", str(prompts), "--split-only",
-                 "--preset", "chat", "--tree", "chain_2", "--max-new-tokens", "6", "--rounds", "1", "--out", str(out),
-                 "--threads", "1"]) == 0
+    assert bench(heads, prompts, out, "profile", "--split-only", "--preset", "chat", "--tree", "chain_2",
+                 "--max-new-tokens", "6", "--rounds", "1", "--threads", "1") == 0
     assert len(seen) == 1 + 3  # the warm-up, then plain, Medusa and hybrid steps
     assert all(config == chat and not config.greedy and sampling == CHAT_SAMPLING for config, sampling, chat in seen)
     assert f"the chat preset, {CHAT_SAMPLING} verification" in (out / "profile.md").read_text()
@@ -307,8 +300,6 @@ def test_a_chat_preset_run_reports_the_tau_tuned_for_the_chat_preset_not_the_gre
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "def add(a, b):", "category": "python"}\n')
     out = tmp_path / "out"
-    assert main([
-        "--model", str(heads), "--quantization", "none", "--prompts", str(prompts), "--methods", "baseline,medusa:tuned",
-        "--preset", "chat", "--max-new-tokens", "6", "--repeats", "1", "--out", str(out), "--no-progress", "--threads", "1",
-    ]) == 0
+    assert bench(heads, prompts, out, "--methods", "baseline,medusa:tuned", "--preset", "chat", "--max-new-tokens",
+                 "6", "--repeats", "1", "--no-progress", "--threads", "1") == 0
     assert "min_head_probability: 0.33," in (out / "summary.md").read_text()  # what the chat preset's replies use

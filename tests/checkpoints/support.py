@@ -28,3 +28,8 @@ def assert_same_heads(loaded: torch.nn.Module, original: torch.nn.Module) -> Non
 
 def load(folder: Path, **kwargs) -> MedusaModel:
     return load_medusa_model(folder, quantization=None, device="cpu", head_dtype=torch.float32, **kwargs)
+
+
+def generated(model: MedusaModel, input_ids, **kwargs) -> list[int]:
+    """Every token id a reply of ``model.generate(input_ids, **kwargs)`` adds, in order."""
+    return [t for r in model.generate(input_ids, **kwargs) for t in r.token_ids]

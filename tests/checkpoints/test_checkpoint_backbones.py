@@ -16,7 +16,7 @@ from medusa_core import (CHAT_PRESET, MedusaCheckpointError, MedusaModel, Sampli
 from medusa_core.heads import DRAFT_RANKING_FILE
 from medusa_core.quant.layers import LM_HEAD_REFINE
 
-from .support import HEADS, load
+from .support import HEADS, generated, load
 
 
 def test_an_nf4_backbone_loads_on_cpu_and_decodes_exactly_like_its_own_greedy_generate(
@@ -45,7 +45,7 @@ def test_an_nf4_backbone_loads_on_cpu_and_decodes_exactly_like_its_own_greedy_ge
     n = 24
     reference = greedy(model.backbone, PROMPT, n)
     assert reference != greedy(backbone, PROMPT, n)  # 4 bits really changed the model
-    out = [t for r in model.generate(PROMPT, max_new_tokens=n, tree="sparse_16") for t in r.token_ids]
+    out = generated(model, PROMPT, max_new_tokens=n, tree="sparse_16")
     assert out == reference
     oracle = MedusaModel(model.backbone, oracle_heads(model.backbone, n))  # deep acceptance on 4 bits
     records = list(oracle.generate(PROMPT, max_new_tokens=n, tree="chain_4"))
@@ -64,7 +64,7 @@ def test_heads_default_to_bfloat16_on_cpus_with_native_bf16_and_output_stays_gre
     assert model.dtype == torch.float32
     ids = torch.tensor([[5, 9, 17, 3, 44]])
     want = backbone.generate(ids, max_new_tokens=24, do_sample=False)[0, 5:].tolist()
-    got = [t for r in model.generate(ids, max_new_tokens=24, tree="chain_3") for t in r.token_ids]
+    got = generated(model, ids, max_new_tokens=24, tree="chain_3")
     assert got == want
 
 

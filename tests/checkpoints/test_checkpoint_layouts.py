@@ -15,7 +15,7 @@ from tiny_models import HIDDEN, VOCAB, random_heads
 
 from medusa_core import MedusaCheckpointError, MedusaHeads, export_vllm, load_medusa_model, save_medusa_heads
 
-from .support import HEADS, fp16_exact, assert_same_heads, load
+from .support import HEADS, assert_same_heads, fp16_exact, generated, load
 
 
 @pytest.mark.parametrize("file", ["medusa_lm_head.safetensors", "medusa_lm_head.pt"])
@@ -82,8 +82,7 @@ def test_version_2_checkpoint_loads_residual_blocks_that_share_the_backbone_lm_h
     assert bf16.heads.state_dict().keys() == model.heads.state_dict().keys()
     with torch.no_grad():
         torch.testing.assert_close(bf16.heads(hidden.bfloat16()).float(), heads(hidden), atol=0.05, rtol=0.05)
-    plain = [t for r in model.generate(PROMPT, max_new_tokens=16, medusa=False) for t in r.token_ids]
-    assert [t for r in bf16.generate(PROMPT, max_new_tokens=16, tree="sparse_16") for t in r.token_ids] == plain
+    assert generated(bf16, PROMPT, max_new_tokens=16, tree="sparse_16") == generated(model, PROMPT, max_new_tokens=16, medusa=False)
 
 
 def test_root_conditioned_heads_load_as_their_own_layout_and_decode_exactly(base, tmp_path):
@@ -108,8 +107,7 @@ def test_root_conditioned_heads_load_as_their_own_layout_and_decode_exactly(base
         model.heads(hidden)
     with pytest.raises(ValueError, match="vLLM"):
         export_vllm(model.heads, tmp_path / "vllm")
-    plain = [t for r in model.generate(PROMPT, max_new_tokens=16, medusa=False) for t in r.token_ids]
-    assert [t for r in model.generate(PROMPT, max_new_tokens=16, tree="sparse_16") for t in r.token_ids] == plain
+    assert generated(model, PROMPT, max_new_tokens=16, tree="sparse_16") == generated(model, PROMPT, max_new_tokens=16, medusa=False)
 
 
 def test_a_root_conditioned_head_file_for_another_backbone_names_the_root_tensor_and_both_shapes(base, tmp_path):

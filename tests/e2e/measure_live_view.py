@@ -96,8 +96,8 @@ def main() -> int:
     model_path = tiny_model(home / "tiny") if args.model == "tiny" else args.model
     model = load_medusa_model(model_path, quantization=args.quantization)
     controls = dataclasses.replace(Controls.from_settings(AppSettings(_env_file=None), model), max_new_tokens=args.max_new_tokens)
-    if model.has_corpus:
-        assert model.corpus is not None  # indexed before timing, as the app has it after its first start
+    if model.has_corpus and model.corpus is None:  # ``corpus`` indexes it now, before timing, as the app has it
+        raise RuntimeError(f"{model_path} has a corpus that could not be indexed")
     prompts = PROMPTS[: args.prompts]
     engine: list[tuple[int, float]] = []
     with launched_app(model_path, args.quantization, home, *app_args) as url, chromium() as browser:
