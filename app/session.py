@@ -29,6 +29,7 @@ class Turn:
     reply: ReplyText = field(default_factory=ReplyText)
     state: str = "pending"
     error: str = ""  # shown under the reply when state == "error"
+    refused: str = ""  # why the reply could not start (a control value, the tree, the prompt's length): shown beside the tree too
     note: str = ""  # shown under the reply, e.g. that earlier turns were left out of the prompt
     reply_index: int | None = None  # the reply's index in the session statistics
     tree: str = ""  # the tree the reply was asked to use (its name); "" with Medusa off
@@ -70,6 +71,8 @@ class Session:
         self.reply_tokens: list[list[int]] = []  # token ids of the latest chat replies: the n-gram drafts' session index
         self.last_labels: dict[int, str] = {}  # token id -> label, for the latest reply's trees
         self.compare_runs: dict[str, list[StepRecord]] | None = None  # the latest Compare's runs so far, by mode
+        self.answered: Turn | None = None  # the turn ``respond`` took up, until ``finish_reply`` shows how it ended
+        self.followed: Turn | None = None  # the turn whose reply ``follow_reply`` follows (or followed)
         self.adopted = False  # whether this session has taken the conversation kept in the browser
         self.stop_requested = threading.Event()
         self.idle = threading.Event()

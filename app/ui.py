@@ -34,6 +34,9 @@ QUICK = dict(queue=False, show_progress="hidden")
 # Events that can refuse with a warning (send, Regenerate, edit) run on the queue: outside it Gradio
 # cannot deliver a gr.Warning to the page (it falls back to Python's warnings, the server log only).
 ASK = dict(queue=True, concurrency_id="ask", concurrency_limit=None, show_progress="hidden")
+# A reply's own events beside the model's queue: the speed chart beside it and the final view after it
+# (``handlers.follow_reply``, ``handlers.finish_reply``). Queued: outside the queue Gradio sends a generator's first update only.
+BESIDE = dict(queue=True, concurrency_id="beside", concurrency_limit=None, show_progress="hidden")
 
 # Runs in the browser after Export: download the file the handler just wrote (one click for the user).
 DOWNLOAD_JS = """
@@ -295,14 +298,22 @@ def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
         reply_fn, reply_out, reply_in = with_controls(
             functools.partial(handlers.respond, engine, settings), wanted=lambda s: handlers.waiting_turn(s) is not None
         )
+        follow_fn, follow_out = event(adopting(functools.partial(handlers.follow_reply, engine, settings)))
+        finish_fn, finish_out = event(adopting(functools.partial(handlers.finish_reply, engine)))
+
+        def reply_after(asked: Any) -> list[Any]:
+            """A reply once ``asked`` (a send, Regenerate, an edit) succeeded: ``respond`` on the model's queue, the
+            speed chart beside it, the final view after it (``app.handlers.chat``); the events Stop and Clear cancel."""
+            replying = asked.success(reply_fn, reply_in, reply_out, **MODEL_QUEUE, **raw)
+            following = asked.success(follow_fn, [session, saved], follow_out, **BESIDE)
+            replying.then(finish_fn, [session, saved, highlight], finish_out, **BESIDE)
+            return [replying, following]
+
         sent = gr.on([message.submit, send.click], add_fn, add_in, add_out, **ASK, **raw)
-        replying = sent.success(reply_fn, reply_in, reply_out, **MODEL_QUEUE, **raw)
         regenerate_fn, regenerate_out, regenerate_in = with_controls(
             functools.partial(handlers.regenerate, engine), refused_in="reply_status"
         )
-        regenerating = regenerate.click(regenerate_fn, regenerate_in, regenerate_out, **ASK, **raw).success(
-            reply_fn, reply_in, reply_out, **MODEL_QUEUE, **raw
-        )
+        regenerated = regenerate.click(regenerate_fn, regenerate_in, regenerate_out, **ASK, **raw)
         edit_handler = functools.partial(handlers.edit_user, engine)
 
         def edit_user(state: Session, evt: gr.EditData, kept: Any, *values: Any) -> Any:
@@ -311,14 +322,12 @@ def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
             return read if isinstance(read, dict) else edit_handler(state, read, evt.index, evt.value)
 
         edit_fn, edit_out = event(edit_user)
-        editing = chatbot.edit(edit_fn, [session, saved, *controls.values()], edit_out, **ASK, **raw).success(
-            reply_fn, reply_in, reply_out, **MODEL_QUEUE, **raw
-        )
+        edited = chatbot.edit(edit_fn, [session, saved, *controls.values()], edit_out, **ASK, **raw)
         compare_fn, compare_out, compare_in = with_controls(
             functools.partial(handlers.compare, engine, settings), refused_in="compare_result"
         )
         comparing = compare.click(compare_fn, compare_in, compare_out, **MODEL_QUEUE, **raw)
-        running = [replying, regenerating, editing, comparing]
+        running = [*reply_after(sent), *reply_after(regenerated), *reply_after(edited), comparing]
         stop_fn, stop_out = event(adopting(functools.partial(handlers.stop, engine)))
         stop.click(stop_fn, [session, saved, highlight], stop_out, cancels=running, **QUICK)
         clear_fn, clear_out = event(functools.partial(handlers.clear, engine))

@@ -101,7 +101,7 @@ def test_a_long_message_shows_reading_progress_and_stop_ends_the_reading_within_
     assert 0 < int(statuses[1].split()[-2]) < 100
     read_before_stop = sum(reads)
     session.stop_requested.set()  # what Stop (and Clear) do first
-    rest = list(stream)
+    rest = [*stream, *handlers.finish_reply(engine, session, False)]
     assert sum(reads) == read_before_stop  # not one more pass
     turn = session.turns[0]
     assert turn.state == "stopped" and not session.busy and not session.reply_rows(turn.reply_index)

@@ -122,7 +122,7 @@ def test_editing_a_message_in_the_chat_resends_it_with_the_edited_text(page):
     send(page, "def add")
     send(page, "return")
     fired = page.fire("chat", "edit", {"index": 0, "value": "class", "previous_value": "def add"})
-    assert fired.errors == [] and fired.ran == ["edit_user", "respond"]
+    assert fired.errors == [] and fired.ran == ["edit_user", "respond", "finish_reply", "follow_reply"]
     assert [t.user for t in page.session.turns] == ["class"] and page.session.turns[0].state == "done"
 
 
@@ -255,14 +255,14 @@ def test_a_reload_mid_reply_keeps_the_message_and_the_partial_reply_marked_stopp
     page = Page(build_ui(engine, settings))
     page.set(seed=SEED, message="def add")
     page.call("add_user")
-    stored: list = []
     updates = page.stream("respond")
-    for update in updates:
-        if isinstance(update.get(page.saved_block._id), list):
-            stored = update[page.saved_block._id]
-        if stored and stored[0]["runs"]:
-            break  # the page reloads here, mid-reply: the browser has what it stored so far
-    updates.close()
+    for _ in updates:
+        if page.session.turns[0].reply.runs:
+            break  # part of the reply has streamed
+    following = page.stream("follow_reply")  # the event beside respond that keeps the conversation in the browser
+    stored = next(following)[page.saved_block._id]
+    following.close()
+    updates.close()  # the page reloads here, mid-reply: the browser has what it stored so far
     assert stored[0]["user"] == "def add" and stored[0]["runs"]
     reloaded = page.reload()
     user, reply = (m["content"][0]["text"] for m in reloaded.call("restore_chat").outputs[-1]["chat"])

@@ -11,7 +11,7 @@ nothing still returns a name (with ``gr.skip()``): Gradio reads an empty dict as
 | ``controls`` | ``Controls`` (what a reply reads when it starts), sampling presets, tree choices, custom-tree check, inactive controls, the Medusa toggle's note |
 | ``views`` | chat messages, status line, live view, model panel |
 | ``generation`` | the prompt that fits the context, recording the engine's steps |
-| ``chat`` | send, reply, Stop, Regenerate, edit and resend, Clear, restore after a reload, step slider, highlight |
+| ``chat`` | send, reply (its steps, the speed chart beside them, the final view), Stop, Regenerate, edit and resend, Clear, restore after a reload, step slider, highlight |
 | ``compare`` | Compare Medusa off and its draft sources |
 | ``export`` | CSV statistics, Markdown and JSON transcripts |
 | ``loading`` | the page while the model loads |
@@ -19,7 +19,9 @@ nothing still returns a name (with ``gr.skip()``): Gradio reads an empty dict as
 
 from __future__ import annotations
 
-from .chat import add_user, clear, edit_user, regenerate, rerender_chat, respond, restore_chat, show_step, stop, waiting_turn
+from .chat import (
+    add_user, clear, edit_user, finish_reply, follow_reply, regenerate, rerender_chat, respond, restore_chat, show_step, stop, waiting_turn,
+)
 from .compare import compare
 from .controls import (
     CONTROL_NAMES,
@@ -39,17 +41,19 @@ from .views import model_panel
 
 LIVE_VIEW = ("tree_plot", "step_slider", "speed_plot", "summary")
 SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "sampling")  # the chat preset's controls
-#: The named outputs each handler may return. Each event updates only these components: every extra
-#: output costs the browser work at every streamed update. ``saved`` is the conversation in the
-#: browser's storage (``gr.BrowserState``), written when a message is sent, about once a second while its
-#: reply streams (``settings.save_interval_s``) and when the reply ends.
+#: The named outputs each handler may return. Each event updates only these components: Gradio rebuilds every
+#: output a streamed update leaves out, so a reply's streaming events name as few as they can (``app.handlers.chat``).
+#: ``saved`` is the conversation in the browser's storage (``gr.BrowserState``), written when a message is sent,
+#: about once a second while its reply streams (``settings.save_interval_s``) and when the reply ends.
 OUTPUTS: dict[str, tuple[str, ...]] = {
     "page_status": ("banner", "timer", "tree", "model_panel", "tree_status", "drafts", "medusa", *SAMPLING),
     "restore_chat": ("chatbot", "reply_status"),
-    "add_user": ("message", "chatbot", "reply_status", "send", "saved"),
-    "respond": ("chatbot", "tree_status", "reply_status", "model_panel", "send", "saved", *LIVE_VIEW),
-    "regenerate": ("chatbot", "reply_status", "send", "saved"),
-    "edit_user": ("chatbot", "reply_status", "send", "saved"),
+    "add_user": ("message", "chatbot", "reply_status", "send", "saved", "step_slider"),
+    "respond": ("chatbot", "tree_plot", "reply_status"),
+    "follow_reply": ("speed_plot", "summary", "saved"),
+    "finish_reply": ("chatbot", "reply_status", "model_panel", "tree_status", "send", "saved", *LIVE_VIEW),
+    "regenerate": ("chatbot", "reply_status", "send", "saved", "step_slider"),
+    "edit_user": ("chatbot", "reply_status", "send", "saved", "step_slider"),
     "compare": ("compare_result", "model_panel", *LIVE_VIEW),
     "stop": ("chatbot", "reply_status", "model_panel", "compare_result", "send", "saved", *LIVE_VIEW),
     "clear": ("chatbot", "message", "reply_status", "send", "saved", *LIVE_VIEW),
@@ -66,7 +70,7 @@ OUTPUTS: dict[str, tuple[str, ...]] = {
 
 __all__ = [
     "CONTROL_NAMES", "CUSTOM_TREE", "GREEDY_PRESET", "OUTPUTS", "Controls", "add_user", "chat_preset", "check_tree", "clear",
-    "compare", "edit_user", "explain_controls", "export_csv", "export_transcript", "greedy_preset", "medusa_notice", "model_panel",
+    "compare", "edit_user", "explain_controls", "export_csv", "export_transcript", "finish_reply", "follow_reply", "greedy_preset", "medusa_notice", "model_panel",
     "page_status", "regenerate", "rerender_chat",
     "respond", "restore_chat", "show_step", "stop", "tree_choices", "waiting_turn",
 ]

@@ -1,9 +1,18 @@
 """Chat handlers: send (add the user's message, then stream the reply), Stop, Regenerate, Clear,
 the step slider and the highlight toggle.
 
-``respond`` runs the engine in the handler's own generator and hands an update to the page at most
-every ``settings.stream_interval_s`` (chat text) and ``settings.redraw_interval_s`` (plots,
-summary): the engine keeps decoding between updates.
+A reply is three events of the page, so that each streamed update names few outputs: Gradio rebuilds every
+output an update leaves out (``gr.skip()``: its component constructed again and its config recomputed, ~0.7 ms
+each, with the GIL held), and with all of the reply's outputs in one event that cost decoding a fifth of its
+speed in the page (docs/APP.md, "One reply, three events"):
+
+- ``respond`` runs the engine and streams the chat text (every ``settings.stream_interval_s``) and the tree
+  (every ``settings.redraw_interval_s``): outputs ``chatbot``, ``tree_plot``, ``reply_status``;
+- ``follow_reply`` runs beside it and redraws the speed chart and the summary every ``SPEED_REDRAWS`` tree
+  redraws and writes the conversation to the browser's storage every ``settings.save_interval_s``;
+- ``finish_reply`` runs after it: the final tree and step slider, the model panel, the stats line, Send.
+
+The engine keeps decoding between updates.
 """
 
 from __future__ import annotations
@@ -31,7 +40,8 @@ from .compare import compare_table
 from .controls import Controls, ready_controls, sampling_config, tree_argument
 from .generation import fit_prompt, record_steps, too_long
 from .views import (
-    WAITING_FOR_LOAD, Updates, chat_view, labels, live_view, message_turn, model_panel, reading_status, reply_status, speed_view, turn_stats,
+    WAITING_FOR_LOAD, Updates, chat_view, labels, live_view, message_turn, model_panel, reading_status, reply_status, speed_view,
+    tree_view, turn_stats,
 )
 
 log = logging.getLogger(__name__)
@@ -40,10 +50,13 @@ STOP_WAIT_S = 30.0  # how long Stop and Clear wait for a running reply to finish
 LOAD_POLL_S = 0.5  # how often a message sent while the model loads updates its status line
 
 
+#: The step slider while a reply is asked for and streams (the send parks it): it browses a reply's steps once
+#: the reply has ended (its re-render is costly).
 STREAMING_SLIDER = gr.Slider(interactive=False, label="Step of the latest reply (browse its steps once it ends)")
-#: The speed chart and summary redraw at every SPEED_REDRAWS-th tree redraw while a reply streams:
-#: a plotly redraw costs the browser tens of ms, and the tree is what changes at every step.
+#: The speed chart and summary redraw once every SPEED_REDRAWS tree redraws while a reply streams
+#: (``follow_reply``): a plotly redraw costs the browser tens of ms, and the tree is what changes at every step.
 SPEED_REDRAWS = 4
+FOLLOW_POLL_S = 0.05  # the shortest wait of follow_reply between two looks at the reply
 SEND_OFF = gr.Button(interactive=False)  # Send while a reply is pending or streaming
 SEND_ON = gr.Button(interactive=True)
 #: Why a send or Regenerate is refused; shown as a warning, and nothing else changes.
@@ -76,7 +89,7 @@ def add_user(engine: Engine, session: Session, controls: Controls, message: str)
         return {"message": gr.skip()}
     session.turns.append(Turn(user=text, sent_at=time.monotonic(), waits_for_model=loading))
     return {"message": "", "chatbot": chat_view(session, controls.highlight), "reply_status": reply_status(session), "send": SEND_OFF,
-            "saved": session.saved()}
+            "saved": session.saved(), "step_slider": STREAMING_SLIDER}
 
 
 def _refusal(engine: Engine, session: Session, loading_ok: bool = False) -> str:
@@ -103,7 +116,8 @@ def waiting_turn(session: Session) -> int | None:
 
 
 def respond(engine: Engine, settings: AppSettings, session: Session, controls: Controls) -> Iterator[Updates]:
-    """Stream the reply to the pending user message: chat text, live tree, charts, summary.
+    """Stream the reply to the pending user message: the chat text, the live tree and the status line (the speed
+    chart beside it is ``follow_reply``'s, the final view ``finish_reply``'s).
 
     A message sent while the model loaded first waits for it (the status line says so, Stop ends the wait), then
     is answered at the controls the page shows once the model is ready (``ready_controls``), its TTFT counted from
@@ -114,12 +128,10 @@ def respond(engine: Engine, settings: AppSettings, session: Session, controls: C
     if index is None or session.busy:  # the send was refused: nothing to answer
         yield {"reply_status": gr.skip()}
         return
-    turn = session.turns[index]
+    turn = session.answered = session.turns[index]
     if turn.waits_for_model:
         if not (yield from _wait_for_model(engine, session, turn)):
-            yield {"chatbot": chat_view(session, controls.highlight), "reply_status": reply_status(session), "send": SEND_ON,
-                   "saved": session.saved()}
-            return
+            return  # finish_reply shows why
         controls = ready_controls(controls, settings, engine.model)
         turn.waits_for_model, turn.sent_at = False, time.monotonic()
     elif engine.model is None:  # no model (and the send was not queued): nothing to answer
@@ -153,12 +165,8 @@ def respond(engine: Engine, settings: AppSettings, session: Session, controls: C
             prefill_chunk=settings.prefill_chunk,
         ))  # its steps on the thread that serves the model's work (Engine.serve)
     except (ValueError, TemplateError) as e:  # too-long prompt, invalid tree, bad control value, template error
-        turn.state, turn.error = "error", f"Not sent: {e}"
-        yield {
-            "chatbot": chat_view(session, controls.highlight), "tree_status": f"⚠ {html.escape(str(e))}",
-            "reply_status": reply_status(session), "send": SEND_ON, "saved": session.saved(),
-        }
-        return
+        turn.state, turn.error, turn.refused = "error", f"Not sent: {e}", str(e)
+        return  # finish_reply shows why, in the chat and beside the tree
     if dropped:
         notes.append(f"{dropped} earlier turn{'s' if dropped > 1 else ''} left out to fit the {model.max_context}-token context")
     turn.note = " ".join(notes)
@@ -171,12 +179,63 @@ def respond(engine: Engine, settings: AppSettings, session: Session, controls: C
             turn.state = "stopped"
         turn.stats = turn_stats(session, turn)
         session.end()
-    # Three updates, so the browser renders them as three shorter tasks: the tree, the speed chart
-    # with the slider, then the chat.
+
+
+def finish_reply(engine: Engine, session: Session, highlight: bool) -> Iterator[Updates]:
+    """After ``respond`` ended (the page chains it with ``.then``): the final view of the reply, as three updates so
+    that the browser renders three shorter tasks: the tree at its last tree step with the model panel, the step
+    slider over the reply's steps, then the chat with the stats line, Send enabled and the conversation in the
+    browser's storage; a reply that could not start names the reason beside the tree too. Changes nothing while a
+    reply still runs, and nothing when ``respond`` took up no message (a refused send, a rejected control value).
+    The speed chart and summary are drawn here too: ``follow_reply`` may have started after a short reply ended."""
+    answered, session.answered = session.answered, None
+    if answered is None or session.busy:
+        yield {"send": gr.skip()}
+        return
     view = live_view(engine, session, final=True)
     yield {"tree_plot": view.pop("tree_plot"), "model_panel": model_panel(engine, session)}
     yield view
-    yield {"chatbot": chat_view(session, controls.highlight), "reply_status": reply_status(session), "send": SEND_ON, "saved": session.saved()}
+    refused = answered.refused
+    yield {"chatbot": chat_view(session, highlight), "reply_status": reply_status(session), "send": SEND_ON, "saved": session.saved(),
+           **({"tree_status": f"⚠ {html.escape(refused)}"} if refused else {})}
+
+
+def follow_reply(engine: Engine, settings: AppSettings, session: Session) -> Iterator[Updates]:
+    """Beside ``respond`` (the page starts both after a send): while the reply to the waiting message runs, the
+    session's speed chart and summary once every ``SPEED_REDRAWS`` tree redraws (when steps were added) and the
+    conversation in the browser's storage every ``settings.save_interval_s`` (the partial reply survives a reload or
+    a lost connection); both once more when the reply ends, so the last of these updates the page receives is the
+    final one. Follows the latest reply that waits or streams (``respond`` may have started it first), once: a send
+    refused while a reply streams does not follow that reply a second time. Waits with the reply (for the model to
+    load, too); ends when the reply ends, Stop stops it or Clear empties the chat."""
+    turn = next((t for t in reversed(session.turns) if t.state in ("pending", "streaming")), None)
+    if turn is None or turn is session.followed:  # nothing to follow (a short reply may have ended: finish_reply draws it)
+        yield {"saved": gr.skip()}
+        return
+    session.followed = turn
+
+    def running() -> bool:
+        return turn.state in ("pending", "streaming") and any(t is turn for t in session.turns)
+
+    speed_every = SPEED_REDRAWS * settings.redraw_interval_s
+    speed_due = save_due = time.monotonic()
+    drawn = len(session.rows)
+    while running():
+        now, update = time.monotonic(), {}
+        if now >= speed_due and len(session.rows) != drawn:
+            drawn, speed_due = len(session.rows), now + speed_every
+            update |= speed_view(engine, session)
+        if now >= save_due and turn.state == "streaming":
+            save_due = now + settings.save_interval_s
+            update["saved"] = session.saved()
+        if update:
+            yield update
+        wait = max(min(speed_due, save_due) - time.monotonic(), FOLLOW_POLL_S)
+        if session.busy:  # the reply runs: wake when it ends
+            session.idle.wait(wait)
+        else:  # not started yet (the model may be loading)
+            time.sleep(min(wait, LOAD_POLL_S))
+    yield speed_view(engine, session) | {"saved": session.saved()}
 
 
 def _wait_for_model(engine: Engine, session: Session, turn: Turn) -> Generator[Updates, None, bool]:
@@ -202,7 +261,7 @@ def _stream(
     turn: Turn,
 ) -> Iterator[Updates]:
     """Record the reply's steps and yield throttled page updates; failures end up in the chat."""
-    last_chat = last_plot = last_speed = last_save = 0.0
+    last_chat = last_plot = 0.0
     try:
         turn.reply_index = session.new_reply()
         with closing(record_steps(engine, session, steps, controls, "chat", turn.reply_index, turn.reply)) as records:
@@ -214,24 +273,15 @@ def _stream(
                 if turn.first_token_at is None:
                     turn.first_token_at = now
                 if now - last_plot >= settings.redraw_interval_s:
-                    # The first update says the reply is generating and parks the step slider: it
-                    # browses a reply's steps once the reply has ended (its re-render is costly).
-                    first = {"reply_status": reply_status(session), "step_slider": STREAMING_SLIDER} if last_plot == 0.0 else {}
-                    speed = now - last_speed >= SPEED_REDRAWS * settings.redraw_interval_s
+                    first = {"reply_status": reply_status(session)} if last_plot == 0.0 else {}  # "Generating…"
                     last_plot = last_chat = now
-                    last_speed = now if speed else last_speed
-                    # Chat, tree and speed chart as separate updates: the browser renders each as its
-                    # own, shorter task (one update with all of them stalled the page 2-3× longer).
+                    # Chat and tree as separate updates: the browser renders each as its own, shorter
+                    # task (one update with all of them stalled the page 2-3× longer).
                     yield {"chatbot": chat_view(session, controls.highlight), **first}
-                    yield {"tree_plot": live_view(engine, session, speed=False)["tree_plot"]}
-                    if speed:
-                        yield speed_view(engine, session)
+                    yield {"tree_plot": tree_view(engine, session)}
                 elif now - last_chat >= settings.stream_interval_s:
                     last_chat = now
                     yield {"chatbot": chat_view(session, controls.highlight)}
-                if now - last_save >= settings.save_interval_s:  # the partial reply survives a reload or a lost connection
-                    last_save = now
-                    yield {"saved": session.saved()}
         rows = session.reply_rows(turn.reply_index)  # none when Stop came while the prompt was read
         turn.state = "stopped" if not rows or rows[-1].stop_reason == "stopped" else "done"
     except Exception as e:  # noqa: BLE001 - any failure inside the model is shown in the chat; the app keeps serving
@@ -267,7 +317,7 @@ def regenerate(engine: Engine, session: Session, controls: Controls) -> Updates:
         return {"reply_status": gr.skip()}
     session.turns[-1] = Turn(user=session.turns[-1].user, sent_at=time.monotonic())
     return {"chatbot": chat_view(session, controls.highlight), "reply_status": reply_status(session), "send": SEND_OFF,
-            "saved": session.saved()}
+            "saved": session.saved(), "step_slider": STREAMING_SLIDER}
 
 
 def edit_user(engine: Engine, session: Session, controls: Controls, index: int, value: str) -> Updates:
@@ -285,7 +335,7 @@ def edit_user(engine: Engine, session: Session, controls: Controls, index: int, 
     del session.turns[turn_index:]
     session.turns.append(Turn(user=text, sent_at=time.monotonic()))
     return {"chatbot": chat_view(session, controls.highlight), "reply_status": reply_status(session), "send": SEND_OFF,
-            "saved": session.saved()}
+            "saved": session.saved(), "step_slider": STREAMING_SLIDER}
 
 
 def restore_chat(session: Session, saved: Any, highlight: bool) -> Updates:

@@ -128,25 +128,33 @@ def reply_status(session: Session) -> str:
     return f"Latest reply: {stats}"
 
 
+def _shown_step(records: Sequence[StepRecord], final: bool) -> int:
+    """The step the live view shows: the latest, or with ``final`` (the reply ended) the last one that verified a
+    tree: a reply that hits its token limit ends with a one-token step that has nothing to show."""
+    last = len(records) - 1
+    return next((i for i in range(last, -1, -1) if records[i].tree_nodes > 1), last) if final else last
+
+
+def tree_view(engine: Engine, session: Session, final: bool = False) -> Any:
+    """The tree plot (a plotly Figure) at the latest step of the latest reply (``final``: see ``live_view``), or an
+    empty one before any reply."""
+    records = session.last_records
+    if not records:
+        return empty_figure(EMPTY_TREE, height=380)
+    step = _shown_step(records, final)
+    return tree_figure(records[step], labels(engine, session, records[step]))
+
+
 def live_view(engine: Engine, session: Session, final: bool = False, speed: bool = True) -> Updates:
     """The tree plot and step slider at the latest step of the latest reply and, with ``speed``, the
-    session's speed chart and the summary. With ``final`` (the reply ended) the slider rests on the
-    last step that verified a tree: a reply that hits its token limit ends with a one-token step that
-    has nothing to show."""
-    records = session.last_records
-    n = len(records)
-    if n:
-        step = n - 1
-        if final:
-            step = next((i for i in range(n - 1, -1, -1) if records[i].tree_nodes > 1), step)
-        tree = tree_figure(records[step], labels(engine, session, records[step]))
-    else:
-        step = 0
-        tree = empty_figure(EMPTY_TREE, height=380)
+    session's speed chart and the summary. With ``final`` (the reply ended) both rest on the last step
+    that verified a tree."""
+    n = len(session.last_records)
     updates: Updates = {
-        "tree_plot": tree,
+        "tree_plot": tree_view(engine, session, final),
         "step_slider": gr.Slider(
-            minimum=0, maximum=max(n - 1, 1), value=step, step=1, label=f"Step of the latest reply ({n} steps)", interactive=n > 1
+            minimum=0, maximum=max(n - 1, 1), value=_shown_step(session.last_records, final) if n else 0, step=1,
+            label=f"Step of the latest reply ({n} steps)", interactive=n > 1,
         ),
     }
     return updates | speed_view(engine, session) if speed else updates

@@ -12,8 +12,15 @@ from app.session import Session
 
 
 def send(engine, settings, session, controls, message="def add"):
+    """Send ``message`` as the page does: ``add_user``, ``respond``, then ``finish_reply`` (``follow_reply``, which
+    runs beside ``respond`` in the page, has tests of its own); the updates of both, in order."""
     handlers.add_user(engine, session, controls, message)
-    return list(handlers.respond(engine, settings, session, controls))
+    return reply(engine, settings, session, controls)
+
+
+def reply(engine, settings, session, controls):
+    """The updates of ``respond`` and then ``finish_reply`` (the page chains it after ``respond``)."""
+    return [*handlers.respond(engine, settings, session, controls), *handlers.finish_reply(engine, session, controls.highlight)]
 
 
 def reply_html(update) -> str:

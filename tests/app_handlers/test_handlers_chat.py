@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
+import time
 
 import gradio as gr
 import pytest
 
 from app import handlers
+from app.handlers.views import speed_view
 from app.session import Session
 
-from .handler_support import greedy_reference, reply_html, send
+from .handler_support import greedy_reference, reply, reply_html, send
 
 
 def test_a_reply_streams_step_by_step_and_equals_the_engines_greedy_output(engine, settings, controls):
@@ -58,7 +61,7 @@ def test_stop_ends_the_reply_after_the_current_step_and_keeps_the_partial_reply(
     next(stream)
     next(stream)
     session.stop_requested.set()  # what the Stop handler does first
-    rest = list(stream)
+    rest = [*stream, *handlers.finish_reply(engine, session, False)]
     turn = session.turns[0]
     assert turn.state == "stopped" and turn.reply.text
     assert session.rows[-1].stop_reason == "stopped"
@@ -182,7 +185,7 @@ def test_a_stop_pressed_after_a_reply_ended_does_not_stop_the_next_one(engine, s
 def test_send_is_disabled_while_a_reply_streams_and_enabled_when_it_ends_or_is_stopped(engine, settings, controls):
     session = Session()
     assert handlers.add_user(engine, session, controls, "def add")["send"].interactive is False
-    assert list(handlers.respond(engine, settings, session, controls))[-1]["send"].interactive is True
+    assert reply(engine, settings, session, controls)[-1]["send"].interactive is True
     handlers.regenerate(engine, session, controls)
     stream = handlers.respond(engine, settings, session, controls)
     next(stream)
@@ -240,3 +243,30 @@ def test_regenerate_copies_from_the_reply_it_replaces_and_repeats_it_greedily(en
     assert session.reply_tokens[0] == session.reply_tokens[1]  # greedy: the same reply
     assert sum(r.ngram_tokens for r in second) > sum(r.ngram_tokens for r in first)
     assert len(second) < len(first)
+
+
+def test_beside_the_reply_its_follower_redraws_the_speed_chart_and_keeps_the_partial_reply_then_the_final_one(
+    engine, settings, controls
+):
+    session = Session()
+    handlers.add_user(engine, session, controls, "def add")
+    followed: list = []
+    follower = threading.Thread(target=lambda: followed.extend(handlers.follow_reply(engine, settings, session)))
+    follower.start()  # the page starts it with respond, after the send
+    stream = handlers.respond(engine, settings, session, controls)
+    next(stream), next(stream)  # the reply streams; it waits here while the follower looks
+    deadline = time.monotonic() + 10
+    while not any(u.get("saved") and u["saved"][0]["runs"] for u in followed) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    partial = next(u["saved"] for u in followed if u.get("saved") and u["saved"][0]["runs"])
+    assert partial[0]["state"] == "streaming"  # a reload now shows it, marked stopped
+    assert any("speed_plot" in u and "summary" in u for u in followed)
+    assert list(handlers.follow_reply(engine, settings, session)) == [{"saved": gr.skip()}]  # a refused send's: nothing
+    list(stream)
+    follower.join(10)
+    assert not follower.is_alive()
+    last = followed[-1]  # drawn after the reply ended
+    assert last["saved"] == session.saved() and last["saved"][0]["state"] == "done"
+    assert last["summary"] == speed_view(engine, session)["summary"]
+    assert list(handlers.finish_reply(engine, session, False))[-1]["send"].interactive  # after respond: the final view
+    assert list(handlers.finish_reply(engine, session, False)) == [{"send": gr.skip()}]  # once: respond took up nothing

@@ -81,7 +81,7 @@ def test_the_engine_has_its_load_time_from_the_moment_its_model_is_there(engine)
 def test_a_message_waiting_for_a_load_that_fails_stays_in_the_chat_with_the_reason(settings, controls):
     loading, session, replying = waiting_reply(settings, controls)
     threading.Thread(target=lambda: pytest.raises(ValueError, loading.load, lambda: (_ for _ in ()).throw(ValueError("no such folder")))).start()
-    final = list(replying)[-1]
+    final = [*replying, *handlers.finish_reply(loading, session, False)][-1]
     turn = session.turns[0]
     assert turn.user == "def add" and turn.state == "error" and "no such folder" in turn.error
     assert "no such folder" in final["chatbot"][-1]["content"] and final["send"].interactive

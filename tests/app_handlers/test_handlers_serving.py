@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import threading
 import time
 from datetime import datetime, timezone
@@ -47,9 +48,16 @@ def test_generations_share_one_model_queue_and_stop_cancels_them(engine, setting
     generating = [f for f in fns if f.name in ("respond", "compare")]
     assert len(generating) == 4  # reply after send, after regenerate, after an edit; compare
     assert {(f.concurrency_id, f.concurrency_limit, f.queue) for f in generating} == {("model", 1, True)}
-    generating_ids = {i for i, f in enumerate(fns) if f in generating}
+    following = [f for f in fns if f.name == "follow_reply"]  # beside each reply, on a queue of their own
+    assert len(following) == 3 and {(f.concurrency_id, f.concurrency_limit, f.queue) for f in following} == {("beside", None, True)}
+    cancelled = {i for i, f in enumerate(fns) if f in generating + following}
     cancellers = [f for f in fns if f.cancels]
-    assert len(cancellers) == 3 and all(set(f.cancels) == generating_ids for f in cancellers)  # Stop, Clear, trash icon
+    assert len(cancellers) == 3 and all(set(f.cancels) == cancelled for f in cancellers)  # Stop, Clear, trash icon
+    finishing = [f for f in fns if f.name == "finish_reply"]  # after each reply, even one that failed
+    assert {fns[f.trigger_after].name for f in finishing} == {"respond"} and len(finishing) == 3
+    assert not any(f.trigger_only_on_success for f in finishing)
+    streaming = [f for f in fns if inspect.isgeneratorfunction(f.fn)]  # outside the queue Gradio sends only the first update
+    assert {f.name for f in streaming} >= {"respond", "follow_reply", "finish_reply", "compare"} and all(f.queue for f in streaming)
     assert all(not f.queue for f in fns if f.name in ("stop", "export_csv", "show_step"))  # run beside a reply
     asking = [f for f in fns if f.name in ("add_user", "regenerate", "edit_user")]  # queued, so their warnings reach the page
     assert len(asking) == 3 and {(f.concurrency_id, f.concurrency_limit, f.queue) for f in asking} == {("ask", None, True)}
@@ -66,12 +74,19 @@ def test_every_handler_returns_only_the_outputs_its_event_declares(engine, setti
     note("add_user", handlers.add_user(engine, session, controls, "def add"))
     for u in handlers.respond(engine, settings, session, controls):
         note("respond", u)
+    for u in handlers.finish_reply(engine, session, False):
+        note("finish_reply", u)
     note("regenerate", handlers.regenerate(engine, session, controls))
     for u in handlers.respond(engine, settings, session, dataclasses.replace(controls, tree=CUSTOM_TREE, custom_tree="[[")):
         note("respond", u)
+    for u in handlers.finish_reply(engine, session, False):
+        note("finish_reply", u)
     handlers.regenerate(engine, session, controls)
+    following = threading.Thread(target=lambda: [note("follow_reply", u) for u in handlers.follow_reply(engine, settings, session)])
+    following.start()
     for u in handlers.respond(engine, settings, session, controls):
         note("respond", u)
+    following.join(30)
     for u in handlers.compare(engine, settings, session, controls):
         note("compare", u)
     note("stop", handlers.stop(engine, session, False))

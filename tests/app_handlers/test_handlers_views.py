@@ -14,7 +14,7 @@ from app.handlers import CUSTOM_TREE
 from app.session import Session
 from medusa_core.invariant import ATTENTION_KERNEL
 
-from .handler_support import send
+from .handler_support import reply, send
 
 
 def test_the_model_panel_shows_names_precision_device_heads_and_memory(engine):
@@ -47,12 +47,12 @@ def test_the_status_line_follows_the_latest_reply(engine, settings, controls):
     assert handlers.add_user(engine, session, controls, "def add")["reply_status"] == "Waiting for the model…"
     stream = handlers.respond(engine, settings, session, controls)
     assert next(stream)["reply_status"] == "Generating…"
-    final = list(stream)[-1]["reply_status"]
+    final = [*stream, *handlers.finish_reply(engine, session, False)][-1]["reply_status"]
     tokens = sum(r.accepted_tokens for r in session.rows)
     assert final.startswith(f"Latest reply: {tokens} tokens · ") and "tree sparse_16" in final
     handlers.add_user(engine, session, controls, "def add")
     bad_tree = dataclasses.replace(controls, tree=CUSTOM_TREE, custom_tree="[[0], [")
-    assert list(handlers.respond(engine, settings, session, bad_tree))[-1]["reply_status"] == "Latest reply: not generated (see the chat)."
+    assert reply(engine, settings, session, bad_tree)[-1]["reply_status"] == "Latest reply: not generated (see the chat)."
     handlers.add_user(engine, session, controls, "return")
     stream = handlers.respond(engine, settings, session, dataclasses.replace(controls, medusa=False))
     next(stream)
@@ -65,7 +65,7 @@ def test_the_status_line_follows_the_latest_reply(engine, settings, controls):
 def test_each_reply_shows_its_stats_with_ttft_and_wall_time_from_send_to_last_token(engine, settings, controls):
     session = Session()
     handlers.add_user(engine, session, controls, "def add")
-    live = [u["chatbot"][-1]["content"] for u in handlers.respond(engine, settings, session, controls) if "chatbot" in u]
+    live = [u["chatbot"][-1]["content"] for u in reply(engine, settings, session, controls) if "chatbot" in u]
     assert any("generating…" in c and "tokens/s" in c for c in live[:-1])  # live tokens/s while it streams
     turn = session.turns[0]
     tokens = sum(r.accepted_tokens for r in session.rows)
