@@ -260,7 +260,7 @@ def test_a_reload_mid_reply_keeps_the_message_and_the_partial_reply_marked_stopp
         if page.session.turns[0].reply.runs:
             break  # part of the reply has streamed
     following = page.stream("follow_reply")  # the event beside respond that keeps the conversation in the browser
-    stored = next(following)[page.saved_block._id]
+    stored = next(u[page.saved_block._id] for u in following if isinstance(u.get(page.saved_block._id), list))
     following.close()
     updates.close()  # the page reloads here, mid-reply: the browser has what it stored so far
     assert stored[0]["user"] == "def add" and stored[0]["runs"]

@@ -2,14 +2,14 @@
 the step slider and the highlight toggle.
 
 A reply is three events of the page, so that each streamed update names few outputs: Gradio rebuilds every
-output an update leaves out (``gr.skip()``: its component constructed again and its config recomputed, ~0.7 ms
-each, with the GIL held), and with all of the reply's outputs in one event that cost decoding a fifth of its
-speed in the page (docs/APP.md, "One reply, three events"):
+output an update leaves out (``gr.skip()``: the component constructed again and its config recomputed, with the
+GIL held; ~3 ms for the chat, less for the others), and with all of the reply's outputs in one event that took a
+sixth of decoding's speed in the page (docs/APP.md, "One reply, three events"):
 
-- ``respond`` runs the engine and streams the chat text (every ``settings.stream_interval_s``) and the tree
-  (every ``settings.redraw_interval_s``): outputs ``chatbot``, ``tree_plot``, ``reply_status``;
-- ``follow_reply`` runs beside it and redraws the speed chart and the summary every ``SPEED_REDRAWS`` tree
-  redraws and writes the conversation to the browser's storage every ``settings.save_interval_s``;
+- ``respond`` runs the engine and streams the chat text every ``settings.stream_interval_s``: outputs ``chatbot``
+  and ``reply_status``;
+- ``follow_reply`` runs beside it: the tree every ``settings.redraw_interval_s``, the speed chart and summary
+  every ``SPEED_REDRAWS`` tree redraws, the conversation into the browser's storage every ``settings.save_interval_s``;
 - ``finish_reply`` runs after it: the final tree and step slider, the model panel, the stats line, Send.
 
 The engine keeps decoding between updates.
@@ -201,13 +201,16 @@ def finish_reply(engine: Engine, session: Session, highlight: bool) -> Iterator[
 
 
 def follow_reply(engine: Engine, settings: AppSettings, session: Session) -> Iterator[Updates]:
-    """Beside ``respond`` (the page starts both after a send): while the reply to the waiting message runs, the
-    session's speed chart and summary once every ``SPEED_REDRAWS`` tree redraws (when steps were added) and the
-    conversation in the browser's storage every ``settings.save_interval_s`` (the partial reply survives a reload or
-    a lost connection); both once more when the reply ends, so the last of these updates the page receives is the
-    final one. Follows the latest reply that waits or streams (``respond`` may have started it first), once: a send
-    refused while a reply streams does not follow that reply a second time. Waits with the reply (for the model to
-    load, too); ends when the reply ends, Stop stops it or Clear empties the chat."""
+    """Beside ``respond`` (the page starts both after a send), the live view of the reply to the waiting message:
+    the tree of its latest step every ``settings.redraw_interval_s`` (when a step was added), the session's speed
+    chart and summary once every ``SPEED_REDRAWS`` of those, and the conversation in the browser's storage every
+    ``settings.save_interval_s`` (the partial reply survives a reload or a lost connection); the speed chart and the
+    conversation once more when the reply ends, so the last of these updates the page receives is the final one.
+    Tree and speed chart go out as separate updates: the browser renders each as its own, shorter task (one update
+    with all of them stalled the page 2-3× longer). Follows the latest reply that waits or streams (``respond`` may
+    have started it first), once: a send refused while a reply streams does not follow that reply a second time.
+    Waits with the reply (for the model to load, too); ends when the reply ends, Stop stops it or Clear empties the
+    chat."""
     turn = next((t for t in reversed(session.turns) if t.state in ("pending", "streaming")), None)
     if turn is None or turn is session.followed:  # nothing to follow (a short reply may have ended: finish_reply draws it)
         yield {"saved": gr.skip()}
@@ -217,20 +220,29 @@ def follow_reply(engine: Engine, settings: AppSettings, session: Session) -> Ite
     def running() -> bool:
         return turn.state in ("pending", "streaming") and any(t is turn for t in session.turns)
 
-    speed_every = SPEED_REDRAWS * settings.redraw_interval_s
-    speed_due = save_due = time.monotonic()
-    drawn = len(session.rows)
+    def latest_step() -> StepRecord | None:
+        """The reply's latest step (None before its first: ``session.last_records`` may still be the previous reply's)."""
+        rows, records = session.rows, session.last_records
+        return records[-1] if records and rows and rows[-1].reply_index == turn.reply_index else None
+
+    tree_due = speed_due = save_due = time.monotonic()
+    drawn, drawn_rows = None, len(session.rows)
     while running():
-        now, update = time.monotonic(), {}
-        if now >= speed_due and len(session.rows) != drawn:
-            drawn, speed_due = len(session.rows), now + speed_every
+        now = time.monotonic()
+        step = latest_step()
+        if now >= tree_due and step is not None and step is not drawn:
+            drawn, tree_due = step, now + settings.redraw_interval_s
+            yield {"tree_plot": tree_view(engine, session)}
+        update = {}
+        if now >= speed_due and step is not None and len(session.rows) != drawn_rows:
+            drawn_rows, speed_due = len(session.rows), now + SPEED_REDRAWS * settings.redraw_interval_s
             update |= speed_view(engine, session)
         if now >= save_due and turn.state == "streaming":
             save_due = now + settings.save_interval_s
             update["saved"] = session.saved()
         if update:
             yield update
-        wait = max(min(speed_due, save_due) - time.monotonic(), FOLLOW_POLL_S)
+        wait = max(min(tree_due, speed_due, save_due) - time.monotonic(), FOLLOW_POLL_S)
         if session.busy:  # the reply runs: wake when it ends
             session.idle.wait(wait)
         else:  # not started yet (the model may be loading)
@@ -261,7 +273,7 @@ def _stream(
     turn: Turn,
 ) -> Iterator[Updates]:
     """Record the reply's steps and yield throttled page updates; failures end up in the chat."""
-    last_chat = last_plot = 0.0
+    last_chat = 0.0
     try:
         turn.reply_index = session.new_reply()
         with closing(record_steps(engine, session, steps, controls, "chat", turn.reply_index, turn.reply)) as records:
@@ -272,16 +284,10 @@ def _stream(
                 now = turn.last_token_at = time.monotonic()
                 if turn.first_token_at is None:
                     turn.first_token_at = now
-                if now - last_plot >= settings.redraw_interval_s:
-                    first = {"reply_status": reply_status(session)} if last_plot == 0.0 else {}  # "Generating…"
-                    last_plot = last_chat = now
-                    # Chat and tree as separate updates: the browser renders each as its own, shorter
-                    # task (one update with all of them stalled the page 2-3× longer).
-                    yield {"chatbot": chat_view(session, controls.highlight), **first}
-                    yield {"tree_plot": tree_view(engine, session)}
-                elif now - last_chat >= settings.stream_interval_s:
+                if now - last_chat >= settings.stream_interval_s:
+                    first = {"reply_status": reply_status(session)} if last_chat == 0.0 else {}  # "Generating…"
                     last_chat = now
-                    yield {"chatbot": chat_view(session, controls.highlight)}
+                    yield {"chatbot": chat_view(session, controls.highlight), **first}
         rows = session.reply_rows(turn.reply_index)  # none when Stop came while the prompt was read
         turn.state = "stopped" if not rows or rows[-1].stop_reason == "stopped" else "done"
     except Exception as e:  # noqa: BLE001 - any failure inside the model is shown in the chat; the app keeps serving

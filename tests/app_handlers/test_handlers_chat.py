@@ -245,7 +245,7 @@ def test_regenerate_copies_from_the_reply_it_replaces_and_repeats_it_greedily(en
     assert len(second) < len(first)
 
 
-def test_beside_the_reply_its_follower_redraws_the_speed_chart_and_keeps_the_partial_reply_then_the_final_one(
+def test_beside_the_reply_its_follower_draws_the_tree_and_speed_chart_and_keeps_the_partial_reply_then_the_final_one(
     engine, settings, controls
 ):
     session = Session()
@@ -261,6 +261,8 @@ def test_beside_the_reply_its_follower_redraws_the_speed_chart_and_keeps_the_par
     partial = next(u["saved"] for u in followed if u.get("saved") and u["saved"][0]["runs"])
     assert partial[0]["state"] == "streaming"  # a reload now shows it, marked stopped
     assert any("speed_plot" in u and "summary" in u for u in followed)
+    trees = [u["tree_plot"].layout["title"]["text"] for u in followed if "tree_plot" in u]  # the live tree is drawn here
+    assert trees and all(t.startswith("step ") for t in trees)
     assert list(handlers.follow_reply(engine, settings, session)) == [{"saved": gr.skip()}]  # a refused send's: nothing
     list(stream)
     follower.join(10)
