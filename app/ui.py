@@ -34,7 +34,7 @@ QUICK = dict(queue=False, show_progress="hidden")
 # Events that can refuse with a warning (send, Regenerate, edit) run on the queue: outside it Gradio
 # cannot deliver a gr.Warning to the page (it falls back to Python's warnings, the server log only).
 ASK = dict(queue=True, concurrency_id="ask", concurrency_limit=None, show_progress="hidden")
-# A reply's own events beside the model's queue: the speed chart beside it and the final view after it
+# A reply's own events beside the model's queue: the live tree and speed chart beside it, the final view after it
 # (``handlers.follow_reply``, ``handlers.finish_reply``). Queued: outside the queue Gradio sends a generator's first update only.
 BESIDE = dict(queue=True, concurrency_id="beside", concurrency_limit=None, show_progress="hidden")
 
@@ -303,7 +303,8 @@ def build_ui(engine: Engine, settings: AppSettings) -> gr.Blocks:
 
         def reply_after(asked: Any) -> list[Any]:
             """A reply once ``asked`` (a send, Regenerate, an edit) succeeded: ``respond`` on the model's queue, the
-            speed chart beside it, the final view after it (``app.handlers.chat``); the events Stop and Clear cancel."""
+            live tree and speed chart beside it, the final view after it (``app.handlers.chat``); the events Stop and
+            Clear cancel."""
             replying = asked.success(reply_fn, reply_in, reply_out, **MODEL_QUEUE, **raw)
             following = asked.success(follow_fn, [session, saved], follow_out, **BESIDE)
             replying.then(finish_fn, [session, saved, highlight], finish_out, **BESIDE)

@@ -11,7 +11,7 @@ nothing still returns a name (with ``gr.skip()``): Gradio reads an empty dict as
 | ``controls`` | ``Controls`` (what a reply reads when it starts), sampling presets, tree choices, custom-tree check, inactive controls, the Medusa toggle's note |
 | ``views`` | chat messages, status line, live view, model panel |
 | ``generation`` | the prompt that fits the context, recording the engine's steps |
-| ``chat`` | send, reply (its steps, the speed chart beside them, the final view), Stop, Regenerate, edit and resend, Clear, restore after a reload, step slider, highlight |
+| ``chat`` | send, reply (its text, the tree and speed chart beside it, the final view), Stop, Regenerate, edit and resend, Clear, restore after a reload, step slider, highlight |
 | ``compare`` | Compare Medusa off and its draft sources |
 | ``export`` | CSV statistics, Markdown and JSON transcripts |
 | ``loading`` | the page while the model loads |

@@ -116,8 +116,8 @@ def waiting_turn(session: Session) -> int | None:
 
 
 def respond(engine: Engine, settings: AppSettings, session: Session, controls: Controls) -> Iterator[Updates]:
-    """Stream the reply to the pending user message: the chat text, the live tree and the status line (the speed
-    chart beside it is ``follow_reply``'s, the final view ``finish_reply``'s).
+    """Stream the reply to the pending user message: the chat text and the status line (the live tree and speed
+    chart beside it are ``follow_reply``'s, the final view ``finish_reply``'s).
 
     A message sent while the model loaded first waits for it (the status line says so, Stop ends the wait), then
     is answered at the controls the page shows once the model is ready (``ready_controls``), its TTFT counted from
