@@ -38,6 +38,8 @@ class Turn:
     last_token_at: float | None = None  # when its latest token was decoded (wall time = last_token_at - sent_at)
     stats: str = ""  # the finished reply's stats line, kept with the conversation (it survives a page reload)
     waits_for_model: bool = False  # sent while the model loaded: answered once it is ready, at the controls it then shows
+    #: The finished reply's chat message as last rendered, with what it was rendered from (``handlers.views.chat_view``).
+    shown: tuple[tuple[Any, ...], str] | None = field(default=None, repr=False, compare=False)
 
     def saved(self) -> dict[str, Any]:
         """The turn as JSON-able data for the browser's storage (timings are this process's clock: left out)."""

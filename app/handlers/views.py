@@ -26,24 +26,38 @@ Updates = dict[str, Any]
 
 def chat_view(session: Session, highlight: bool) -> list[dict[str, str]]:
     """The Chatbot's messages. Text is shown preformatted (code stays code), free tokens optionally
-    marked, and each reply ends with its stats line (live while it streams)."""
+    marked, and each reply ends with its stats line (live while it streams). A finished reply's HTML is
+    kept on its turn (``Turn.shown``) per highlight setting: the chat is rendered every 0.05 s while a reply
+    streams, and a long conversation's earlier replies took most of that (2.7 ms at 50 replies of ~250 tokens)."""
     messages = []
     for turn in session.turns:
         messages.append({"role": "user", "content": f'<pre class="medusa-user">\n{html.escape(turn.user)}</pre>'})
         if turn.state == "pending" and not turn.error:
             continue
-        content = turn.reply.html(highlight) if turn.reply.runs else ""
-        if turn.state == "stopped":
-            content += '<p class="medusa-note">(stopped)</p>'
-        if turn.error:
-            content += f'<p class="medusa-error">⚠ {html.escape(turn.error)}</p>'
-        if turn.note:
-            content += f'<p class="medusa-note">{html.escape(turn.note)}</p>'
-        stats = turn.stats or turn_stats(session, turn)
-        if stats:
-            content += f'<p class="medusa-stats">{html.escape(stats)}</p>'
+        if turn.state not in ("done", "stopped", "error"):
+            content = _reply_html(session, turn, highlight)
+        else:  # nothing of it changes any more but these
+            key = (highlight, turn.state, turn.error, turn.note, turn.stats)
+            if turn.shown is None or turn.shown[0] != key:
+                turn.shown = (key, _reply_html(session, turn, highlight))
+            content = turn.shown[1]
         messages.append({"role": "assistant", "content": content})
     return messages
+
+
+def _reply_html(session: Session, turn: Turn, highlight: bool) -> str:
+    """One reply's chat message: its text, then whether it stopped, its error, its note and its stats line."""
+    content = turn.reply.html(highlight) if turn.reply.runs else ""
+    if turn.state == "stopped":
+        content += '<p class="medusa-note">(stopped)</p>'
+    if turn.error:
+        content += f'<p class="medusa-error">⚠ {html.escape(turn.error)}</p>'
+    if turn.note:
+        content += f'<p class="medusa-note">{html.escape(turn.note)}</p>'
+    stats = turn.stats or turn_stats(session, turn)
+    if stats:
+        content += f'<p class="medusa-stats">{html.escape(stats)}</p>'
+    return content
 
 
 def message_turn(session: Session, index: int) -> int | None:

@@ -12,6 +12,7 @@ import dataclasses
 from app import handlers
 from app.handlers import CUSTOM_TREE
 from app.session import Session
+from app.text import ReplyText
 from medusa_core.invariant import ATTENTION_KERNEL
 
 from .handler_support import reply, send
@@ -86,3 +87,19 @@ def test_the_stats_line_names_the_tree_asked_for_even_when_a_step_verified_the_n
     session.rows = [dataclasses.replace(r, tree_name="ngram") if r.step > 0 else r for r in session.rows]
     stats = handlers.views.turn_stats(session, turn)
     assert "tree sparse_16 + n-gram" in stats and "tree ngram" not in stats
+
+
+def test_a_finished_reply_is_rendered_once_per_highlight_setting_while_later_replies_stream(engine, settings, controls, monkeypatch):
+    session = Session()
+    send(engine, settings, session, controls, "def add")
+    first = session.turns[0]
+    shown = handlers.rerender_chat(session, False)["chatbot"][1]["content"]
+    rendered = []
+    real = ReplyText.html
+    monkeypatch.setattr(ReplyText, "html", lambda self, highlight: rendered.append((self is first.reply, highlight)) or real(self, highlight))
+    updates = send(engine, settings, session, controls, "return")
+    assert sum(1 for u in updates if "chatbot" in u) > 3 and (True, False) not in rendered  # not at each chat update
+    assert all(u["chatbot"][1]["content"] == shown for u in updates if "chatbot" in u)
+    marked = [handlers.rerender_chat(session, True)["chatbot"][1]["content"] for _ in range(3)]  # the highlight toggle
+    assert rendered.count((True, True)) == 1 and marked[0] == marked[2]
+    assert marked[0].startswith(real(first.reply, True)) and marked[0] != shown or not any(free for _, free in first.reply.runs)
