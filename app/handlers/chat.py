@@ -40,8 +40,8 @@ from .compare import compare_table
 from .controls import Controls, ready_controls, sampling_config, tree_argument
 from .generation import fit_prompt, record_steps, too_long
 from .views import (
-    WAITING_FOR_LOAD, Updates, chat_view, labels, live_view, message_turn, model_panel, reading_status, reply_status, speed_view,
-    tree_view, turn_stats,
+    SPEED_REDRAWS, STREAMING_SLIDER, WAITING_FOR_LOAD, Updates, chat_view, labels, live_view, message_turn, model_panel,
+    reading_status, reply_status, speed_view, tree_view, turn_stats,
 )
 
 log = logging.getLogger(__name__)
@@ -50,12 +50,6 @@ STOP_WAIT_S = 30.0  # how long Stop and Clear wait for a running reply to finish
 LOAD_POLL_S = 0.5  # how often a message sent while the model loads updates its status line
 
 
-#: The step slider while a reply is asked for and streams (the send parks it): it browses a reply's steps once
-#: the reply has ended (its re-render is costly).
-STREAMING_SLIDER = gr.Slider(interactive=False, label="Step of the latest reply (browse its steps once it ends)")
-#: The speed chart and summary redraw once every SPEED_REDRAWS tree redraws while a reply streams
-#: (``follow_reply``): a plotly redraw costs the browser tens of ms, and the tree is what changes at every step.
-SPEED_REDRAWS = 4
 FOLLOW_POLL_S = 0.05  # the shortest wait of follow_reply between two looks at the reply
 SEND_OFF = gr.Button(interactive=False)  # Send while a reply is pending or streaming
 SEND_ON = gr.Button(interactive=True)

@@ -23,7 +23,7 @@ from ..settings import AppSettings
 from ..text import ReplyText
 from .controls import Controls, sampling_config, tree_argument
 from .generation import fit_prompt, record_steps
-from .views import Updates, live_view, model_panel
+from .views import SPEED_REDRAWS, STREAMING_SLIDER, Updates, live_view, model_panel, speed_view, tree_view
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,9 @@ def compare(engine: Engine, settings: AppSettings, session: Session, controls: C
     results: dict[str, list[StepRecord]] = {}
     session.compare_runs = results  # what Stop reports if it cancels this generator
     session.begin()
+    redraws = 0
     try:
+        yield {"compare_result": compare_table(results, running=next(iter(runs)), planned=len(runs)), "step_slider": STREAMING_SLIDER}
         for mode, steps in runs.items():
             if session.stop_requested.is_set():
                 steps.close()
@@ -74,8 +76,12 @@ def compare(engine: Engine, settings: AppSettings, session: Session, controls: C
                         continue
                     done.append(record)
                     if time.monotonic() - last_plot >= settings.redraw_interval_s:
-                        last_plot = time.monotonic()
-                        yield {"compare_result": compare_table(results, running=mode, planned=len(runs)), **live_view(engine, session)}
+                        last_plot, redraws = time.monotonic(), redraws + 1
+                        # The table and the tree at every redraw, the speed chart at every SPEED_REDRAWS-th, the
+                        # slider parked until the end: as a reply streams (``app.handlers.chat``).
+                        speed = speed_view(engine, session) if redraws % SPEED_REDRAWS == 1 else {}
+                        yield {"compare_result": compare_table(results, running=mode, planned=len(runs)),
+                               "tree_plot": tree_view(engine, session), **speed}
     except Exception as e:  # noqa: BLE001 - shown in the panel; the app keeps serving
         log.exception("compare failed")
         yield {"compare_result": f"⚠ Compare failed: {type(e).__name__}: {html.escape(str(e))}"}

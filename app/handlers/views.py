@@ -22,6 +22,12 @@ from ..text import template_system_prompt, token_label
 
 #: A handler's result: component name -> new value (``app.handlers.OUTPUTS`` lists the names per handler).
 Updates = dict[str, Any]
+#: The step slider while a reply (or a Compare) is asked for and streams: it browses a reply's steps once the reply
+#: has ended (its re-render is costly).
+STREAMING_SLIDER = gr.Slider(interactive=False, label="Step of the latest reply (browse its steps once it ends)")
+#: The speed chart and summary redraw once every SPEED_REDRAWS tree redraws while a reply or a Compare streams: a
+#: plotly redraw costs the browser tens of ms, and the tree is what changes at every step.
+SPEED_REDRAWS = 4
 
 
 def chat_view(session: Session, highlight: bool) -> list[dict[str, str]]:

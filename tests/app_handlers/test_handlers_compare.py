@@ -81,3 +81,16 @@ def test_stop_during_compares_medusa_on_run_says_stopped_and_draws_no_verdict(en
     assert "Stopped" in final
     assert "identical reply" not in final and "×" not in final
     assert "Stopped" in handlers.stop(engine, session, False)["compare_result"]  # also when Stop cancelled the stream
+
+
+def test_compare_parks_the_step_slider_until_it_ends_and_a_cancel_at_its_first_update_frees_the_session(engine, settings, controls):
+    session = Session()
+    send(engine, settings, session, controls)
+    updates = list(handlers.compare(engine, settings, session, controls))
+    sliders = [u["step_slider"] for u in updates if "step_slider" in u]
+    assert len(sliders) == 2 and sliders[0].interactive is False and sliders[-1].interactive  # parked, then the last run's
+    assert sum("tree_plot" in u for u in updates) > sum("speed_plot" in u for u in updates) >= 2
+    stream = handlers.compare(engine, settings, session, controls)
+    next(stream)
+    stream.close()  # Stop cancels it at its first update
+    assert not session.busy
