@@ -176,22 +176,21 @@ def respond(engine: Engine, settings: AppSettings, session: Session, controls: C
 
 
 def finish_reply(engine: Engine, session: Session, highlight: bool) -> Iterator[Updates]:
-    """After ``respond`` ended (the page chains it with ``.then``): the final view of the reply, as three updates so
-    that the browser renders three shorter tasks: the tree at its last tree step with the model panel, the step
-    slider over the reply's steps, then the chat with the stats line, Send enabled and the conversation in the
-    browser's storage; a reply that could not start names the reason beside the tree too. Changes nothing while a
+    """After ``respond`` ended (the page chains it with ``.then``): the final view of the reply in one update: the
+    tree at its last tree step, the step slider over the reply's steps, the speed chart, the model panel, the chat
+    with the stats line, Send enabled and the conversation in the browser's storage; a reply that could not start
+    names the reason beside the tree too. One update, not several shorter ones: when this event's updates came
+    three in a row, Chromium at times kept the step slider as the send had parked it (4 of 15 short replies; none
+    of 45 with one update; scratch ``slider.py``). Changes nothing while a
     reply still runs, and nothing when ``respond`` took up no message (a refused send, a rejected control value).
     The speed chart and summary are drawn here too: ``follow_reply`` may have started after a short reply ended."""
     answered, session.answered = session.answered, None
     if answered is None or session.busy:
         yield {"send": gr.skip()}
         return
-    view = live_view(engine, session, final=True)
-    yield {"tree_plot": view.pop("tree_plot"), "model_panel": model_panel(engine, session)}
-    yield view
-    refused = answered.refused
-    yield {"chatbot": chat_view(session, highlight), "reply_status": reply_status(session), "send": SEND_ON, "saved": session.saved(),
-           **({"tree_status": f"⚠ {html.escape(refused)}"} if refused else {})}
+    refused = {"tree_status": f"⚠ {html.escape(answered.refused)}"} if answered.refused else {}
+    yield {**live_view(engine, session, final=True), "model_panel": model_panel(engine, session), "chatbot": chat_view(session, highlight),
+           "reply_status": reply_status(session), "send": SEND_ON, "saved": session.saved(), **refused}
 
 
 def follow_reply(engine: Engine, settings: AppSettings, session: Session) -> Iterator[Updates]:

@@ -60,9 +60,8 @@ def compare(engine: Engine, settings: AppSettings, session: Session, controls: C
     results: dict[str, list[StepRecord]] = {}
     session.compare_runs = results  # what Stop reports if it cancels this generator
     session.begin()
-    redraws = 0
+    redraws, parked = 0, {"step_slider": STREAMING_SLIDER}  # with the first update
     try:
-        yield {"compare_result": compare_table(results, running=next(iter(runs)), planned=len(runs)), "step_slider": STREAMING_SLIDER}
         for mode, steps in runs.items():
             if session.stop_requested.is_set():
                 steps.close()
@@ -72,7 +71,8 @@ def compare(engine: Engine, settings: AppSettings, session: Session, controls: C
             with closing(record_steps(engine, session, steps, greedy, "compare", session.new_reply(), ReplyText())) as records:
                 for record in records:
                     if isinstance(record, ReadProgress):  # a long prompt is being read: Stop ends it after this chunk
-                        yield {"compare_result": compare_table(results, running=mode, reading=record, planned=len(runs))}
+                        yield {"compare_result": compare_table(results, running=mode, reading=record, planned=len(runs)), **parked}
+                        parked = {}
                         continue
                     done.append(record)
                     if time.monotonic() - last_plot >= settings.redraw_interval_s:
@@ -81,7 +81,8 @@ def compare(engine: Engine, settings: AppSettings, session: Session, controls: C
                         # slider parked until the end: as a reply streams (``app.handlers.chat``).
                         speed = speed_view(engine, session) if redraws % SPEED_REDRAWS == 1 else {}
                         yield {"compare_result": compare_table(results, running=mode, planned=len(runs)),
-                               "tree_plot": tree_view(engine, session), **speed}
+                               "tree_plot": tree_view(engine, session), **speed, **parked}
+                        parked = {}
     except Exception as e:  # noqa: BLE001 - shown in the panel; the app keeps serving
         log.exception("compare failed")
         yield {"compare_result": f"⚠ Compare failed: {type(e).__name__}: {html.escape(str(e))}"}

@@ -270,5 +270,6 @@ def test_beside_the_reply_its_follower_draws_the_tree_and_speed_chart_and_keeps_
     last = followed[-1]  # drawn after the reply ended
     assert last["saved"] == session.saved() and last["saved"][0]["state"] == "done"
     assert last["summary"] == speed_view(engine, session)["summary"]
-    assert list(handlers.finish_reply(engine, session, False))[-1]["send"].interactive  # after respond: the final view
+    (final,) = handlers.finish_reply(engine, session, False)  # after respond: the final view, in one update (see its docstring)
+    assert final["send"].interactive and final["step_slider"].interactive and {"tree_plot", "chatbot", "saved"} <= set(final)
     assert list(handlers.finish_reply(engine, session, False)) == [{"send": gr.skip()}]  # once: respond took up nothing
