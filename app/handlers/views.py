@@ -165,10 +165,9 @@ def tree_view(engine: Engine, session: Session, final: bool = False) -> Any:
     return tree_figure(records[step], labels(engine, session, records[step]))
 
 
-def live_view(engine: Engine, session: Session, final: bool = False, speed: bool = True) -> Updates:
-    """The tree plot and step slider at the latest step of the latest reply and, with ``speed``, the
-    session's speed chart and the summary. With ``final`` (the reply ended) both rest on the last step
-    that verified a tree."""
+def live_view(engine: Engine, session: Session, final: bool = False) -> Updates:
+    """The tree plot and step slider at the latest step of the latest reply, the session's speed chart and the
+    summary. With ``final`` (the reply ended) tree and slider rest on the last step that verified a tree."""
     n = len(session.last_records)
     updates: Updates = {
         "tree_plot": tree_view(engine, session, final),
@@ -177,7 +176,7 @@ def live_view(engine: Engine, session: Session, final: bool = False, speed: bool
             label=f"Step of the latest reply ({n} steps)", interactive=n > 1,
         ),
     }
-    return updates | speed_view(engine, session) if speed else updates
+    return updates | speed_view(engine, session)
 
 
 def speed_view(engine: Engine, session: Session) -> Updates:
