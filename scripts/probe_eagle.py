@@ -9,7 +9,9 @@ node would at decode time; training runs that second draft too (EAGLE-3's "train
 
 Measured on the 252 held-out chat replies at the positions head 1 is measured at (t = p-1 .. T-3, the reply's token
 as the target, which exact sampling at the chat preset accepts with that probability): draft 1's top-1, draft 2's
-top-1 where draft 1 is right, and a 2-draft chain's tokens per step 1 + P(d1) + P(d1 and d2) (no τ, no corpus).
+top-1 where draft 1 is right, and a 2-draft chain's tokens per step 1 + P(d1) + P(d1 and d2) (no τ, no corpus); and
+draft 1 against the served distribution p (the backbone's, processed as the chat preset, from the cached features):
+E[p(draft 1)] (what exact sampling accepts it with), how often it is p's mode, and the ceiling E[max p].
 
     # on a GPU (the GGUF weights dequantized to float32): train, write eagle_probe.json and eagle_drafter.safetensors
     python scripts/probe_eagle.py --device cuda --epochs 4 --with-greedy --out out/eagle
@@ -21,6 +23,10 @@ top-1 where draft 1 is right, and a 2-draft chain's tokens per step 1 + P(d1) + 
     # sample of 2,000 of each earlier file's, the drafts' loss over the served chain's 8,192-token draft vocabulary
     python scripts/probe_eagle.py --device cpu --quantization gguf --tokens 4096 --epochs 1 --budget 7200 --lr 3e-4 \
         --init assets/eagle-probe/drafter.safetensors --train-rounds 6 --replay 2000 --draft-vocabulary 8192 --out out/eagle-cpu
+    # the same against the backbone's served distribution (the chat preset's, from the next position's cached feature)
+    # instead of the reply's token: docs/BENCH.md, "The drafter against the served distribution"
+    python scripts/probe_eagle.py --device cpu --quantization gguf --tokens 4096 --epochs 1 --lr 3e-4 --teacher 1.0 \
+        --init assets/eagle-probe/drafter.safetensors --train-rounds 6 --replay 500 --draft-vocabulary 8192 --out out/eagle-teacher
     # on this CPU (the app's own int4 states): measure saved weights, with attention limited to the last w positions
     python scripts/probe_eagle.py --device cpu --quantization gguf --tokens 4096 --eval assets/eagle-probe/drafter.safetensors
     # the same with the drafter's linears in 4 bits (as a compiled int4 product would hold them), all positions
@@ -51,6 +57,7 @@ sys.path.insert(0, str(ROOT))
 
 from medusa_core.gguf import demo_gguf_file  # noqa: E402
 from medusa_core.loading import load_backbone  # noqa: E402
+from medusa_core.processors import CHAT_PRESET  # noqa: E402
 from medusa_core.train import read_distilled  # noqa: E402
 
 from demo_build.common import TRAIN_SPLITS, distilled_folder  # noqa: E402  (scripts/ is on the path when a script runs)
@@ -99,6 +106,10 @@ def main():
                    help="train the drafts' loss over the first N tokens of the heads' frequency ranking (assets/demo/"
                         "draft_ranking.json; the served chain drafts over 8,192 of them), a position whose token lies "
                         "outside left out of the loss; 0: the whole vocabulary. Held-out figures stay over all tokens")
+    p.add_argument("--teacher", type=float, default=0.0,
+                   help="weight of the teacher loss: cross-entropy against the backbone's own next-token distribution at the "
+                        "served chat settings (CHAT_PRESET: penalty on the tokens seen, temperature, top-p; from the cached "
+                        "features of the next position), the rest on the reply's token; 0: the reply's token only")
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
     a = p.parse_args()
     if a.cost:
@@ -235,6 +246,53 @@ def main():
                 return F.linear(h, draft_head).float(), draft_index[tgt]
             return lm(h).float(), tgt
 
+    served = CHAT_PRESET  # the settings the app serves (penalty, temperature, top-p; top-k and min-p off)
+
+    def processed(logits, seen, top=64):
+        """The served distribution [n, C] over ``logits``' columns: HF ``generate``'s order (repetition penalty on the
+        ``seen`` [n, C] columns, temperature, top-p; each row's first token always kept), top-p decided on each row's
+        ``top`` most likely tokens, and on all of them where those hold less than top-p (as the app's filters)."""
+        pen = served.repetition_penalty
+        logits = torch.where(seen, torch.where(logits > 0, logits / pen, logits * pen), logits) / served.temperature
+        vals, order = logits.topk(min(top, logits.shape[-1]), -1)
+        probs = torch.exp(vals - torch.logsumexp(logits, -1, keepdim=True))
+        short = probs.sum(-1) < served.top_p
+        if short.any():  # the exact filter over every column of those rows
+            full, full_order = torch.softmax(logits[short], -1).sort(-1, descending=True)
+            full = torch.where(full.cumsum(-1) - full < served.top_p, full, torch.zeros_like(full))
+            out_short = torch.zeros_like(full).scatter_(-1, full_order, full / full.sum(-1, keepdim=True))
+        probs = torch.where(probs.cumsum(-1) - probs < served.top_p, probs, torch.zeros_like(probs))  # mass before each
+        out = torch.zeros_like(logits).scatter_(-1, order, probs / probs.sum(-1, keepdim=True))
+        if short.any():
+            out[short] = out_short
+        return out
+
+    def first_seen(x, columns, width):
+        """[B, width]: each sequence's first position of each column's token (``columns`` [V] maps a token id to its
+        column, -100 outside), or the sequence's width where it never occurs."""
+        B, W = x.shape
+        col = columns[x] if columns is not None else x
+        pos = torch.arange(W, device=x.device).expand(B, W)
+        pos = torch.where(col >= 0, pos, torch.full_like(pos, W))
+        first = torch.full((B, width + 1), W, dtype=torch.long, device=x.device)
+        return first.scatter_reduce_(1, col.clamp(min=0), pos, "amin")[:, :width]
+
+    def teacher(f, x, mask, weight, columns, chunk=512):
+        """The backbone's served distribution of x_{s+2} at each (b, s) of ``mask`` [B, W], over the rows of
+        ``weight`` [C, H] (the LM head's, or the draft vocabulary's with ``columns``), computed from the cached feature
+        f_{s+1} with the tokens x_0 .. x_{s+1} seen: [n, C] per ``chunk`` rows (an iterator)."""
+        b, s = mask.nonzero(as_tuple=True)
+        first = first_seen(x, columns, weight.shape[0])
+        for i in range(0, len(b), chunk):
+            bi, si = b[i : i + chunk], s[i : i + chunk]
+            with torch.autocast(dev.type, dtype=torch.bfloat16):
+                logits = F.linear(f[bi, si + 1], weight).float()
+            yield processed(logits, first[bi] <= (si + 1)[:, None])
+
+    def soft_ce(logits, target):
+        """Cross-entropy of ``logits`` [n, C] against the distributions ``target`` [n, C]."""
+        return -(target * torch.log_softmax(logits, -1)).sum(-1).mean()
+
     def run(f, x, m1, train):
         """Losses and counts for draft 1 (at t, predicts x_{t+2}) and draft 2 (chained from t, predicts x_{t+3})."""
         B, W, H = f.shape
@@ -252,6 +310,11 @@ def main():
         (l1, t1), (l2, t2) = logits_and_targets(h1, tgt1[m1], train), logits_and_targets(h2, tgt1[m2], train)
         ce1 = F.cross_entropy(l1, t1)
         ce2 = F.cross_entropy(l2, t2) if len(h2) else l1.sum() * 0
+        if train and a.teacher:  # the served distribution of the same tokens, over the logits' columns
+            weight, columns = (draft_head, draft_index) if draft_head is not None else (lm.weight, None)
+            q1, q2 = (torch.cat(list(teacher(f, x, m, weight, columns, chunk=1 << 20))) for m in (m1, m2))
+            ce1 = (1 - a.teacher) * ce1 + a.teacher * soft_ce(l1, q1)
+            ce2 = (1 - a.teacher) * ce2 + a.teacher * soft_ce(l2, q2) if len(h2) else ce2
         reg = F.smooth_l1_loss(h1.float(), ftgt[m1].float())
         right1 = (l1.argmax(-1) == t1)
         right2 = (l2.argmax(-1) == t2)
@@ -263,21 +326,36 @@ def main():
         both = (r1_full[:, :-1] & r2_full[:, 1:]).sum()
         first_with_next = (r1_full[:, :-1] & m2[:, 1:]).sum()
         loss = a.wreg * reg + ce1 + a.w2 * ce2 if train else None
-        return loss, dict(n1=int(m1.sum()), r1=int(right1.sum()), both=int(both), r1n=int(first_with_next), ce1=float(ce1.detach()), ce2=float(ce2.detach()), reg=float(reg.detach()))
+        served_counts = {}
+        if not train:  # draft 1 against the backbone's served distribution over the whole vocabulary
+            draft, start = l1.argmax(-1), 0
+            for q in teacher(f, x, m1, lm.weight, None):
+                rows = torch.arange(len(q))
+                d, tk = draft[start : start + len(q)], t1[start : start + len(q)]
+                start += len(q)
+                served_counts["accept"] = served_counts.get("accept", 0.0) + float(q[rows, d].sum())  # E[p(draft)]
+                served_counts["ceiling"] = served_counts.get("ceiling", 0.0) + float(q.max(-1).values.sum())
+                served_counts["mode"] = served_counts.get("mode", 0) + int((q.argmax(-1) == d).sum())
+                served_counts["sampled_mode"] = served_counts.get("sampled_mode", 0) + int((q.argmax(-1) == tk).sum())
+        return loss, dict(n1=int(m1.sum()), r1=int(right1.sum()), both=int(both), r1n=int(first_with_next), ce1=float(ce1.detach()), ce2=float(ce2.detach()), reg=float(reg.detach()), **served_counts)
 
     def evaluate(feats, ids, offs, limit=None):
         drafter.eval()
-        tot = dict(n1=0, r1=0, both=0, r1n=0)
+        tot = dict(n1=0, r1=0, both=0, r1n=0, accept=0.0, ceiling=0.0, mode=0, sampled_mode=0)
         with torch.no_grad():
             for b in batches(offs)[:limit]:
                 _, s = run(*assemble(feats, ids, b), train=False)
                 for k in tot:
                     tot[k] += s[k]
         drafter.train()
-        top1 = tot["r1"] / max(tot["n1"], 1)
+        n = max(tot["n1"], 1)
+        top1 = tot["r1"] / n
         cond2 = tot["both"] / max(tot["r1n"], 1)
         return dict(positions=tot["n1"], draft1_top1=round(top1, 4), draft2_top1_given_draft1=round(cond2, 4),
-                    chain_tokens_per_step=round(1 + top1 + top1 * cond2, 4))
+                    chain_tokens_per_step=round(1 + top1 + top1 * cond2, 4),
+                    # against the served distribution p (CHAT_PRESET): exact sampling accepts draft 1 with p(draft 1)
+                    draft1_served_acceptance=round(tot["accept"] / n, 4), served_ceiling=round(tot["ceiling"] / n, 4),
+                    draft1_is_served_mode=round(tot["mode"] / n, 4), reply_token_is_served_mode=round(tot["sampled_mode"] / n, 4))
 
     if a.eval:
         from safetensors.torch import load_file
