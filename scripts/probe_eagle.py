@@ -63,6 +63,7 @@ from medusa_core.train import read_distilled  # noqa: E402
 from demo_build.common import TRAIN_SPLITS, distilled_folder  # noqa: E402  (scripts/ is on the path when a script runs)
 from eagle_probe.cost import step_cost  # noqa: E402
 from eagle_probe.drafter import Drafter  # noqa: E402
+from eagle_probe.served import first_seen, processed  # noqa: E402
 
 
 def replies_file(name: str) -> Path:
@@ -110,6 +111,13 @@ def main():
                    help="weight of the teacher loss: cross-entropy against the backbone's own next-token distribution at the "
                         "served chat settings (CHAT_PRESET: penalty on the tokens seen, temperature, top-p; from the cached "
                         "features of the next position), the rest on the reply's token; 0: the reply's token only")
+    p.add_argument("--feature-layers", type=int, nargs="+", default=None,
+                   help="the backbone's hidden states the drafter reads, as indices into transformers' hidden_states "
+                        "(0: the embeddings, k: layer k's output, the last: the final-norm state), fused by one more "
+                        "linear (EAGLE-3's low, middle and high features, Li et al. 2025); the chained draft reads its own "
+                        "output in their place. Default: the final-norm state alone")
+    p.add_argument("--final-only", action="store_true",
+                   help="with --feature-layers: the drafter reads only the last of them (the baseline, on the same cache)")
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
     a = p.parse_args()
     if a.cost:
@@ -146,6 +154,8 @@ def main():
         for name in names:
             rows = rows_of([name])
             kept = f"{a.limit}-replay{a.replay}" if replayed(name) else str(a.limit)
+            if a.feature_layers:
+                kept += "-layers" + "_".join(map(str, a.feature_layers))
             cache = ROOT / "build/demo/eagle_features" / f"{name}-{a.quantization or 'float32'}-{kept}.pt"
             part = torch.load(cache, weights_only=True) if dev.type == "cpu" and cache.exists() else None
             if part is None or part["rows"] != len(rows):
@@ -167,7 +177,8 @@ def main():
         """Sorted by length; flat bf16 features and ids on the device, with offsets."""
         rows = sorted(rows, key=lambda r: len(r[0]))
         total = sum(len(s) for s, _ in rows)
-        feats = torch.empty(total, cfg.hidden_size, dtype=torch.bfloat16, device=dev)
+        layers = a.feature_layers or [cfg.num_hidden_layers]  # hidden_states[num_hidden_layers]: the final-norm state
+        feats = torch.empty(total, len(layers), cfg.hidden_size, dtype=torch.bfloat16, device=dev)
         ids = torch.empty(total, dtype=torch.long, device=dev)
         offs, o, i = [], 0, 0
         while i < len(rows):
@@ -182,14 +193,18 @@ def main():
                 t[n, : len(s)] = torch.tensor(s)
             t = t.to(dev)
             with torch.autocast(dev.type, dtype=torch.bfloat16):
-                h = dec(input_ids=t).last_hidden_state
+                if a.feature_layers:
+                    states = dec(input_ids=t, output_hidden_states=True).hidden_states
+                    h = torch.stack([states[k] for k in layers], 2)  # [B, W, layers, H]
+                else:
+                    h = dec(input_ids=t).last_hidden_state[:, :, None]
             for n, (s, pl) in enumerate(batch):
                 feats[o : o + len(s)] = h[n, : len(s)].to(torch.bfloat16)
                 ids[o : o + len(s)] = t[n, : len(s)]
                 offs.append((o, len(s), pl))
                 o += len(s)
             i = j
-        return feats, ids, offs
+        return (feats if a.feature_layers else feats[:, 0]), ids, offs
 
     # batches by padded tokens
     def batches(offs):
@@ -206,7 +221,7 @@ def main():
     def assemble(feats, ids, batch):
         W = max(L for _, L, _ in batch)
         B = len(batch)
-        f = torch.zeros(B, W, cfg.hidden_size, dtype=torch.bfloat16, device=dev)
+        f = torch.zeros(B, W, *feats.shape[1:], dtype=torch.bfloat16, device=dev)  # [B, W, (layers,) H]
         x = torch.zeros(B, W, dtype=torch.long, device=dev)
         m1 = torch.zeros(B, W, dtype=torch.bool, device=dev)  # draft 1 at t: t in [p-1, T-3]
         for n, (o, L, pl) in enumerate(batch):
@@ -214,7 +229,8 @@ def main():
             m1[n, pl - 1 : L - 2] = True
         return f, x, m1
 
-    drafter = Drafter(cfg).to(dev)
+    fused = len(a.feature_layers) if a.feature_layers and not a.final_only else 1
+    drafter = Drafter(cfg, fused).to(dev)
     if a.init:
         from safetensors.torch import load_file
 
@@ -225,6 +241,9 @@ def main():
             drafter.fc.weight[:, : cfg.hidden_size].copy_(torch.eye(cfg.hidden_size))
             drafter.o.weight.zero_()
             drafter.d.weight.zero_()
+            if drafter.fuse is not None:  # the fused feature starts as the final-norm state
+                drafter.fuse.weight.zero_()
+                drafter.fuse.weight[:, -cfg.hidden_size :].copy_(torch.eye(cfg.hidden_size))
     for prm in model.parameters():
         prm.requires_grad_(False)
     draft_head = draft_index = None  # with --draft-vocabulary: the LM head's rows of the ranked ids, and each id's row
@@ -246,37 +265,6 @@ def main():
                 return F.linear(h, draft_head).float(), draft_index[tgt]
             return lm(h).float(), tgt
 
-    served = CHAT_PRESET  # the settings the app serves (penalty, temperature, top-p; top-k and min-p off)
-
-    def processed(logits, seen, top=64):
-        """The served distribution [n, C] over ``logits``' columns: HF ``generate``'s order (repetition penalty on the
-        ``seen`` [n, C] columns, temperature, top-p; each row's first token always kept), top-p decided on each row's
-        ``top`` most likely tokens, and on all of them where those hold less than top-p (as the app's filters)."""
-        pen = served.repetition_penalty
-        logits = torch.where(seen, torch.where(logits > 0, logits / pen, logits * pen), logits) / served.temperature
-        vals, order = logits.topk(min(top, logits.shape[-1]), -1)
-        probs = torch.exp(vals - torch.logsumexp(logits, -1, keepdim=True))
-        short = probs.sum(-1) < served.top_p
-        if short.any():  # the exact filter over every column of those rows
-            full, full_order = torch.softmax(logits[short], -1).sort(-1, descending=True)
-            full = torch.where(full.cumsum(-1) - full < served.top_p, full, torch.zeros_like(full))
-            out_short = torch.zeros_like(full).scatter_(-1, full_order, full / full.sum(-1, keepdim=True))
-        probs = torch.where(probs.cumsum(-1) - probs < served.top_p, probs, torch.zeros_like(probs))  # mass before each
-        out = torch.zeros_like(logits).scatter_(-1, order, probs / probs.sum(-1, keepdim=True))
-        if short.any():
-            out[short] = out_short
-        return out
-
-    def first_seen(x, columns, width):
-        """[B, width]: each sequence's first position of each column's token (``columns`` [V] maps a token id to its
-        column, -100 outside), or the sequence's width where it never occurs."""
-        B, W = x.shape
-        col = columns[x] if columns is not None else x
-        pos = torch.arange(W, device=x.device).expand(B, W)
-        pos = torch.where(col >= 0, pos, torch.full_like(pos, W))
-        first = torch.full((B, width + 1), W, dtype=torch.long, device=x.device)
-        return first.scatter_reduce_(1, col.clamp(min=0), pos, "amin")[:, :width]
-
     def teacher(f, x, mask, weight, columns, chunk=512):
         """The backbone's served distribution of x_{s+2} at each (b, s) of ``mask`` [B, W], over the rows of
         ``weight`` [C, H] (the LM head's, or the draft vocabulary's with ``columns``), computed from the cached feature
@@ -287,21 +275,26 @@ def main():
             bi, si = b[i : i + chunk], s[i : i + chunk]
             with torch.autocast(dev.type, dtype=torch.bfloat16):
                 logits = F.linear(f[bi, si + 1], weight).float()
-            yield processed(logits, first[bi] <= (si + 1)[:, None])
+            yield processed(logits, first[bi] <= (si + 1)[:, None], CHAT_PRESET)
 
     def soft_ce(logits, target):
         """Cross-entropy of ``logits`` [n, C] against the distributions ``target`` [n, C]."""
         return -(target * torch.log_softmax(logits, -1)).sum(-1).mean()
 
     def run(f, x, m1, train):
-        """Losses and counts for draft 1 (at t, predicts x_{t+2}) and draft 2 (chained from t, predicts x_{t+3})."""
-        B, W, H = f.shape
+        """Losses and counts for draft 1 (at t, predicts x_{t+2}) and draft 2 (chained from t, predicts x_{t+3}).
+        ``f`` [B, W, H], or [B, W, layers, H] with --feature-layers (the last: the final-norm state)."""
+        if f.dim() == 4:
+            g = drafter.fused(f if drafter.fuse is not None else f[:, :, -1])
+            f = f[:, :, -1]  # the final-norm state: the regression's target and the teacher's logits
+        else:
+            g = f
         e_next = embed(torch.roll(x, -1, 1)).to(torch.bfloat16)  # e(x_{t+1}) at t
         with torch.autocast(dev.type, dtype=torch.bfloat16):
-            ox, _ = drafter(f, e_next)
+            ox, _ = drafter(g, e_next)
             # Y at position t+1: (f^_{t+1} = ox[t], e(x_{t+2}))
             f2 = torch.cat([torch.zeros_like(ox[:, :1]), ox[:, :-1]], 1)
-            _, oy = drafter(f, e_next, f2, e_next)
+            _, oy = drafter(g, e_next, f2, e_next)
         tgt1 = torch.roll(x, -2, 1)  # x_{t+2} at t
         m2 = torch.zeros_like(m1)  # draft 2 at position t+1 (chained from t): predicts x_{t+3}; needs t+3 <= T-1
         m2[:, 1:] = m1[:, :-1] & m1[:, 1:]

@@ -30,10 +30,14 @@ def rope(x, pos, theta):
 class Drafter(nn.Module):
     """The drafter: fc [H, 2H] over [f_t, e(x_{t+1})], then one pre-norm Llama layer (full multi-head attention with
     the backbone's RoPE θ, SiLU-gated MLP); its output [.., H] is read by the backbone's LM head. ``window`` > 0 limits
-    attention to the last ``window`` positions (a measurement; training uses all, 0)."""
+    attention to the last ``window`` positions (a measurement; training uses all, 0). With ``fused`` > 1, f_t is
+    ``fused(states)``: ``fuse`` [H, fused·H] over the RMS-normed states of several backbone layers (EAGLE-3)."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, fused=1):
         super().__init__()
+        h = cfg.hidden_size
+        self.fuse = nn.Linear(fused * h, h, bias=False) if fused > 1 else None
+        self.fuse_norms = nn.ModuleList(RMS(h, cfg.rms_norm_eps) for _ in range(fused)) if fused > 1 else None
         self.window = 0
         h, self.nh = cfg.hidden_size, cfg.num_attention_heads
         self.theta, self.hd = cfg.rope_theta if hasattr(cfg, "rope_theta") else cfg.rope_parameters["rope_theta"], h // self.nh
@@ -42,6 +46,12 @@ class Drafter(nn.Module):
         self.q, self.k, self.v, self.o = (nn.Linear(h, h, bias=False) for _ in range(4))
         self.g, self.u = nn.Linear(h, cfg.intermediate_size, bias=False), nn.Linear(h, cfg.intermediate_size, bias=False)
         self.d = nn.Linear(cfg.intermediate_size, h, bias=False)
+
+    def fused(self, states):
+        """f_t from ``states`` [B, W, fused, H] (with ``fuse``), or ``states`` [B, W, H] as they are."""
+        if self.fuse is None:
+            return states
+        return self.fuse(torch.cat([norm(states[:, :, i]) for i, norm in enumerate(self.fuse_norms)], -1))
 
     def qkv(self, x, pos):
         B, W, _ = x.shape
