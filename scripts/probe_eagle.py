@@ -27,6 +27,11 @@ E[p(draft 1)] (what exact sampling accepts it with), how often it is p's mode, a
     # instead of the reply's token: docs/BENCH.md, "The drafter against the served distribution"
     python scripts/probe_eagle.py --device cpu --quantization gguf --tokens 4096 --epochs 1 --lr 3e-4 --teacher 1.0 \
         --init assets/eagle-probe/drafter.safetensors --train-rounds 6 --replay 500 --draft-vocabulary 8192 --out out/eagle-teacher
+    # EAGLE-3's fused features (layers 2 and 15 and the final-norm state), from scratch on round 6's first 2,000 chat
+    # replies; --final-only: the drafter of the last state alone on the same cache (docs/BENCH.md, "The drafter against
+    # the served distribution"); with --init a drafter of the last state continues as a fused one from its own start
+    python scripts/probe_eagle.py --device cpu --quantization gguf --tokens 4096 --epochs 3 --budget 900 --lr 1e-3 \
+        --train-rounds 6 --replay 1 --limit 2000 --feature-layers 2 15 30 --draft-vocabulary 8192 [--final-only]
     # on this CPU (the app's own int4 states): measure saved weights, with attention limited to the last w positions
     python scripts/probe_eagle.py --device cpu --quantization gguf --tokens 4096 --eval assets/eagle-probe/drafter.safetensors
     # the same with the drafter's linears in 4 bits (as a compiled int4 product would hold them), all positions
@@ -231,19 +236,18 @@ def main():
 
     fused = len(a.feature_layers) if a.feature_layers and not a.final_only else 1
     drafter = Drafter(cfg, fused).to(dev)
-    if a.init:
+    if a.init:  # a drafter of the final-norm state alone continues as a fused one from its start (Drafter.fuse)
         from safetensors.torch import load_file
 
-        drafter.load_state_dict({k: v.float() for k, v in load_file(a.init).items()})
+        missing, unexpected = drafter.load_state_dict({k: v.float() for k, v in load_file(a.init).items()}, strict=False)
+        if unexpected or any(not k.startswith("fuse") for k in missing):
+            raise SystemExit(f"{a.init} does not fit this drafter: missing {missing}, unexpected {unexpected}")
     else:
         with torch.no_grad():  # EAGLE's start: fc reads the feature half as identity
             drafter.fc.weight.zero_()
             drafter.fc.weight[:, : cfg.hidden_size].copy_(torch.eye(cfg.hidden_size))
             drafter.o.weight.zero_()
             drafter.d.weight.zero_()
-            if drafter.fuse is not None:  # the fused feature starts as the final-norm state
-                drafter.fuse.weight.zero_()
-                drafter.fuse.weight[:, -cfg.hidden_size :].copy_(torch.eye(cfg.hidden_size))
     for prm in model.parameters():
         prm.requires_grad_(False)
     draft_head = draft_index = None  # with --draft-vocabulary: the LM head's rows of the ranked ids, and each id's row

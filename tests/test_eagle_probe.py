@@ -46,3 +46,19 @@ def test_first_seen_gives_each_columns_first_position_in_each_sequence():
             where = (x[b] == token).nonzero()
             assert first[b, column] == (int(where[0]) if len(where) else 20)
     assert torch.equal(first_seen(x, None, 12)[:, 7], first[:, 2])  # token ids as the columns
+
+
+def test_a_fused_drafter_starts_as_the_drafter_of_the_last_state():
+    from types import SimpleNamespace
+
+    from eagle_probe.drafter import Drafter
+
+    cfg = SimpleNamespace(hidden_size=16, num_attention_heads=2, intermediate_size=32, rms_norm_eps=1e-5, rope_theta=1e4)
+    torch.manual_seed(0)
+    alone, fused = Drafter(cfg), Drafter(cfg, 3)
+    missing, unexpected = fused.load_state_dict(alone.state_dict(), strict=False)  # probe_eagle.py --init
+    assert not unexpected and missing and all(k.startswith("fuse") for k in missing)
+    states = torch.randn(2, 5, 3, 16) * torch.tensor([3000.0, 10000.0, 1.0])[:, None]  # two residual states, the last
+    emb = torch.randn(2, 5, 16)
+    assert torch.equal(fused.fused(states), states[:, :, -1])
+    torch.testing.assert_close(fused(fused.fused(states), emb)[0], alone(states[:, :, -1], emb)[0])

@@ -31,13 +31,19 @@ class Drafter(nn.Module):
     """The drafter: fc [H, 2H] over [f_t, e(x_{t+1})], then one pre-norm Llama layer (full multi-head attention with
     the backbone's RoPE θ, SiLU-gated MLP); its output [.., H] is read by the backbone's LM head. ``window`` > 0 limits
     attention to the last ``window`` positions (a measurement; training uses all, 0). With ``fused`` > 1, f_t is
-    ``fused(states)``: ``fuse`` [H, fused·H] over the RMS-normed states of several backbone layers (EAGLE-3)."""
+    ``fused(states)``: ``fuse`` [H, fused·H] over the states of several backbone layers (EAGLE-3), each but the last (the
+final-norm state) RMS-normed."""
 
     def __init__(self, cfg, fused=1):
         super().__init__()
         h = cfg.hidden_size
         self.fuse = nn.Linear(fused * h, h, bias=False) if fused > 1 else None
-        self.fuse_norms = nn.ModuleList(RMS(h, cfg.rms_norm_eps) for _ in range(fused)) if fused > 1 else None
+        if self.fuse is not None:  # it starts as the final-norm state, so a drafter of that state alone continues
+            with torch.no_grad():
+                self.fuse.weight.zero_()
+                self.fuse.weight[:, -h:].copy_(torch.eye(h))
+        # the intermediate states are the residual stream (norms in the thousands); the last is already final-normed
+        self.fuse_norms = nn.ModuleList(RMS(h, cfg.rms_norm_eps) for _ in range(fused - 1)) if fused > 1 else None
         self.window = 0
         h, self.nh = cfg.hidden_size, cfg.num_attention_heads
         self.theta, self.hd = cfg.rope_theta if hasattr(cfg, "rope_theta") else cfg.rope_parameters["rope_theta"], h // self.nh
@@ -51,7 +57,8 @@ class Drafter(nn.Module):
         """f_t from ``states`` [B, W, fused, H] (with ``fuse``), or ``states`` [B, W, H] as they are."""
         if self.fuse is None:
             return states
-        return self.fuse(torch.cat([norm(states[:, :, i]) for i, norm in enumerate(self.fuse_norms)], -1))
+        normed = [norm(states[:, :, i]) for i, norm in enumerate(self.fuse_norms)]
+        return self.fuse(torch.cat([*normed, states[:, :, -1]], -1))
 
     def qkv(self, x, pos):
         B, W, _ = x.shape
