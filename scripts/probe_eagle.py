@@ -68,7 +68,7 @@ from medusa_core.train import read_distilled  # noqa: E402
 from demo_build.common import TRAIN_SPLITS, distilled_folder  # noqa: E402  (scripts/ is on the path when a script runs)
 from eagle_probe.cost import step_cost  # noqa: E402
 from eagle_probe.drafter import Drafter  # noqa: E402
-from eagle_probe.served import first_seen, processed  # noqa: E402
+from eagle_probe.served import processed, seen_prefixes  # noqa: E402
 
 
 def replies_file(name: str) -> Path:
@@ -274,12 +274,11 @@ def main():
         ``weight`` [C, H] (the LM head's, or the draft vocabulary's with ``columns``), computed from the cached feature
         f_{s+1} with the tokens x_0 .. x_{s+1} seen: [n, C] per ``chunk`` rows (an iterator)."""
         b, s = mask.nonzero(as_tuple=True)
-        first = first_seen(x, columns, weight.shape[0])
         for i in range(0, len(b), chunk):
             bi, si = b[i : i + chunk], s[i : i + chunk]
             with torch.autocast(dev.type, dtype=torch.bfloat16):
                 logits = F.linear(f[bi, si + 1], weight).float()
-            yield processed(logits, first[bi] <= (si + 1)[:, None], CHAT_PRESET)
+            yield processed(logits, seen_prefixes(x, columns, weight.shape[0], bi, si), CHAT_PRESET)
 
     def soft_ce(logits, target):
         """Cross-entropy of ``logits`` [n, C] against the distributions ``target`` [n, C]."""
@@ -289,7 +288,7 @@ def main():
         """Losses and counts for draft 1 (at t, predicts x_{t+2}) and draft 2 (chained from t, predicts x_{t+3}).
         ``f`` [B, W, H], or [B, W, layers, H] with --feature-layers (the last: the final-norm state)."""
         if f.dim() == 4:
-            g = drafter.fused(f if drafter.fuse is not None else f[:, :, -1])
+            g = drafter.fused(f) if drafter.fuse is not None else f[:, :, -1]
             f = f[:, :, -1]  # the final-norm state: the regression's target and the teacher's logits
         else:
             g = f
@@ -309,9 +308,10 @@ def main():
         ce2 = F.cross_entropy(l2, t2) if len(h2) else l1.sum() * 0
         if train and a.teacher:  # the served distribution of the same tokens, over the logits' columns
             weight, columns = (draft_head, draft_index) if draft_head is not None else (lm.weight, None)
-            q1, q2 = (torch.cat(list(teacher(f, x, m, weight, columns, chunk=1 << 20))) for m in (m1, m2))
+            q1 = torch.cat(list(teacher(f, x, m1, weight, columns, chunk=1 << 20)))
             ce1 = (1 - a.teacher) * ce1 + a.teacher * soft_ce(l1, q1)
-            ce2 = (1 - a.teacher) * ce2 + a.teacher * soft_ce(l2, q2) if len(h2) else ce2
+            if len(h2):  # draft 2's positions are among draft 1's, in the same order
+                ce2 = (1 - a.teacher) * ce2 + a.teacher * soft_ce(l2, q1[m2[m1]])
         reg = F.smooth_l1_loss(h1.float(), ftgt[m1].float())
         right1 = (l1.argmax(-1) == t1)
         right2 = (l2.argmax(-1) == t2)
@@ -323,17 +323,16 @@ def main():
         both = (r1_full[:, :-1] & r2_full[:, 1:]).sum()
         first_with_next = (r1_full[:, :-1] & m2[:, 1:]).sum()
         loss = a.wreg * reg + ce1 + a.w2 * ce2 if train else None
-        served_counts = {}
+        served_counts = dict(accept=0.0, ceiling=0.0, mode=0, sampled_mode=0)
         if not train:  # draft 1 against the backbone's served distribution over the whole vocabulary
             draft, start = l1.argmax(-1), 0
             for q in teacher(f, x, m1, lm.weight, None):
-                rows = torch.arange(len(q))
                 d, tk = draft[start : start + len(q)], t1[start : start + len(q)]
                 start += len(q)
-                served_counts["accept"] = served_counts.get("accept", 0.0) + float(q[rows, d].sum())  # E[p(draft)]
-                served_counts["ceiling"] = served_counts.get("ceiling", 0.0) + float(q.max(-1).values.sum())
-                served_counts["mode"] = served_counts.get("mode", 0) + int((q.argmax(-1) == d).sum())
-                served_counts["sampled_mode"] = served_counts.get("sampled_mode", 0) + int((q.argmax(-1) == tk).sum())
+                served_counts["accept"] += float(q.gather(1, d[:, None]).sum())  # E[p(draft 1)]
+                served_counts["ceiling"] += float(q.max(-1).values.sum())
+                served_counts["mode"] += int((q.argmax(-1) == d).sum())
+                served_counts["sampled_mode"] += int((q.argmax(-1) == tk).sum())
         return loss, dict(n1=int(m1.sum()), r1=int(right1.sum()), both=int(both), r1n=int(first_with_next), ce1=float(ce1.detach()), ce2=float(ce2.detach()), reg=float(reg.detach()), **served_counts)
 
     def evaluate(feats, ids, offs, limit=None):
