@@ -123,6 +123,9 @@ def main():
                         "output in their place. Default: the final-norm state alone")
     p.add_argument("--final-only", action="store_true",
                    help="with --feature-layers: the drafter reads only the last of them (the baseline, on the same cache)")
+    p.add_argument("--train-only", nargs="+", default=None,
+                   help="train only the drafter's parameters whose names start with one of these (e.g. fuse: with --init "
+                        "and --feature-layers, the drafter keeps its weights and learns only to mix in the new states)")
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
     a = p.parse_args()
     if a.cost:
@@ -382,7 +385,11 @@ def main():
     log(f"features: {len(toffs)} training sequences ({len(tf)} tokens), {len(hoffs)} held-out, {time.time() - t1:.0f} s")
 
     log(f"before training, held-out: {evaluate(hf, hi, hoffs)}")
-    trainable = [q for q in drafter.parameters()]
+    trainable = [q for n, q in drafter.named_parameters() if not a.train_only or n.startswith(tuple(a.train_only))]
+    if not trainable:
+        raise SystemExit(f"--train-only {a.train_only}: no such parameters (the drafter's: {[n for n, _ in drafter.named_parameters()]})")
+    for n, q in drafter.named_parameters():
+        q.requires_grad_(any(q is t for t in trainable))
     opt = torch.optim.AdamW(trainable, lr=a.lr, weight_decay=0.0, betas=(0.9, 0.95))
     tb = batches(toffs)
     g = torch.Generator().manual_seed(0)
