@@ -339,10 +339,15 @@ def main():
         return loss, dict(n1=int(m1.sum()), r1=int(right1.sum()), both=int(both), r1n=int(first_with_next), ce1=float(ce1.detach()), ce2=float(ce2.detach()), reg=float(reg.detach()), **served_counts)
 
     def evaluate(feats, ids, offs, limit=None):
+        """Held-out-style figures over every batch of ``offs``, or over a seeded random sample of ``limit`` of them
+        (the batches are sorted by length: their first ones would be the shortest replies)."""
         drafter.eval()
         tot = dict(n1=0, r1=0, both=0, r1n=0, accept=0.0, ceiling=0.0, mode=0, sampled_mode=0)
+        chosen = batches(offs)
+        if limit is not None:
+            chosen = random.Random(0).sample(chosen, min(limit, len(chosen)))
         with torch.no_grad():
-            for b in batches(offs)[:limit]:
+            for b in chosen:
                 _, s = run(*assemble(feats, ids, b), train=False)
                 for k in tot:
                     tot[k] += s[k]
