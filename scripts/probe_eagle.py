@@ -32,6 +32,10 @@ E[p(draft 1)] (what exact sampling accepts it with), how often it is p's mode, a
     # the served distribution"); with --init a drafter of the last state continues as a fused one from its own start
     python scripts/probe_eagle.py --device cpu --quantization gguf --tokens 4096 --epochs 3 --budget 900 --lr 1e-3 \
         --train-rounds 6 --replay 1 --limit 2000 --feature-layers 2 15 30 --draft-vocabulary 8192 [--final-only]
+    # the shipped drafter learning only to add the fused states (its own weights frozen; docs/BENCH.md, "EAGLE-3's
+    # fused features at 1.67 M tokens on a CPU")
+    python scripts/probe_eagle.py --device cpu --quantization gguf --tokens 4096 --epochs 1 --lr 1e-3 --train-only fuse \
+        --init assets/eagle-probe/drafter.safetensors --train-rounds 6 --replay 500 --limit 5504 --feature-layers 2 15 30 --draft-vocabulary 8192
     # on this CPU (the app's own int4 states): measure saved weights, with attention limited to the last w positions
     python scripts/probe_eagle.py --device cpu --quantization gguf --tokens 4096 --eval assets/eagle-probe/drafter.safetensors
     # the same with the drafter's linears in 4 bits (as a compiled int4 product would hold them), all positions
