@@ -394,11 +394,11 @@ def main():
     log(f"features: {len(toffs)} training sequences ({len(tf)} tokens), {len(hoffs)} held-out, {time.time() - t1:.0f} s")
 
     log(f"before training, held-out: {evaluate(hf, hi, hoffs)}")
-    trainable = [q for n, q in drafter.named_parameters() if not a.train_only or n.startswith(tuple(a.train_only))]
+    for n, q in drafter.named_parameters():  # "" begins every name: without --train-only, every parameter
+        q.requires_grad_(n.startswith(tuple(a.train_only or [""])))
+    trainable = [q for q in drafter.parameters() if q.requires_grad]
     if not trainable:
         raise SystemExit(f"--train-only {a.train_only}: no such parameters (the drafter's: {[n for n, _ in drafter.named_parameters()]})")
-    for n, q in drafter.named_parameters():
-        q.requires_grad_(any(q is t for t in trainable))
     opt = torch.optim.AdamW(trainable, lr=a.lr, weight_decay=0.0, betas=(0.9, 0.95))
     tb = batches(toffs)
     g = torch.Generator().manual_seed(0)
